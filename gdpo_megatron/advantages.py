@@ -142,6 +142,7 @@ def compute_advantages(
     eps: float = 1e-4,
     conditions: Iterable[Condition | tuple] | None = None,
     nonfinite: str = "raise",
+    count_distinct: bool = True,
     reduction: Reduction | None = None,
 ) -> AdvantageResult:
     """Advantages for ``N`` rollouts with ``K`` rewards each.
@@ -159,6 +160,8 @@ def compute_advantages(
         conditions: :class:`Condition` objects or ``(target, on, threshold[, fill])`` tuples.
         nonfinite: ``"raise"`` (default) on a NaN/inf reward of a valid rollout, or
             ``"mask"`` to drop such rollouts and count them in ``num_nonfinite``.
+        count_distinct: compute ``distinct_per_group`` (NaN when off). Across processes it is
+            the one statistic whose communication grows with the number of rollouts.
         reduction: how statistics combine across processes; default all rollouts are local.
             ``gdpo_megatron.distributed.compute_advantages`` passes an all-reduce.
     """
@@ -225,7 +228,9 @@ def compute_advantages(
         num_nonfinite=num_nonfinite,
         zero_spread_fraction=_zero_spread_fraction(stats, K),
         variance_share=_variance_share(contributions, summed, batch.mean[0, 0], mask, reduction),
-        distinct_per_group=_distinct_per_group(advantages, index, mask, ids.numel(), reduction),
+        distinct_per_group=(
+            _distinct_per_group(advantages, index, mask, ids.numel(), reduction) if count_distinct else math.nan
+        ),
     )
 
 
@@ -248,31 +253,34 @@ def segment_stats(
 ) -> SegmentStats:
     """Count, mean, unbiased std and zero-spread flag of each column inside each segment.
 
-    Two passes (mean first, then squared deviations from it), each one reduction, so the
-    result is exact for any split of the rows and robust to a large common offset.
+    Three reductions: max/min (the spread flag, and a shift that keeps the sums small),
+    then count and sum of shifted values, then squared deviations from the mean. Exact for
+    any split of the rows, and robust to a large common offset such as 1e6 + noise.
     """
     N, C = values.shape
     dtype, device = values.dtype, values.device
+    valid = mask.unsqueeze(1)
+
+    # Spread is decided on the values themselves (max == min), not on a rounded m2.
+    signed = torch.cat([torch.where(valid, values, -math.inf), torch.where(valid, -values, -math.inf)], dim=1)
+    extremes = torch.full((num_segments, 2 * C), -math.inf, dtype=dtype, device=device)
+    extremes.scatter_reduce_(0, index.unsqueeze(1).expand(N, 2 * C), signed, "amax")
+    extremes = reduction.max(extremes)
+    hi, lo = extremes[:, :C], -extremes[:, C:]
+    shift = torch.where(torch.isfinite(hi), hi, 0.0)
+
     m = mask.to(dtype).unsqueeze(1)
     count_sum = torch.zeros(num_segments, C + 1, dtype=dtype, device=device)
-    count_sum.index_add_(0, index, torch.cat([m, values * m], dim=1))
+    count_sum.index_add_(0, index, torch.cat([m, (values - shift[index]) * m], dim=1))
     count_sum = reduction.sum(count_sum)
     count = count_sum[:, 0]
-    mean = count_sum[:, 1:] / count.clamp(min=1).unsqueeze(1)
+    mean = shift + count_sum[:, 1:] / count.clamp(min=1).unsqueeze(1)
 
     m2 = torch.zeros(num_segments, C, dtype=dtype, device=device)
     m2.index_add_(0, index, (values - mean[index]).square() * m)
     m2 = reduction.sum(m2)
-    std = (m2 / (count - 1).clamp(min=1).unsqueeze(1)).sqrt()
-
-    # Spread is decided on the values themselves (max == min), not on a rounded m2.
-    hi = torch.where(mask.unsqueeze(1), values, -math.inf)
-    lo = torch.where(mask.unsqueeze(1), -values, -math.inf)
-    extremes = torch.full((num_segments, 2 * C), -math.inf, dtype=dtype, device=device)
-    extremes.scatter_reduce_(0, index.unsqueeze(1).expand(N, 2 * C), torch.cat([hi, lo], dim=1), "amax")
-    extremes = reduction.max(extremes)
-    zero_spread = (extremes[:, :C] <= -extremes[:, C:]) | (count < 2).unsqueeze(1)
-    std = torch.where(zero_spread, 0.0, std)
+    zero_spread = (hi <= lo) | (count < 2).unsqueeze(1)
+    std = torch.where(zero_spread, 0.0, (m2 / (count - 1).clamp(min=1).unsqueeze(1)).sqrt())
     return SegmentStats(count=count, mean=mean, std=std, zero_spread=zero_spread)
 
 

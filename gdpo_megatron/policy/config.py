@@ -1,0 +1,273 @@
+"""Typed configuration of the policy: model shape, parallelism, precision, optimizer, loss.
+
+Plain dataclasses, validated when built (``__post_init__``) and against each other by
+:meth:`PolicyConfig.validate`, so that a bad setting is a clear error naming the field before
+anything is allocated. The parallel keys are named like NeMo-RL's and verl's Megatron configs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+FP8_FORMATS = ("e4m3", "hybrid")
+# Minimum CUDA compute capability of each FP8 recipe (blockwise scaling needs Hopper,
+# MXFP8 needs Blackwell).
+FP8_RECIPES = {"delayed": (8, 9), "tensorwise": (8, 9), "blockwise": (9, 0), "mxfp8": (10, 0)}
+LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean")
+LR_DECAY_STYLES = ("constant", "cosine")
+
+
+def _require(ok: bool, field_name: str, expected: str, got) -> None:
+    if not ok:
+        raise ValueError(f"{field_name}: expected {expected}, got {got!r}")
+
+
+def _require_choice(value, choices, field_name: str) -> None:
+    _require(value in choices, field_name, f"one of {tuple(choices)}", value)
+
+
+def transformer_engine_available() -> bool:
+    """Whether Transformer Engine is installed (never imported on CPU-only machines)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a Llama / Qwen2 family decoder (GQA, RoPE, RMSNorm, SwiGLU)."""
+
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: Optional[int] = None  # key/value heads; None means one per query head
+    head_dim: Optional[int] = None  # None means hidden_size // num_attention_heads
+    max_position_embeddings: int = 4096
+    rotary_base: float = 10000.0  # Hugging Face `rope_theta`
+    norm_epsilon: float = 1e-5
+    tie_word_embeddings: bool = False
+    add_qkv_bias: bool = False  # True for Qwen2
+    # Embedding rows are padded to a multiple of this times the TP size (Megatron-LM's
+    # convention); logits of the padding rows are masked out of every log-softmax.
+    make_vocab_size_divisible_by: int = 128
+    init_method_std: float = 0.02
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers",
+                     "num_attention_heads", "max_position_embeddings", "make_vocab_size_divisible_by"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value > 0, f"model.{name}", "a positive int", value)
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        _require(self.num_attention_heads % self.num_query_groups == 0, "model.num_query_groups",
+                 f"a divisor of num_attention_heads={self.num_attention_heads}", self.num_query_groups)
+        if self.head_dim is None:
+            _require(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size",
+                     f"a multiple of num_attention_heads={self.num_attention_heads} (or set head_dim)",
+                     self.hidden_size)
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        _require(self.rotary_base > 0, "model.rotary_base", "> 0", self.rotary_base)
+
+    def padded_vocab_size(self, tensor_model_parallel_size: int = 1) -> int:
+        """Rows of the embedding and output layer at this TP size."""
+        multiple = self.make_vocab_size_divisible_by * tensor_model_parallel_size
+        return math.ceil(self.vocab_size / multiple) * multiple
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "ModelConfig":
+        """A named shape (see ``MODEL_PRESETS``), with fields overridden by keyword."""
+        if name not in MODEL_PRESETS:
+            raise ValueError(f"model preset: expected one of {sorted(MODEL_PRESETS)}, got {name!r}")
+        return dataclasses.replace(MODEL_PRESETS[name], **overrides)
+
+
+MODEL_PRESETS = {
+    # CPU tests and examples; head_dim 64 because vLLM's CPU attention needs it.
+    "tiny": ModelConfig(vocab_size=512, hidden_size=128, ffn_hidden_size=256, num_layers=2,
+                        num_attention_heads=2, max_position_embeddings=512, tie_word_embeddings=False),
+    "llama2-7b": ModelConfig(vocab_size=32000, hidden_size=4096, ffn_hidden_size=11008, num_layers=32,
+                             num_attention_heads=32),
+    "llama3-8b": ModelConfig(vocab_size=128256, hidden_size=4096, ffn_hidden_size=14336, num_layers=32,
+                             num_attention_heads=32, num_query_groups=8, max_position_embeddings=8192,
+                             rotary_base=500000.0),
+    "qwen2-7b": ModelConfig(vocab_size=152064, hidden_size=3584, ffn_hidden_size=18944, num_layers=28,
+                            num_attention_heads=28, num_query_groups=4, max_position_embeddings=32768,
+                            rotary_base=1000000.0, norm_epsilon=1e-6, add_qkv_bias=True),
+    "llama3-70b": ModelConfig(vocab_size=128256, hidden_size=8192, ffn_hidden_size=28672, num_layers=80,
+                              num_attention_heads=64, num_query_groups=8, max_position_embeddings=8192,
+                              rotary_base=500000.0),
+}
+
+
+@dataclass
+class ParallelConfig:
+    """Model parallelism; data parallelism is whatever is left of the world."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    context_parallel_size: int = 1
+
+    def __post_init__(self):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 1, f"parallel.{name}", "an int >= 1", value)
+        if self.context_parallel_size != 1:
+            raise NotImplementedError(
+                f"parallel.context_parallel_size={self.context_parallel_size}: context parallelism "
+                "is not supported yet (use 1)")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError("parallel.sequence_parallel: needs tensor_model_parallel_size > 1")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+
+    def data_parallel_size(self, world_size: int) -> int:
+        if world_size % self.model_parallel_size:
+            raise ValueError(
+                f"parallel: world size {world_size} is not divisible by tensor x pipeline x context "
+                f"parallel size {self.model_parallel_size}")
+        return world_size // self.model_parallel_size
+
+
+@dataclass
+class PrecisionConfig:
+    """Parameter dtype and FP8. ``dtype="auto"`` is bf16 with CUDA and fp32 without.
+
+    FP8 (``fp8="e4m3"`` or ``"hybrid"``) runs through Transformer Engine's layers, so it needs
+    TE, a CUDA GPU of sufficient compute capability for ``fp8_recipe``, and bf16 parameters.
+    """
+
+    dtype: str = "auto"
+    fp8: Optional[str] = None
+    fp8_recipe: str = "delayed"
+    # None: use the Transformer Engine layer spec whenever CUDA and TE are present.
+    transformer_engine: Optional[bool] = None
+
+    def __post_init__(self):
+        if self.dtype == "auto":
+            self.dtype = "bf16" if torch.cuda.is_available() else "fp32"
+        _require_choice(self.dtype, DTYPES, "precision.dtype")
+        if self.fp8 is not None:
+            _require_choice(self.fp8, FP8_FORMATS, "precision.fp8")
+        _require_choice(self.fp8_recipe, FP8_RECIPES, "precision.fp8_recipe")
+        if self.transformer_engine is None:
+            self.transformer_engine = torch.cuda.is_available() and transformer_engine_available()
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def check_runtime(self) -> None:
+        """Raise if this machine cannot run these settings (TE or FP8 without the hardware)."""
+        if self.transformer_engine:
+            if not torch.cuda.is_available():
+                raise ValueError("precision.transformer_engine: the Transformer Engine spec needs CUDA")
+            if not transformer_engine_available():
+                raise ValueError("precision.transformer_engine: transformer_engine is not installed")
+        if self.fp8 is None:
+            return
+        if not torch.cuda.is_available():
+            raise ValueError(f"precision.fp8={self.fp8!r}: FP8 needs a CUDA GPU; use fp8: null on CPU")
+        if not transformer_engine_available():
+            raise ValueError(f"precision.fp8={self.fp8!r}: FP8 needs Transformer Engine "
+                             "(pip install transformer-engine[pytorch])")
+        if not self.transformer_engine:
+            raise ValueError(f"precision.fp8={self.fp8!r}: FP8 needs transformer_engine: true")
+        if self.dtype != "bf16":
+            raise ValueError(f"precision.fp8={self.fp8!r}: FP8 training expects dtype bf16, got {self.dtype!r}")
+        needed = FP8_RECIPES[self.fp8_recipe]
+        capability = torch.cuda.get_device_capability()
+        if capability < needed:
+            raise ValueError(
+                f"precision.fp8_recipe={self.fp8_recipe!r}: needs compute capability >= "
+                f"{needed[0]}.{needed[1]}, this GPU has {capability[0]}.{capability[1]}")
+
+
+@dataclass
+class OptimConfig:
+    """Adam with gradient clipping, linear warmup and a constant or cosine decay."""
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # max global gradient norm; 0 disables clipping
+    lr_warmup_steps: int = 0
+    lr_decay_steps: int = 1000  # optimizer steps from start to min_lr (cosine)
+    lr_decay_style: str = "constant"
+    # None: the distributed (sharded) optimizer on GPU, the plain one on CPU.
+    use_distributed_optimizer: Optional[bool] = None
+
+    def __post_init__(self):
+        _require(self.lr > 0, "optim.lr", "> 0", self.lr)
+        _require(0 <= self.min_lr <= self.lr, "optim.min_lr", f"in [0, lr={self.lr}]", self.min_lr)
+        _require(self.clip_grad >= 0, "optim.clip_grad", ">= 0", self.clip_grad)
+        _require(self.lr_warmup_steps >= 0, "optim.lr_warmup_steps", ">= 0", self.lr_warmup_steps)
+        _require(self.lr_decay_steps > self.lr_warmup_steps, "optim.lr_decay_steps",
+                 f"> lr_warmup_steps={self.lr_warmup_steps}", self.lr_decay_steps)
+        _require_choice(self.lr_decay_style, LR_DECAY_STYLES, "optim.lr_decay_style")
+        if self.use_distributed_optimizer is None:
+            self.use_distributed_optimizer = torch.cuda.is_available()
+
+
+@dataclass
+class LossConfig:
+    """Clipped policy-gradient loss with an optional k3 KL penalty to a frozen reference."""
+
+    ratio_clip_low: float = 0.2
+    ratio_clip_high: float = 0.2
+    loss_agg_mode: str = "token_mean"
+    kl_coef: float = 0.0
+
+    def __post_init__(self):
+        _require(self.ratio_clip_low >= 0, "loss.ratio_clip_low", ">= 0", self.ratio_clip_low)
+        _require(self.ratio_clip_high >= 0, "loss.ratio_clip_high", ">= 0", self.ratio_clip_high)
+        _require_choice(self.loss_agg_mode, LOSS_AGG_MODES, "loss.loss_agg_mode")
+        _require(self.kl_coef >= 0, "loss.kl_coef", ">= 0", self.kl_coef)
+
+
+@dataclass
+class PolicyConfig:
+    """Everything the policy worker needs."""
+
+    model: ModelConfig = field(default_factory=lambda: ModelConfig.preset("tiny"))
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    micro_batch_size: int = 1  # sequences per forward-backward micro-batch
+    ppo_epochs: int = 1  # optimizer passes over each batch; > 1 recomputes old logprobs
+    seed: int = 1234
+
+    def __post_init__(self):
+        _require(self.micro_batch_size >= 1, "micro_batch_size", ">= 1", self.micro_batch_size)
+        _require(self.ppo_epochs >= 1, "ppo_epochs", ">= 1", self.ppo_epochs)
+
+    def validate(self, world_size: int) -> None:
+        """Check the sections against each other and this machine; raise on the first problem."""
+        check_model_parallel(self.model, self.parallel)
+        self.parallel.data_parallel_size(world_size)
+        self.precision.check_runtime()
+
+
+def check_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Raise unless ``model`` splits evenly under ``parallel``."""
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    _require(model.num_attention_heads % tp == 0, "model.num_attention_heads",
+             f"a multiple of parallel.tensor_model_parallel_size={tp}", model.num_attention_heads)
+    _require(model.num_query_groups % tp == 0, "model.num_query_groups",
+             f"a multiple of parallel.tensor_model_parallel_size={tp}", model.num_query_groups)
+    _require(model.ffn_hidden_size % tp == 0, "model.ffn_hidden_size",
+             f"a multiple of parallel.tensor_model_parallel_size={tp}", model.ffn_hidden_size)
+    _require(model.num_layers % pp == 0, "model.num_layers",
+             f"a multiple of parallel.pipeline_model_parallel_size={pp}", model.num_layers)

@@ -1,0 +1,143 @@
+"""Run megatron-core on a machine without CUDA (fp32, gloo). A no-op when CUDA is available.
+
+megatron-core assumes a GPU in a handful of places; this module is the only one that knows
+about them. :func:`install` (idempotent) patches the process-wide functions that a CPU-only
+torch build cannot answer:
+
+* ``torch.cuda.current_device()`` -> the CPU device (``device=torch.cuda.current_device()``
+  appears at ~100 sites, e.g. the global memory buffer);
+* ``torch.cuda.synchronize()`` -> no-op (p2p communication, checkpoint writers);
+* ``torch.cuda.current_stream()`` / ``torch.cuda.Stream`` -> an inert stream (DDP buffers);
+* megatron's CUDA RNG tracker -> :class:`CpuRNGStatesTracker`, forking the CPU generator;
+* megatron's torch norm accepts ``sequence_parallel`` and tags its parameters so that their
+  gradients are all-reduced over the tensor-parallel group like the fused norms' are.
+
+Everything that megatron-core creates with a literal ``"cuda"`` device (pipeline schedules,
+gradient clipping, optimizer scalars, ``.cuda()`` copies) or checks with
+``tensor.type() == "torch.cuda.FloatTensor"`` is handled by :func:`device_scope`, a torch
+function mode to enter around model building, forward-backward and optimizer steps. It is
+scoped rather than global because it adds Python work to every torch call.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from megatron.core.tensor_parallel import random as mpu_random
+from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+from megatron.core.transformer import torch_norm
+from torch.overrides import TorchFunctionMode
+
+_installed = False
+
+
+def cuda_available() -> bool:
+    """True when megatron-core can run as designed (on CUDA) and no shim is needed."""
+    return torch.cuda.is_available()
+
+
+class CpuRNGStatesTracker(CudaRNGStatesTracker):
+    """Megatron's RNG-states tracker, keeping CPU generator states instead of CUDA ones."""
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self.seeds_:
+            raise ValueError(f"RNG seed {seed} is already tracked")
+        if name in self.states_:
+            raise ValueError(f"RNG state {name!r} is already tracked")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        outer = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(outer)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+        if name not in self.states_:
+            raise KeyError(f"RNG state {name!r} is not tracked")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+class _InertStream:
+    """Stands in for a CUDA stream: every method is a no-op."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.startswith("cuda")
+
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+
+
+class _CudaOnCpuMode(TorchFunctionMode):
+    """Maps ``device="cuda"`` to the CPU, makes ``.cuda()`` a no-op, and reports
+    ``tensor.type()`` with CUDA type names (what megatron's optimizer checks)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = _CUDA_TYPE_NAMES.get(args[0].dtype)
+            if name is not None:
+                return name
+        if _is_cuda(kwargs.get("device")):
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+def _patch_torch_norm() -> None:
+    original_new = torch_norm.WrappedTorchNorm.__new__
+    norms = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+
+    def new(cls, config, hidden_size, eps=1e-5, **kwargs):
+        if not config.sequence_parallel or config.normalization not in norms:
+            return original_new(cls, config, hidden_size, eps, **kwargs)
+        norm = norms[config.normalization](hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = new
+
+
+def install() -> None:
+    """Make megatron-core runnable on this CPU-only process (no-op with CUDA; idempotent)."""
+    global _installed
+    if _installed or cuda_available():
+        return
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.current_stream = lambda *args, **kwargs: _InertStream()
+    torch.cuda.Stream = _InertStream
+    mpu_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    mpu_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    _patch_torch_norm()
+    _installed = True
+
+
+def device_scope() -> contextlib.AbstractContextManager:
+    """Context for megatron-core calls: maps CUDA device literals to the CPU (no-op with CUDA)."""
+    if cuda_available():
+        return contextlib.nullcontext()
+    install()
+    return _CudaOnCpuMode()

@@ -1,0 +1,139 @@
+"""Build the policy as a megatron-core GPTModel, and set up megatron's parallel state.
+
+The config says *what* model (:class:`ModelConfig`); the layer spec says *which
+implementation*: Transformer Engine's fused layers on GPU (required for FP8; parameter names
+such as ``self_attention.linear_qkv.layer_norm_weight``), megatron-core's local layers
+elsewhere (``input_layernorm.weight``, ``pre_mlp_layernorm.weight``).
+
+megatron's parallel state is global to the process: call :func:`initialize_model_parallel`
+once the default process group exists, and :func:`destroy_model_parallel` when done.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from gdpo_megatron.policy import cpu_compat
+from gdpo_megatron.policy.config import ModelConfig, ParallelConfig, PrecisionConfig, check_model_parallel
+
+
+def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234) -> None:
+    """Create megatron's TP/PP/DP groups over the default process group and seed its RNGs.
+
+    Ranks in one tensor-parallel group get different model-parallel RNG streams, ranks in one
+    data-parallel group the same; the default stream is seeded with ``seed`` everywhere.
+    """
+    if not torch.distributed.is_initialized():
+        raise RuntimeError("initialize_model_parallel: torch.distributed is not initialized "
+                           "(call torch.distributed.init_process_group first)")
+    if parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("initialize_model_parallel: megatron's parallel state is already "
+                           "initialized in this process (call destroy_model_parallel first)")
+    parallel.data_parallel_size(torch.distributed.get_world_size())
+    cpu_compat.install()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+    )
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_model_parallel() -> None:
+    """Tear down megatron's parallel state (the default process group stays)."""
+    parallel_state.destroy_model_parallel()
+
+
+def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig) -> TransformerConfig:
+    """megatron-core's TransformerConfig for a Llama/Qwen2-style decoder under these settings."""
+    on_gpu = torch.cuda.is_available()
+    fp8 = {"fp8": precision.fp8, "fp8_recipe": precision.fp8_recipe} if precision.fp8 else {}
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=model.add_qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_method_std,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=precision.params_dtype,
+        pipeline_dtype=precision.params_dtype,
+        bf16=precision.dtype == "bf16",
+        # Loss functions return token sums; megatron divides the gradients by the global count.
+        calculate_per_token_loss=True,
+        use_cpu_initialization=not on_gpu,
+        # Fusions need CUDA kernels (or torch.compile, seconds per first call on CPU).
+        bias_activation_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        **fp8,
+    )
+
+
+def layer_spec(precision: PrecisionConfig) -> ModuleSpec:
+    """Transformer Engine layers when enabled (GPU, needed for FP8), else megatron's local ones."""
+    if precision.transformer_engine:
+        return get_gpt_layer_with_transformer_engine_spec()
+    return get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_model(
+    model: ModelConfig,
+    parallel: ParallelConfig | None = None,
+    precision: PrecisionConfig | None = None,
+) -> GPTModel:
+    """This rank's pipeline stage of the model, TP-sharded, on this rank's device.
+
+    Needs :func:`initialize_model_parallel` with the same ``parallel`` settings. The embedding
+    and output layers have ``model.padded_vocab_size(tp)`` rows.
+    """
+    parallel = parallel or ParallelConfig()
+    precision = precision or PrecisionConfig()
+    check_model_parallel(model, parallel)
+    precision.check_runtime()
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("build_model: call initialize_model_parallel first")
+    for name, size in (("tensor_model_parallel_size", parallel_state.get_tensor_model_parallel_world_size()),
+                       ("pipeline_model_parallel_size", parallel_state.get_pipeline_model_parallel_world_size())):
+        if getattr(parallel, name) != size:
+            raise ValueError(f"parallel.{name}={getattr(parallel, name)} but megatron's parallel state "
+                             f"was initialized with {size}")
+    with cpu_compat.device_scope():
+        gpt = GPTModel(
+            config=transformer_config(model, parallel, precision),
+            transformer_layer_spec=layer_spec(precision),
+            vocab_size=model.padded_vocab_size(parallel.tensor_model_parallel_size),
+            max_sequence_length=model.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+            parallel_output=True,
+            share_embeddings_and_output_weights=model.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(model.rotary_base),
+        )
+    if torch.cuda.is_available():
+        gpt.cuda(torch.cuda.current_device())
+    return gpt

@@ -1,0 +1,1 @@
+"""Adapters that plug this project's GDPO math into other RL frameworks."""

@@ -1,0 +1,265 @@
+"""GDPO as a NeMo-RL advantage estimator (``grpo.adv_estimator`` in a NeMo-RL GRPO config).
+
+NeMo-RL's GRPO loop calls its estimator once per step, on the driver, over the whole batch
+of B rollouts::
+
+    advantages = estimator.compute_advantage(
+        prompt_ids=...,      # [B, S] prompt token ids, right-padded; identical rows = one prompt
+        rewards=...,         # [B] total reward (not used: GDPO needs the separate rewards)
+        mask=...,            # [B, T] token_mask * sample_mask
+        repeated_batch=...,  # dict-like batch, one [B] tensor per reward under "reward/<name>"
+        valid_mask=...,      # optional [B]; 0 keeps a rollout out of its siblings' statistics
+        logprobs_policy=..., logprobs_reference=...,  # not used
+    )
+
+and stores the returned ``[B, T]`` tensor as the token advantages. This module maps those
+inputs onto :func:`gdpo_megatron.advantages.compute_advantages` (conditioned rewards,
+per-reward group normalization, weighted sum, batch normalization over the valid rollouts)
+and broadcasts each rollout's advantage over its tokens. The whole batch is in one process,
+so the local reduction is exact.
+
+NeMo-RL chooses its estimator by name inside ``nemo_rl.algorithms.grpo`` and has no
+registry; :func:`install` adds this one, selected by ``implementation: gdpo_megatron``.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from gdpo_megatron.advantages import NONFINITE_POLICIES, AdvantageResult, Condition, compute_advantages
+
+IMPLEMENTATION = "gdpo_megatron"
+REWARD_PREFIX = "reward/"
+CONFIG_PATH = "grpo.adv_estimator"
+_CONDITION_FIELDS = ("target", "on", "threshold", "fill")
+
+
+class GDPOMegatronEstimator:
+    """NeMo-RL advantage estimator computing GDPO with this project's conventions.
+
+    Config keys (``grpo.adv_estimator``), all optional:
+
+    * ``reward_weights``: a mapping ``name -> weight``, or a list in the order of the
+      sorted reward names (NeMo-RL's convention); default 1 for every reward.
+    * ``conditions``: list of ``{target, on, threshold, fill}`` with reward names: reward
+      ``target`` counts only where reward ``on`` >= ``threshold``, else it is ``fill`` (0).
+    * ``eps`` (1e-4): added to every std. ``batch_norm`` (true): normalize the weighted sum
+      over the valid rollouts of the step. ``nonfinite`` ("raise" or "mask"): what a NaN/inf
+      reward does.
+
+    NeMo-RL's ``use_leave_one_out_baseline`` and ``normalize_rewards`` belong to its own
+    estimators and are not read: the baseline is the group mean, the scale the unbiased std.
+    A rollout counts when it has at least one unmasked token and ``valid_mask`` (if given)
+    is nonzero; the others get advantage 0 and stay out of every statistic.
+
+    After each call, ``last_result`` holds the :class:`AdvantageResult` and
+    ``last_metrics`` its flat diagnostics (``reward/<name>/...``, ``advantage/...``).
+    """
+
+    def __init__(self, estimator_config: Any, loss_config: Any = None):
+        del loss_config  # GDPO takes nothing from the loss; the argument is NeMo-RL's signature
+        self.reward_weights = _parse_weights(_get(estimator_config, "reward_weights", None))
+        self.conditions = _parse_conditions(_get(estimator_config, "conditions", None))
+        self.eps = _parse_eps(_get(estimator_config, "eps", 1e-4))
+        self.batch_norm = _get(estimator_config, "batch_norm", True)
+        if not isinstance(self.batch_norm, bool):
+            raise ValueError(f"{CONFIG_PATH}.batch_norm: expected true or false, got {self.batch_norm!r}")
+        self.nonfinite = _get(estimator_config, "nonfinite", "raise")
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"{CONFIG_PATH}.nonfinite: expected one of {NONFINITE_POLICIES}, got {self.nonfinite!r}")
+        self.last_result: AdvantageResult | None = None
+        self.last_metrics: dict[str, float] = {}
+
+    def compute_advantage(self, prompt_ids, rewards, mask, repeated_batch, valid_mask=None, **kwargs) -> torch.Tensor:
+        """GDPO advantages, shape and dtype of ``mask`` (float32 for an integer mask)."""
+        del rewards, kwargs  # the total reward is what GDPO avoids; logprobs are not needed
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+            raise ValueError(f"mask: expected a [B, T] token mask tensor, got {_describe(mask)}")
+        batch_size, device = mask.shape[0], mask.device
+        names = reward_names(repeated_batch)
+        reward_matrix = torch.stack(
+            [_per_rollout(repeated_batch[REWARD_PREFIX + n], f"repeated_batch[{REWARD_PREFIX + n!r}]", batch_size) for n in names],
+            dim=1,
+        ).to(device)
+        valid = mask.ne(0).any(dim=1)
+        if valid_mask is not None:
+            valid &= _per_rollout(valid_mask, "valid_mask", batch_size).to(device).ne(0)
+
+        result = compute_advantages(
+            reward_matrix,
+            prompt_groups(prompt_ids, batch_size).to(device),
+            mask=valid,
+            weights=self._weights_for(names),
+            batch_norm=self.batch_norm,
+            eps=self.eps,
+            conditions=self._conditions_for(names),
+            nonfinite=self.nonfinite,
+        )
+        self.last_result = result
+        self.last_metrics = result.metrics(names)
+        dtype = mask.dtype if mask.is_floating_point() else torch.float32
+        # A real [B, T] tensor, not an expanded view: NeMo-RL may overwrite token spans in place.
+        return result.advantages.to(dtype).unsqueeze(1).expand(mask.shape).contiguous()
+
+    def _weights_for(self, names: list[str]) -> list[float]:
+        weights = self.reward_weights
+        if weights is None:
+            return [1.0] * len(names)
+        if isinstance(weights, dict):
+            missing = [n for n in names if n not in weights]
+            unknown = [n for n in weights if n not in names]
+            if missing or unknown:
+                raise ValueError(
+                    f"{CONFIG_PATH}.reward_weights: expected one weight per reward of the batch "
+                    f"{names}; missing {missing}, not in the batch {unknown}"
+                )
+            return [weights[n] for n in names]
+        if len(weights) != len(names):
+            raise ValueError(
+                f"{CONFIG_PATH}.reward_weights: {len(weights)} weights for {len(names)} rewards "
+                f"{names}; a list follows the sorted reward names (or give a mapping name -> weight)"
+            )
+        return list(weights)
+
+    def _conditions_for(self, names: list[str]) -> list[Condition]:
+        column = {n: k for k, n in enumerate(names)}
+        out = []
+        for i, c in enumerate(self.conditions):
+            for field in ("target", "on"):
+                if c[field] not in column:
+                    raise ValueError(
+                        f"{CONFIG_PATH}.conditions[{i}].{field}: {c[field]!r} is not a reward of the batch {names}"
+                    )
+            out.append(Condition(column[c["target"]], column[c["on"]], c["threshold"], c["fill"]))
+        return out
+
+
+def install(grpo_module: ModuleType | None = None) -> None:
+    """Make NeMo-RL's GRPO build :class:`GDPOMegatronEstimator` where the config asks for it.
+
+    Wraps ``nemo_rl.algorithms.grpo._create_advantage_estimator``: a config whose
+    ``grpo.adv_estimator.implementation`` is ``gdpo_megatron`` gets this estimator, any
+    config without that key what NeMo-RL builds. Call it once in the launch script before
+    ``grpo_train``; calling it again changes nothing.
+    """
+    if grpo_module is None:
+        from nemo_rl.algorithms import grpo as grpo_module
+    build_nemo_rl_estimator = grpo_module._create_advantage_estimator
+    if getattr(build_nemo_rl_estimator, "builds_gdpo_megatron", False):
+        return
+
+    def create_advantage_estimator(master_config):
+        estimator_config = _get(_get(master_config, "grpo", {}), "adv_estimator", None)
+        implementation = None if estimator_config is None else _get(estimator_config, "implementation", None)
+        if implementation is None:
+            return build_nemo_rl_estimator(master_config)
+        if implementation != IMPLEMENTATION:
+            raise ValueError(f"{CONFIG_PATH}.implementation: expected {IMPLEMENTATION!r}, got {implementation!r}")
+        return GDPOMegatronEstimator(estimator_config, _get(master_config, "loss_fn", None))
+
+    create_advantage_estimator.builds_gdpo_megatron = True
+    grpo_module._create_advantage_estimator = create_advantage_estimator
+
+
+def reward_names(batch: Mapping) -> list[str]:
+    """Names of the ``reward/<name>`` components of a batch, sorted (NeMo-RL's order)."""
+    names = sorted(k[len(REWARD_PREFIX):] for k in batch.keys() if isinstance(k, str) and k.startswith(REWARD_PREFIX))
+    if not names:
+        raise ValueError(
+            f"repeated_batch: no reward components; GDPO reads one [B] tensor per reward under "
+            f"'{REWARD_PREFIX}<name>' keys (the batch has {sorted(map(str, batch.keys()))})"
+        )
+    return names
+
+
+def prompt_groups(prompt_ids, batch_size: int) -> torch.Tensor:
+    """Group index of each rollout: rows of ``prompt_ids`` with identical token ids share one.
+
+    Accepts NeMo-RL's ``[B, S]`` padded prompt token ids, or ``[B]`` / ``[B, 1]`` group ids.
+    """
+    ids = torch.as_tensor(prompt_ids)
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(1)
+    if ids.dim() != 2 or ids.shape[0] != batch_size:
+        raise ValueError(
+            f"prompt_ids: expected [{batch_size}, S] prompt token ids (one row per rollout), got shape {tuple(ids.shape)}"
+        )
+    if ids.is_floating_point() or ids.dtype == torch.bool:
+        raise ValueError(f"prompt_ids: expected integer token ids, got {ids.dtype}")
+    _, inverse = torch.unique(ids, dim=0, return_inverse=True)
+    return inverse
+
+
+def _per_rollout(values, name: str, batch_size: int) -> torch.Tensor:
+    t = torch.as_tensor(values)
+    if t.dim() == 2 and t.shape[1] == 1:
+        t = t.squeeze(1)
+    if t.shape != (batch_size,):
+        raise ValueError(f"{name}: expected one value per rollout, shape [{batch_size}], got {_describe(t)}")
+    return t
+
+
+def _get(config: Any, key: str, default: Any) -> Any:
+    """A config field from a dict (NeMo-RL's TypedDict configs) or an object (pydantic)."""
+    if isinstance(config, Mapping):
+        return config.get(key, default)
+    return getattr(config, key, default)
+
+
+def _parse_weights(weights):
+    if weights is None:
+        return None
+    if isinstance(weights, Mapping):
+        return {str(k): _number(v, f"{CONFIG_PATH}.reward_weights.{k}") for k, v in weights.items()}
+    if isinstance(weights, Sequence) and not isinstance(weights, str):
+        return [_number(v, f"{CONFIG_PATH}.reward_weights[{i}]") for i, v in enumerate(weights)]
+    raise ValueError(
+        f"{CONFIG_PATH}.reward_weights: expected a list of numbers or a mapping name -> weight, got {weights!r}"
+    )
+
+
+def _parse_conditions(conditions) -> list[dict]:
+    if conditions is None:
+        return []
+    if not isinstance(conditions, Sequence) or isinstance(conditions, str):
+        raise ValueError(f"{CONFIG_PATH}.conditions: expected a list of {{target, on, threshold, fill}}, got {conditions!r}")
+    parsed = []
+    for i, c in enumerate(conditions):
+        where = f"{CONFIG_PATH}.conditions[{i}]"
+        if not isinstance(c, Mapping):
+            raise ValueError(f"{where}: expected a mapping with keys {_CONDITION_FIELDS}, got {c!r}")
+        unknown = sorted(set(c) - set(_CONDITION_FIELDS))
+        missing = [k for k in ("target", "on", "threshold") if k not in c]
+        if unknown or missing:
+            raise ValueError(f"{where}: keys {_CONDITION_FIELDS} (fill optional); missing {missing}, unknown {unknown}")
+        parsed.append(
+            {
+                "target": str(c["target"]),
+                "on": str(c["on"]),
+                "threshold": _number(c["threshold"], f"{where}.threshold"),
+                "fill": _number(c.get("fill", 0.0), f"{where}.fill"),
+            }
+        )
+    return parsed
+
+
+def _parse_eps(eps) -> float:
+    eps = _number(eps, f"{CONFIG_PATH}.eps")
+    if eps < 0:
+        raise ValueError(f"{CONFIG_PATH}.eps: expected a value >= 0, got {eps}")
+    return eps
+
+
+def _number(value, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
+        raise ValueError(f"{where}: expected a finite number, got {value!r}")
+    return float(value)
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return repr(type(value).__name__)

@@ -1,0 +1,234 @@
+"""The NeMo-RL estimator on inputs built the way NeMo-RL's GRPO loop builds them.
+
+NeMo-RL repeats each prompt ``G`` times (``repeat_interleave``), flattens the prompt
+messages into right-padded token ids ``[B, S]``, builds ``mask = token_mask *
+sample_mask[:, None]`` over the full sequence ``[B, T]`` (prompt tokens 0, response
+tokens 1), and passes the batch dict with one ``reward/<name>`` tensor per reward. The
+expected advantages come from a plain-Python GDPO written here.
+"""
+import math
+import statistics
+import types
+from collections import defaultdict
+
+import pytest
+import torch
+
+from gdpo_megatron.integrations.nemo_rl import GDPOMegatronEstimator, install, prompt_groups
+
+PAD = 0
+EPS = 1e-4
+
+
+def nemo_rl_inputs(prompts, group_size, rewards, response_lengths, sample_mask=None, order=None):
+    """(prompt_ids [B, S], mask [B, T], repeated_batch) as NeMo-RL hands them over."""
+    rows = [p for p in prompts for _ in range(group_size)]  # repeat_interleave
+    B = len(rows)
+    order = list(range(B)) if order is None else order
+    rows = [rows[i] for i in order]
+    rewards = {k: [v[i] for i in order] for k, v in rewards.items()}
+    lengths = [response_lengths[i] for i in order]
+    S = max(map(len, rows))
+    prompt_ids = torch.full((B, S), PAD, dtype=torch.int64)
+    T = S + max(lengths)
+    token_mask = torch.zeros(B, T)
+    for b, (p, n) in enumerate(zip(rows, lengths)):
+        prompt_ids[b, : len(p)] = torch.tensor(p)
+        token_mask[b, len(p) : len(p) + n] = 1.0
+    sample = torch.ones(B) if sample_mask is None else torch.tensor([sample_mask[i] for i in order], dtype=torch.float32)
+    batch = {
+        "message_log": [[{"role": "user", "token_ids": torch.tensor(p)}] for p in rows],
+        "total_reward": torch.tensor([sum(v[b] for v in rewards.values()) for b in range(B)]),
+        "loss_multiplier": torch.ones(B),
+    }
+    batch.update({f"reward/{k}": torch.tensor(v, dtype=torch.float32) for k, v in rewards.items()})
+    return prompt_ids, token_mask * sample.unsqueeze(-1), batch, rows
+
+
+def reference_gdpo(groups, rewards, valid, weights, conditions=(), eps=EPS):
+    """GDPO by the definition, one rollout at a time (conditions read the raw rewards)."""
+    r = {k: list(v) for k, v in rewards.items()}
+    for target, on, threshold, fill in conditions:
+        r[target] = [x if y >= threshold else fill for x, y in zip(rewards[target], rewards[on])]
+    members = defaultdict(list)
+    for i, g in enumerate(groups):
+        if valid[i]:
+            members[g].append(i)
+    summed = [0.0] * len(groups)
+    for name, values in r.items():
+        for idx in members.values():
+            vals = [values[i] for i in idx]
+            if len(vals) < 2 or max(vals) == min(vals):
+                continue
+            mean, std = statistics.fmean(vals), statistics.stdev(vals)
+            for i in idx:
+                summed[i] += weights[name] * (values[i] - mean) / (std + eps)
+    kept = [summed[i] for i in range(len(groups)) if valid[i]]
+    mean, std = statistics.fmean(kept), statistics.stdev(kept)
+    return [(summed[i] - mean) / (std + eps) if valid[i] else 0.0 for i in range(len(groups))]
+
+
+PROMPTS = [[11, 12], [11, 12, 13], [7, 3, 9, 4]]  # the first is a prefix of the second
+REWARDS = {
+    "correctness": [1, 0, 1, 0, 0, 0, 1, 1, 1, 0, 0, 0],
+    "format": [1, 1, 0, 1, 1, 0, 1, 0, 1, 1, 1, 1],
+    "length": [0.2, 0.9, 0.5, 0.1, 0.3, 0.7, 0.6, 0.4, 0.8, 0.5, 0.25, 0.95],
+}
+LENGTHS = [3, 5, 1, 4, 2, 5, 3, 3, 4, 1, 2, 5]
+WEIGHTS = {"correctness": 1.0, "format": 0.5, "length": 0.25}
+CONFIG = {
+    "name": "gdpo",
+    "implementation": "gdpo_megatron",
+    "reward_weights": WEIGHTS,
+    "conditions": [{"target": "length", "on": "correctness", "threshold": 1.0}],
+    "use_leave_one_out_baseline": True,  # NeMo-RL's default for its own estimator; not read
+}
+SHUFFLED = [5, 0, 11, 3, 8, 1, 10, 6, 2, 9, 4, 7]
+
+
+def test_advantages_match_gdpo_and_cover_every_token():
+    prompt_ids, mask, batch, rows = nemo_rl_inputs(PROMPTS, 4, REWARDS, LENGTHS, order=SHUFFLED)
+    est = GDPOMegatronEstimator(CONFIG, loss_config={})
+    out = est.compute_advantage(prompt_ids=prompt_ids, rewards=batch["total_reward"], mask=mask, repeated_batch=batch)
+
+    groups = [tuple(p) for p in rows]
+    rewards = {k: [v[i] for i in SHUFFLED] for k, v in REWARDS.items()}
+    expected = torch.tensor(
+        reference_gdpo(groups, rewards, [True] * 12, WEIGHTS, [("length", "correctness", 1.0, 0.0)])
+    )
+    assert out.shape == mask.shape and out.dtype == mask.dtype and out.is_contiguous()
+    torch.testing.assert_close(out, expected.unsqueeze(1).expand_as(out).float(), atol=1e-5, rtol=0)
+    assert len(set(expected.round(decimals=4).tolist())) > 6  # the case is not degenerate
+
+
+def test_masked_rollouts_get_zero_and_leave_the_statistics():
+    sample_mask = [1.0] * 12
+    sample_mask[1] = sample_mask[6] = 0.0  # e.g. dropped for a large logprob error
+    prompt_ids, mask, batch, rows = nemo_rl_inputs(PROMPTS, 4, REWARDS, LENGTHS, sample_mask=sample_mask)
+    valid_mask = torch.ones(12)
+    valid_mask[9] = 0.0  # a placeholder row NeMo-RL keeps out of its siblings' baselines
+    est = GDPOMegatronEstimator({"reward_weights": WEIGHTS})
+    out = est.compute_advantage(prompt_ids, batch["total_reward"], mask, batch, valid_mask=valid_mask)
+
+    valid = [s == 1.0 and i != 9 for i, s in enumerate(sample_mask)]
+    expected = reference_gdpo([tuple(p) for p in rows], REWARDS, valid, WEIGHTS)
+    torch.testing.assert_close(out[:, 0], torch.tensor(expected, dtype=torch.float32), atol=1e-5, rtol=0)
+    assert out[[1, 6, 9]].abs().sum() == 0
+
+
+def test_gdpo_keeps_reward_combinations_apart():
+    # Totals (0, 1) for one prompt and (0, 2) for the other: GRPO gives both +-0.7071,
+    # GDPO gives the second prompt exactly twice the advantages of the first.
+    rewards = {"a": [0, 1, 0, 1], "b": [0, 0, 0, 1]}
+    prompt_ids, mask, batch, _ = nemo_rl_inputs([[5], [6]], 2, rewards, [2, 2, 2, 2])
+    out = GDPOMegatronEstimator({}).compute_advantage(prompt_ids, batch["total_reward"], mask, batch)[:, 0]
+    torch.testing.assert_close(out[2:], 2 * out[:2], atol=1e-6, rtol=0)
+    assert out[1] > 0 > out[0]
+
+
+def test_list_weights_follow_sorted_names_and_group_ids_may_be_given_directly():
+    prompt_ids, mask, batch, rows = nemo_rl_inputs(PROMPTS, 4, REWARDS, LENGTHS)
+    by_name = GDPOMegatronEstimator({"reward_weights": WEIGHTS}).compute_advantage(prompt_ids, None, mask, batch)
+    as_list = [WEIGHTS[k] for k in sorted(WEIGHTS)]
+    group_ids = torch.tensor([PROMPTS.index(p) for p in rows])
+    by_list = GDPOMegatronEstimator({"reward_weights": as_list}).compute_advantage(group_ids, None, mask, batch)
+    torch.testing.assert_close(by_list, by_name, atol=0, rtol=0)
+
+
+def test_prompt_groups_compare_whole_padded_rows():
+    ids = torch.tensor([[11, 12, PAD], [11, 12, 13], [11, 12, PAD], [4, 4, 4]])
+    g = prompt_groups(ids, 4).tolist()
+    assert g[0] == g[2] and len({g[0], g[1], g[3]}) == 3
+
+
+def test_metrics_report_every_reward():
+    prompt_ids, mask, batch, _ = nemo_rl_inputs(PROMPTS, 4, REWARDS, LENGTHS)
+    est = GDPOMegatronEstimator(CONFIG)
+    est.compute_advantage(prompt_ids, None, mask, batch)
+    m = est.last_metrics
+    length = [x if c >= 1 else 0.0 for x, c in zip(REWARDS["length"], REWARDS["correctness"])]
+    conditioned = {**REWARDS, "length": length}
+    for name, v in conditioned.items():
+        flat = sum(max(v[g * 4 : g * 4 + 4]) == min(v[g * 4 : g * 4 + 4]) for g in range(3)) / 3
+        assert m[f"reward/{name}/zero_spread_frac"] == pytest.approx(flat)
+    assert m["reward/format/zero_spread_frac"] == pytest.approx(1 / 3)  # the third group always formats
+    assert sum(m[f"reward/{n}/advantage_var_share"] for n in REWARDS) == pytest.approx(1.0)
+    assert m["advantage/batch_std"] > 0 and est.last_result.advantages.shape == (12,)
+
+
+def test_nonfinite_reward_is_masked_when_asked():
+    rewards = {k: list(v) for k, v in REWARDS.items()}
+    rewards["format"][4] = math.nan
+    prompt_ids, mask, batch, rows = nemo_rl_inputs(PROMPTS, 4, rewards, LENGTHS)
+    with pytest.raises(ValueError, match="NaN"):
+        GDPOMegatronEstimator({}).compute_advantage(prompt_ids, None, mask, batch)
+    est = GDPOMegatronEstimator({"nonfinite": "mask", "reward_weights": WEIGHTS})
+    out = est.compute_advantage(prompt_ids, None, mask, batch)[:, 0]
+    expected = reference_gdpo([tuple(p) for p in rows], rewards, [i != 4 for i in range(12)], WEIGHTS)
+    torch.testing.assert_close(out, torch.tensor(expected, dtype=torch.float32), atol=1e-5, rtol=0)
+    assert est.last_metrics["advantage/nonfinite_rollouts"] == 1
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ({"reward_weights": "1,2"}, r"reward_weights: expected a list"),
+        ({"reward_weights": [1.0, "x"]}, r"reward_weights\[1\]"),
+        ({"conditions": [{"target": "length", "on": "correctness"}]}, r"conditions\[0\].*missing \['threshold'\]"),
+        ({"conditions": [{"target": "a", "on": "b", "threshold": 1, "when": 2}]}, r"unknown \['when'\]"),
+        ({"eps": -1.0}, r"eps: expected a value >= 0"),
+        ({"batch_norm": "yes"}, r"batch_norm"),
+        ({"nonfinite": "drop"}, r"nonfinite"),
+    ],
+)
+def test_bad_config_is_named(config, match):
+    with pytest.raises(ValueError, match=match):
+        GDPOMegatronEstimator(config)
+
+
+def _call(config, batch_edit=None, prompt_rows=None, mask_1d=False):
+    prompt_ids, mask, batch, _ = nemo_rl_inputs(PROMPTS, 4, REWARDS, LENGTHS)
+    if batch_edit:
+        batch_edit(batch)
+    if prompt_rows is not None:
+        prompt_ids = prompt_ids[:prompt_rows]
+    GDPOMegatronEstimator(config).compute_advantage(prompt_ids, None, mask[:, 0] if mask_1d else mask, batch)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"config": {}, "batch_edit": lambda b: [b.pop(k) for k in list(b) if k.startswith("reward/")]},
+         r"no reward components.*total_reward"),
+        ({"config": {"reward_weights": {"correctness": 1.0, "format": 1.0}}}, r"missing \['length'\]"),
+        ({"config": {"reward_weights": [1.0, 2.0]}}, r"2 weights for 3 rewards"),
+        ({"config": {"conditions": [{"target": "len", "on": "correctness", "threshold": 1}]}},
+         r"conditions\[0\]\.target: 'len' is not a reward"),
+        ({"config": {}, "batch_edit": lambda b: b.update({"reward/format": torch.ones(5)})},
+         r"repeated_batch\['reward/format'\]: expected one value per rollout, shape \[12\]"),
+        ({"config": {}, "prompt_rows": 6}, r"prompt_ids: expected \[12, S\]"),
+        ({"config": {}, "mask_1d": True}, r"mask: expected a \[B, T\] token mask"),
+    ],
+)
+def test_bad_inputs_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        _call(**kwargs)
+
+
+def test_install_routes_the_selected_implementation_only():
+    # Stands in for nemo_rl.algorithms.grpo (not installed here): only the factory is touched.
+    grpo = types.ModuleType("grpo")
+    grpo._create_advantage_estimator = lambda master_config: ("nemo_rl", master_config["grpo"]["adv_estimator"]["name"])
+    install(grpo)
+    install(grpo)  # idempotent: the second call must not wrap the wrapper
+
+    selected = grpo._create_advantage_estimator({"grpo": {"adv_estimator": CONFIG}, "loss_fn": {}})
+    assert isinstance(selected, GDPOMegatronEstimator) and selected.reward_weights == WEIGHTS
+    assert grpo._create_advantage_estimator({"grpo": {"adv_estimator": {"name": "grpo"}}}) == ("nemo_rl", "grpo")
+    pydantic_like = types.SimpleNamespace(
+        grpo=types.SimpleNamespace(adv_estimator=types.SimpleNamespace(name="gdpo", implementation="gdpo_megatron")),
+        loss_fn=None,
+    )
+    assert isinstance(grpo._create_advantage_estimator(pydantic_like), GDPOMegatronEstimator)
+    with pytest.raises(ValueError, match=r"implementation: expected 'gdpo_megatron', got 'gdpo-megatron'"):
+        grpo._create_advantage_estimator({"grpo": {"adv_estimator": {"name": "gdpo", "implementation": "gdpo-megatron"}}})

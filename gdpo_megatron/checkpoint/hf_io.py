@@ -1,0 +1,206 @@
+"""Read a Hugging Face model directory into a Megatron model, and write one from it.
+
+Both directions work at any TP/PP and are collective over the model-parallel group. Import
+reads, on each rank, only the tensors its shard needs (lazily from the safetensors files);
+export streams :func:`iter_hf_weights` and rank 0 writes safetensors shards, ``config.json``,
+``generation_config.json`` and the tokenizer files, into a temporary directory renamed when
+complete.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from gdpo_megatron.checkpoint.hf_config import hf_config_from_model
+from gdpo_megatron.checkpoint.layout import hf_names, rule_for, to_megatron, tp_shard
+from gdpo_megatron.checkpoint.weight_stream import iter_hf_weights, megatron_params, model_layout
+from gdpo_megatron.policy.config import ModelConfig
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+)
+# Tensors some checkpoints carry that the model recomputes: skipped on import.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def safetensors_index(hf_dir: str | Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it, for a Hugging Face model directory."""
+    hf_dir = Path(hf_dir)
+    index_path = hf_dir / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index_path}: expected JSON with a 'weight_map' ({e})") from None
+        return {name: hf_dir / file for name, file in weight_map.items()}
+    single = hf_dir / SINGLE_FILE
+    if not single.is_file():
+        raise FileNotFoundError(f"{hf_dir}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints are read)")
+    with safe_open(single, framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def _check_names(available: Iterable[str], expected: list[str], hf_dir: Path, tied: bool) -> None:
+    available = set(available)
+    missing = [n for n in expected if n not in available]
+    if missing:
+        raise KeyError(f"{hf_dir}: tensor {missing[0]!r} is missing ({len(missing)} missing in all)")
+    allowed = set(expected) | ({"lm_head.weight"} if tied else set())
+    extra = sorted(n for n in available - allowed if not n.endswith(_IGNORED_SUFFIXES))
+    if extra:
+        raise KeyError(f"{hf_dir}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all); "
+                       "is this a Llama / Qwen2 checkpoint of the configured shape?")
+
+
+@torch.no_grad()
+def load_hf_weights(model: torch.nn.Module, config: ModelConfig, hf_dir: str | Path, progress: bool = False) -> None:
+    """Copy the weights of a Hugging Face directory into this rank's shard of ``model``."""
+    hf_dir = Path(hf_dir)
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    layout = model_layout(config, tp_size)
+    index = safetensors_index(hf_dir)
+    _check_names(index, hf_names(layout, config.add_qkv_bias), hf_dir, config.tie_word_embeddings)
+
+    params = megatron_params(model, tie_word_embeddings=False)  # a tied output layer loads the embedding
+    with contextlib.ExitStack() as stack:
+        files = {}
+
+        def read(name: str) -> torch.Tensor:
+            path = index[name]
+            if path not in files:
+                files[path] = stack.enter_context(safe_open(path, framework="pt"))
+            return files[path].get_tensor(name)
+
+        for megatron_name, param in tqdm(params, desc="import", disable=not progress or _rank() != 0):
+            _, names = rule_for(megatron_name)
+            if config.tie_word_embeddings and megatron_name == "output_layer.weight":
+                names = ("model.embed_tokens.weight",)
+            full = to_megatron(megatron_name, [read(n) for n in names], layout)
+            shard = tp_shard(megatron_name, full, tp_rank, tp_size)
+            if shard.shape != param.shape:
+                raise ValueError(f"{hf_dir}: {', '.join(names)} gives {megatron_name} of shape "
+                                 f"{tuple(shard.shape)} on this rank, the model has {tuple(param.shape)}")
+            param.copy_(shard)
+
+
+def _write_shards(weights: Iterable[tuple[str, torch.Tensor]], out: Path, max_shard_bytes: int) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    sizes = [0]
+    paths = []
+
+    def flush():
+        paths.append(out / f".shard-{len(paths)}.safetensors")
+        save_file(shards[-1], paths[-1], metadata={"format": "pt"})
+        shards[-1] = {}
+
+    for name, tensor in weights:
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and sizes[-1] + nbytes > max_shard_bytes:
+            flush()
+            sizes.append(0)
+        shards[-1][name] = tensor
+        sizes[-1] += nbytes
+    flush()
+
+    if len(paths) == 1:
+        os.rename(paths[0], out / SINGLE_FILE)
+        return
+    weight_map = {}
+    for i, path in enumerate(paths):
+        final = f"model-{i + 1:05d}-of-{len(paths):05d}.safetensors"
+        with safe_open(path, framework="pt") as f:
+            weight_map.update({name: final for name in f.keys()})
+        os.rename(path, out / final)
+    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _write_generation_config(hf_config: dict, out: Path) -> None:
+    import transformers
+
+    generation = transformers.GenerationConfig(
+        **{k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf_config.get(k) is not None}
+    )
+    generation.save_pretrained(out)
+
+
+def save_hf_checkpoint(
+    model: torch.nn.Module,
+    config: ModelConfig,
+    out_dir: str | Path,
+    *,
+    base_hf_config: dict | None = None,
+    tokenizer_dir: str | Path | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    progress: bool = False,
+) -> Path:
+    """Write ``model`` as a Hugging Face directory at ``out_dir`` (collective; rank 0 writes).
+
+    ``base_hf_config`` (e.g. the imported ``config.json``) supplies the fields the model config
+    does not hold (token ids, ...); ``tokenizer_dir`` the tokenizer files to copy (and its
+    ``generation_config.json`` when it has one). ``dtype`` converts the weights (default: the
+    parameters' dtype).
+    """
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out}: exists and is not empty")
+    tmp = out.with_name(f".tmp-{out.name}")
+    writer = _rank() == 0
+    if writer:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+
+    layout = model_layout(config, 1)
+    total = len(hf_names(layout, config.add_qkv_bias))
+    stream = iter_hf_weights(model, config)
+    if not writer:
+        for _ in stream:  # take part in the gathers
+            pass
+        if dist.is_initialized():
+            dist.barrier()
+        return out
+
+    def host_copies():
+        for name, tensor in tqdm(stream, total=total, desc="export", disable=not progress):
+            yield name, tensor.detach().to("cpu", dtype or tensor.dtype).clone()
+
+    _write_shards(host_copies(), tmp, max_shard_bytes)
+    hf_config = hf_config_from_model(config, base_hf_config)
+    hf_config["torch_dtype"] = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
+    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else None
+    if tokenizer_dir and (tokenizer_dir / "generation_config.json").is_file():
+        shutil.copy2(tokenizer_dir / "generation_config.json", tmp)
+    else:
+        _write_generation_config(hf_config, tmp)
+    for name in TOKENIZER_FILES if tokenizer_dir else ():
+        if (tokenizer_dir / name).is_file():
+            shutil.copy2(tokenizer_dir / name, tmp)
+    if out.exists():
+        out.rmdir()
+    os.rename(tmp, out)
+    if dist.is_initialized():
+        dist.barrier()
+    return out
+

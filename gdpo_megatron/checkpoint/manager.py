@@ -1,0 +1,303 @@
+"""Training checkpoints: save, find and resume, safe against crashes and topology changes.
+
+Layout under the checkpoint root::
+
+    step_<N>/
+        dist/                megatron-core dist_checkpointing: model, optimizer, scheduler
+        rng/rank_<r>.pt      python / numpy / torch (and megatron tracker) RNG states per rank
+        trainer_state.json   step, data-loader position, config, world layout
+        manifest.json        size and CRC32 of every file above (written last)
+    latest                   name of the newest complete step directory
+    .tmp-step_<N>/           a checkpoint being written (or left by a crash): ignored
+
+Every rank calls :meth:`CheckpointManager.save` / :meth:`CheckpointManager.load` (collective).
+A checkpoint is written under a temporary name and renamed to ``step_<N>`` when every rank has
+finished, so a ``step_<N>`` directory is always complete; resume takes the newest one. The
+model and optimizer are stored by megatron-core's ``dist_checkpointing``, so they load under a
+different tensor/pipeline-parallel layout than they were saved with.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import warnings
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, tensor_parallel
+
+from gdpo_megatron.checkpoint.weight_stream import unwrap
+
+STEP_DIR = re.compile(r"step_(\d+)")
+TMP_PREFIX = ".tmp-"
+LATEST = "latest"
+STATE_FILE = "trainer_state.json"
+MANIFEST = "manifest.json"
+DIST_DIR = "dist"
+RNG_DIR = "rng"
+FORMAT_VERSION = 1
+# The distributed optimizer's state layout: "dp_reshardable" (fast, fully parallel; reloads
+# under another data-parallel size only) or "fully_reshardable" (gathers on save; reloads
+# under any layout).
+DEFAULT_OPTIMIZER_SHARDING = "dp_reshardable"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or corrupted (the message names the file)."""
+
+
+@dataclass
+class TrainingState:
+    """What a resumed run needs besides the model and optimizer."""
+
+    step: int
+    data_position: Any = None  # JSON value from the data loader (e.g. samples consumed)
+    config: dict = field(default_factory=dict)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _files_of(directory: Path) -> list[str]:
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
+
+
+def _checksums(directory: Path, names: list[str]) -> dict[str, dict[str, int]]:
+    """Size and CRC32 of ``names``, each rank reading its share; the union on every rank."""
+    mine = {n: {"size": (directory / n).stat().st_size, "crc32": _crc32(directory / n)}
+            for i, n in enumerate(names) if i % _world_size() == _rank()}
+    if not dist.is_initialized():
+        return mine
+    parts: list[dict] = [None] * _world_size()
+    dist.all_gather_object(parts, mine)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def _write_json_atomic(path: Path, value: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict:
+    """The RNG states of this process: python, numpy, torch, CUDA and megatron's tracker."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    if tracker.is_initialized():
+        state["tracker"] = tracker.get_states()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` returned."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if "tracker" in state:
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _sharded_state_dict(model, optimizer, scheduler, optimizer_sharding: str, is_loading: bool) -> dict:
+    model_sd = unwrap(model).sharded_state_dict()
+    state = {"model": model_sd}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": optimizer_sharding}
+        )
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()
+    return state
+
+
+class CheckpointManager:
+    """Saves ``step_<N>`` checkpoints under ``root``, keeps the last ``keep_last``, resumes."""
+
+    def __init__(self, root: str | os.PathLike, keep_last: int | None = 3,
+                 optimizer_sharding: str = DEFAULT_OPTIMIZER_SHARDING):
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last: expected None or >= 1, got {keep_last}")
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.optimizer_sharding = optimizer_sharding
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"step_{step}"
+
+    # --- finding checkpoints ---------------------------------------------------------------
+
+    def complete_steps(self) -> list[int]:
+        """Steps with a complete checkpoint, oldest first; warns about half-written ones."""
+        if not self.root.is_dir():
+            return []
+        steps = []
+        for entry in self.root.iterdir():
+            if entry.name.startswith(TMP_PREFIX):
+                warnings.warn(f"ignoring incomplete checkpoint {entry} (interrupted while being written)")
+            elif entry.is_dir() and (match := STEP_DIR.fullmatch(entry.name)):
+                steps.append(int(match.group(1)))
+        return sorted(steps)
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step, or None when there is none."""
+        steps = self.complete_steps()
+        return steps[-1] if steps else None
+
+    # --- saving ----------------------------------------------------------------------------
+
+    def save(self, step: int, model, optimizer=None, scheduler=None, *, data_position: Any = None,
+             config: dict | None = None) -> Path:
+        """Write ``step_<step>`` (collective); return its path once it is complete."""
+        final = self.step_dir(step)
+        tmp = self.root / f"{TMP_PREFIX}{final.name}"
+        state = {"format_version": FORMAT_VERSION, "step": step, "data_position": data_position,
+                 "config": config or {}, "world_size": _world_size()}
+        try:
+            state_text = json.dumps(state, indent=2, sort_keys=True)
+        except TypeError as e:
+            raise TypeError(f"checkpoint data_position / config must be JSON values: {e}") from None
+        if final.exists():
+            raise FileExistsError(f"{final}: a checkpoint of step {step} exists already")
+        if _rank() == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)  # left by a crash
+            (tmp / DIST_DIR).mkdir(parents=True)
+            (tmp / RNG_DIR).mkdir()
+        _barrier()
+
+        sharded = _sharded_state_dict(model, optimizer, scheduler, self.optimizer_sharding, is_loading=False)
+        dist_checkpointing.save(sharded, str(tmp / DIST_DIR))
+        torch.save(rng_state(), tmp / RNG_DIR / f"rank_{_rank()}.pt")
+        if _rank() == 0:
+            (tmp / STATE_FILE).write_text(state_text + "\n")
+        _barrier()
+
+        manifest = _checksums(tmp, _files_of(tmp))
+        if _rank() == 0:
+            _write_json_atomic(tmp / MANIFEST, manifest)
+            os.rename(tmp, final)
+            (self.root / f"{LATEST}.tmp").write_text(final.name + "\n")
+            os.replace(self.root / f"{LATEST}.tmp", self.root / LATEST)
+            self._prune(keep=step)
+        _barrier()
+        return final
+
+    def _prune(self, keep: int) -> None:
+        if self.keep_last is None:
+            return
+        steps = [s for s in self.complete_steps() if s != keep]
+        for old in steps[: max(len(steps) - (self.keep_last - 1), 0)]:
+            shutil.rmtree(self.step_dir(old))
+
+    # --- loading ---------------------------------------------------------------------------
+
+    def load(self, model, optimizer=None, scheduler=None, *, step: int | None = None,
+             restore_rng: bool = True, verify: bool = True) -> TrainingState:
+        """Load ``step`` (default: the newest complete) into the given objects (collective).
+
+        ``model`` may be built under another TP/PP layout than the one saved. RNG states are
+        restored when the world size matches the saved one (else a warning).
+        """
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointError(f"{self.root}: no complete checkpoint (expected step_<N> directories)")
+        directory = self.step_dir(step)
+        if not directory.is_dir():
+            raise CheckpointError(f"{directory}: no such checkpoint")
+        if verify:
+            self.verify(directory)
+        state = _read_state(directory)
+
+        sharded = _sharded_state_dict(model, optimizer, scheduler, self.optimizer_sharding, is_loading=True)
+        scheduler_state = sharded.pop("scheduler", None)
+        try:
+            loaded = dist_checkpointing.load(sharded, str(directory / DIST_DIR))
+        except Exception as e:
+            raise CheckpointError(f"{directory / DIST_DIR}: cannot load the distributed checkpoint: {e}") from e
+        unwrap(model).load_state_dict(loaded["model"])
+        if optimizer is not None:
+            with torch.no_grad():  # fp32 optimizers copy into leaf parameters
+                optimizer.load_state_dict(loaded["optimizer"])
+        if scheduler_state is not None:
+            common = dist_checkpointing.load_common_state_dict(str(directory / DIST_DIR))
+            if "scheduler" not in common:
+                raise CheckpointError(f"{directory / DIST_DIR}: saved without a scheduler state")
+            scheduler.load_state_dict(common["scheduler"])
+        if restore_rng:
+            self._restore_rng(directory, state["world_size"])
+        return TrainingState(step=state["step"], data_position=state["data_position"], config=state["config"])
+
+    def _restore_rng(self, directory: Path, saved_world_size: int) -> None:
+        if saved_world_size != _world_size():
+            warnings.warn(f"{directory}: RNG states not restored (saved by {saved_world_size} ranks, "
+                          f"loading on {_world_size()})")
+            return
+        path = directory / RNG_DIR / f"rank_{_rank()}.pt"
+        try:
+            set_rng_state(torch.load(path, weights_only=False))
+        except Exception as e:
+            raise CheckpointError(f"{path}: cannot read the RNG states: {e}") from e
+
+    def verify(self, directory: Path) -> None:
+        """Raise :class:`CheckpointError` naming the first missing, extra-short or corrupted file."""
+        manifest_path = directory / MANIFEST
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except FileNotFoundError:
+            raise CheckpointError(f"{manifest_path}: missing (the checkpoint is incomplete)") from None
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{manifest_path}: corrupted ({e})") from None
+        missing = [n for n in manifest if not (directory / n).is_file()]
+        if missing:
+            raise CheckpointError(f"{directory / missing[0]}: missing from the checkpoint")
+        actual = _checksums(directory, sorted(manifest))
+        for name in sorted(manifest):
+            if actual[name] != manifest[name]:
+                raise CheckpointError(
+                    f"{directory / name}: corrupted (size {actual[name]['size']}, crc32 {actual[name]['crc32']}; "
+                    f"expected size {manifest[name]['size']}, crc32 {manifest[name]['crc32']})"
+                )
+
+
+def _read_state(directory: Path) -> dict:
+    path = directory / STATE_FILE
+    try:
+        state = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: corrupted ({e})") from None
+    for key in ("step", "data_position", "config", "world_size"):
+        if key not in state:
+            raise CheckpointError(f"{path}: missing the field {key!r}")
+    return state

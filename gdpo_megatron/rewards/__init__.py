@@ -1,0 +1,17 @@
+"""Reward functions (registered by name) and the sharded reward stage.
+
+Importing this package registers the built-in rewards: ``tool_format``,
+``tool_correctness``, ``math_correctness``, ``math_format``, ``length``, ``code_pass`` and
+``code_no_bug``.
+"""
+from gdpo_megatron.rewards import coding, length, math_answer, tool_call  # noqa: F401  (registration)
+from gdpo_megatron.rewards.registry import (
+    RewardSpec,
+    get_reward,
+    load_reward_file,
+    register_reward,
+    registered_rewards,
+    validate_specs,
+)
+
+__all__ = ["RewardSpec", "get_reward", "load_reward_file", "register_reward", "registered_rewards", "validate_specs"]

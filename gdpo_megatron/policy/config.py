@@ -247,9 +247,11 @@ class PolicyConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     micro_batch_size: int = 1  # sequences per forward-backward micro-batch
     ppo_epochs: int = 1  # optimizer passes over each batch; > 1 recomputes old logprobs
+    temperature: float = 1.0  # the rollouts' sampling temperature; logits are divided by it
     seed: int = 1234
 
     def __post_init__(self):
+        _require(self.temperature > 0, "temperature", "> 0", self.temperature)
         _require(self.micro_batch_size >= 1, "micro_batch_size", ">= 1", self.micro_batch_size)
         _require(self.ppo_epochs >= 1, "ppo_epochs", ">= 1", self.ppo_epochs)
 

@@ -1,0 +1,217 @@
+"""The policy worker: this rank's model shard, its optimizer and LR schedule, and the update.
+
+One :class:`PolicyWorker` per rank, created after ``torch.distributed`` is initialized; it owns
+megatron's parallel state until :meth:`PolicyWorker.close`. Every rank calls the same methods
+in the same order with the batch of its data-parallel replica (ranks of one tensor/pipeline
+group pass the same batch). Micro-batches go through megatron-core's forward-backward
+function (1F1B when pipelined); the loss functions return token sums and megatron divides the
+gradients by the global number of tokens (or sequences) across micro-batches and
+data-parallel ranks, so the update equals the single-process one whatever the layout.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from gdpo_megatron.policy import cpu_compat
+from gdpo_megatron.policy.batch import PolicyBatch
+from gdpo_megatron.policy.config import PolicyConfig
+from gdpo_megatron.policy.logprobs import vocab_parallel_logprobs
+from gdpo_megatron.policy.loss import TOKEN_METRICS, policy_loss
+from gdpo_megatron.policy.model import build_model, destroy_model_parallel, initialize_model_parallel
+
+# Order of the per-micro-batch sums carried from the loss function to the metrics.
+_SUMS = ("loss_sum", "count", "num_tokens", *TOKEN_METRICS)
+
+
+class PolicyWorker:
+    """Builds the model (and a frozen reference when ``loss.kl_coef > 0``), megatron DDP, the
+    Adam optimizer and the LR schedule; runs :meth:`train_step` and :meth:`compute_logprobs`."""
+
+    def __init__(self, config: PolicyConfig):
+        if not dist.is_initialized():
+            raise RuntimeError("PolicyWorker: torch.distributed is not initialized")
+        config.validate(dist.get_world_size())
+        self.config = config
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        initialize_model_parallel(config.parallel, config.seed)
+        model = build_model(config.model, config.parallel, config.precision)
+        self.reference: Optional[GPTModel] = None
+        if config.loss.kl_coef > 0:
+            self.reference = build_model(config.model, config.parallel, config.precision)
+            self.reference.load_state_dict(model.state_dict())
+            self.reference.requires_grad_(False).eval()
+
+        optim, precision = config.optim, config.precision
+        with cpu_compat.device_scope():
+            self.model = DistributedDataParallel(
+                config=model.config,
+                ddp_config=DistributedDataParallelConfig(
+                    grad_reduce_in_fp32=True, use_distributed_optimizer=optim.use_distributed_optimizer),
+                module=model,
+            )
+            self.optimizer = get_megatron_optimizer(
+                OptimizerConfig(
+                    optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+                    adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+                    clip_grad=optim.clip_grad, bf16=precision.dtype == "bf16", params_dtype=precision.params_dtype,
+                    use_distributed_optimizer=optim.use_distributed_optimizer,
+                ),
+                [self.model],
+            )
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0, max_lr=optim.lr, min_lr=optim.min_lr,
+            lr_warmup_steps=optim.lr_warmup_steps, lr_decay_steps=optim.lr_decay_steps,
+            lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
+            wd_incr_steps=optim.lr_decay_steps, wd_incr_style="constant",
+        )
+        model.config.no_sync_func = self.model.no_sync
+        model.config.finalize_model_grads_func = finalize_model_grads
+        model.config.grad_scale_func = self.optimizer.scale_loss
+        self._forward_backward = get_forward_backward_func()
+        self.steps = 0
+
+    @property
+    def gpt_model(self) -> GPTModel:
+        """This rank's pipeline stage of the policy (unwrapped from DDP)."""
+        return self.model.module
+
+    def close(self) -> None:
+        """Release megatron's parallel state (the default process group stays)."""
+        destroy_model_parallel()
+
+    def __enter__(self) -> "PolicyWorker":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- public API -------------------------------------------------------------------
+
+    def compute_logprobs(self, batch: PolicyBatch) -> torch.Tensor:
+        """``[B, T - 1]`` log-probabilities of the targets under the current policy, on every rank."""
+        batch.validate(self.config.model.vocab_size)
+        logprobs = self._forward_logprobs(self.gpt_model, batch.to(self.device))
+        return self._from_last_stage(logprobs, (batch.size, batch.seq_length - 1))
+
+    def train_step(self, batch: PolicyBatch) -> dict[str, float]:
+        """``ppo_epochs`` optimizer steps on ``batch``; returns the last step's metrics.
+
+        Old log-probabilities are the batch's (from the rollout engine) when
+        ``ppo_epochs == 1`` (the current policy's, detached, when it has none) and are
+        recomputed with the policy before the first step when ``ppo_epochs > 1``.
+        """
+        batch.validate(self.config.model.vocab_size)
+        batch = batch.to(self.device)
+        if self.config.ppo_epochs > 1:
+            batch.old_logprobs = self._forward_logprobs(self.gpt_model, batch)
+        if self.reference is not None:
+            batch.ref_logprobs = self._forward_logprobs(self.reference, batch)
+        for _ in range(self.config.ppo_epochs):
+            metrics = self._optimizer_step(batch)
+        return metrics
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _optimizer_step(self, batch: PolicyBatch) -> dict[str, float]:
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run(self.model, batch, self._loss, forward_only=False)
+        lr = self.optimizer.param_groups[0]["lr"]
+        with cpu_compat.device_scope():
+            ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+            self.steps += 1
+        metrics = self._reduce_metrics(outputs)
+        metrics.update(lr=lr, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+                       update_skipped=float(not ok))
+        return metrics
+
+    def _run(self, model, batch: PolicyBatch, loss_fn: Callable, forward_only: bool) -> list:
+        """Micro-batches of ``batch`` through megatron's forward-backward function."""
+        micro_batches = batch.micro_batches(self.config.micro_batch_size)
+        seq_length = batch.seq_length
+        positions = torch.arange(seq_length, device=self.device).unsqueeze(0)
+
+        def forward_step(data_iterator, module):
+            micro = next(data_iterator)
+            output = module(micro.input_ids, positions.expand_as(micro.input_ids), None)
+            return output, functools.partial(loss_fn, micro)
+
+        with cpu_compat.device_scope(), torch.set_grad_enabled(not forward_only):
+            return self._forward_backward(
+                forward_step_func=forward_step,
+                data_iterator=iter(micro_batches),
+                model=[model],
+                num_microbatches=len(micro_batches),
+                seq_length=seq_length,
+                micro_batch_size=self.config.micro_batch_size,
+                forward_only=forward_only,
+            )
+
+    def _token_logprobs(self, logits: torch.Tensor, micro: PolicyBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        return vocab_parallel_logprobs(
+            logits[:, :-1], micro.input_ids[:, 1:], self.config.model.vocab_size,
+            group=tp_group if dist.get_world_size(tp_group) > 1 else None,
+            temperature=self.config.temperature,
+        )
+
+    def _loss(self, micro: PolicyBatch, logits: torch.Tensor):
+        logprobs, entropy = self._token_logprobs(logits, micro)
+        old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
+        terms = policy_loss(logprobs, old, micro.advantages, micro.target_mask, self.config.loss,
+                            ref_logprobs=micro.ref_logprobs, entropy=entropy)
+        sums = torch.stack([terms.loss_sum.detach(), terms.count.float(), terms.num_tokens.float(),
+                            *(terms.metric_sums[name].float() for name in TOKEN_METRICS)])
+        extrema = torch.stack([-terms.ratio_min, terms.ratio_max])
+        return terms.loss_sum, terms.count, {"sums": sums, "extrema": extrema}
+
+    def _forward_logprobs(self, model, batch: PolicyBatch) -> Optional[torch.Tensor]:
+        """Logprobs of the targets on the last pipeline stage (None on the others)."""
+
+        def collect(micro, logits):
+            logprobs, _ = self._token_logprobs(logits, micro)
+            return logits.new_zeros(()), torch.zeros((), dtype=torch.int, device=logits.device), logprobs
+
+        outputs = self._run(model, batch, collect, forward_only=True)
+        return torch.cat(outputs) if parallel_state.is_pipeline_last_stage() else None
+
+    def _from_last_stage(self, tensor: Optional[torch.Tensor], shape) -> torch.Tensor:
+        """Broadcast a float32 tensor held by the last pipeline stage to the whole PP group."""
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            return tensor
+        if tensor is None:
+            tensor = torch.empty(shape, dtype=torch.float32, device=self.device)
+        dist.broadcast(tensor, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                       group=parallel_state.get_pipeline_model_parallel_group())
+        return tensor
+
+    def _reduce_metrics(self, outputs: list) -> dict[str, float]:
+        """Global metrics from the per-micro-batch sums (all-reduced over data parallel)."""
+        last_stage = parallel_state.is_pipeline_last_stage()
+        sums = torch.stack([o["sums"] for o in outputs]).sum(0) if last_stage else None
+        extrema = torch.stack([o["extrema"] for o in outputs]).amax(0) if last_stage else None
+        if last_stage:
+            dp_group = parallel_state.get_data_parallel_group()
+            dist.all_reduce(sums, group=dp_group)
+            dist.all_reduce(extrema, op=dist.ReduceOp.MAX, group=dp_group)
+        sums = self._from_last_stage(sums, (len(_SUMS),))
+        extrema = self._from_last_stage(extrema, (2,))
+        totals = dict(zip(_SUMS, sums.tolist()))
+        tokens = max(totals["num_tokens"], 1.0)
+        metrics = {"loss": totals["loss_sum"] / max(totals["count"], 1.0), "num_tokens": totals["num_tokens"]}
+        metrics.update({name: totals[name] / tokens for name in TOKEN_METRICS})
+        metrics.update(ratio_min=-extrema[0].item(), ratio_max=extrema[1].item())
+        return metrics

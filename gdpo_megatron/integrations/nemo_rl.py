@@ -80,10 +80,11 @@ class GDPOMegatronEstimator:
             raise ValueError(f"mask: expected a [B, T] token mask tensor, got {_describe(mask)}")
         batch_size, device = mask.shape[0], mask.device
         names = reward_names(repeated_batch)
-        reward_matrix = torch.stack(
-            [_per_rollout(repeated_batch[REWARD_PREFIX + n], f"repeated_batch[{REWARD_PREFIX + n!r}]", batch_size) for n in names],
-            dim=1,
-        ).to(device)
+        columns = [
+            _per_rollout(repeated_batch[REWARD_PREFIX + n], f"repeated_batch[{REWARD_PREFIX + n!r}]", batch_size)
+            for n in names
+        ]
+        reward_matrix = torch.stack([c.to(device=device, dtype=torch.float64) for c in columns], dim=1)
         valid = mask.ne(0).any(dim=1)
         if valid_mask is not None:
             valid &= _per_rollout(valid_mask, "valid_mask", batch_size).to(device).ne(0)

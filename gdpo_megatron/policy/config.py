@@ -202,8 +202,8 @@ class OptimConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0  # max global gradient norm; 0 disables clipping
-    lr_warmup_steps: int = 0
-    lr_decay_steps: int = 1000  # optimizer steps from start to min_lr (cosine)
+    lr_warmup_steps: int = 0  # the lr rises linearly from 0 at step 0 to `lr` at this step
+    lr_decay_steps: int = 1000  # cosine: the step at which the lr reaches min_lr
     lr_decay_style: str = "constant"
     # None: the distributed (sharded) optimizer on GPU, the plain one on CPU.
     use_distributed_optimizer: Optional[bool] = None

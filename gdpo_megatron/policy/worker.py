@@ -37,7 +37,9 @@ class PolicyWorker:
     """Builds the model (and a frozen reference when ``loss.kl_coef > 0``), megatron DDP, the
     Adam optimizer and the LR schedule; runs :meth:`train_step` and :meth:`compute_logprobs`."""
 
-    def __init__(self, config: PolicyConfig):
+    def __init__(self, config: PolicyConfig, init_weights: Optional[Callable[[GPTModel], None]] = None):
+        """``init_weights(model)``, when given, sets the freshly built (random) weights of this
+        rank's model, e.g. from a checkpoint; the reference model starts from the result."""
         if not dist.is_initialized():
             raise RuntimeError("PolicyWorker: torch.distributed is not initialized")
         config.validate(dist.get_world_size())
@@ -45,6 +47,8 @@ class PolicyWorker:
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         initialize_model_parallel(config.parallel, config.seed)
         model = build_model(config.model, config.parallel, config.precision)
+        if init_weights is not None:
+            init_weights(model)
         self.reference: Optional[GPTModel] = None
         if config.loss.kl_coef > 0:
             self.reference = build_model(config.model, config.parallel, config.precision)

@@ -51,6 +51,10 @@ def test_bad_nodelist_is_named(nodelist, match):
         expand_nodelist(nodelist)
 
 
+def _without(env, *names):
+    return {k: v for k, v in env.items() if k not in names}
+
+
 TORCHRUN = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.4", "MASTER_PORT": "29400"}
 SRUN = {
     "SLURM_PROCID": "6",
@@ -70,7 +74,7 @@ SRUN = {
         # srun: first host of the step, port 12000 + 4242817 % 20000 = 14817
         (SRUN, LaunchEnv(6, 16, 6, "gpu17", 14817, "slurm")),
         ({**SRUN, "SLURM_STEP_NODELIST": ""}, LaunchEnv(6, 16, 6, "gpu17", 14817, "slurm")),
-        ({k: v for k, v in SRUN.items() if "NODELIST" not in k or "JOB" in k}, LaunchEnv(6, 16, 6, "big001", 14817, "slurm")),
+        (_without(SRUN, "SLURM_STEP_NODELIST", "SLURM_NODELIST"), LaunchEnv(6, 16, 6, "big001", 14817, "slurm")),
         ({**SRUN, "MASTER_ADDR": "head", "MASTER_PORT": "23456"}, LaunchEnv(6, 16, 6, "head", 23456, "slurm")),
         ({**SRUN, **TORCHRUN}, LaunchEnv(5, 8, 1, "10.0.0.4", 29400, "torchrun")),  # torchrun inside srun
         ({}, LaunchEnv(0, 1, 0, "127.0.0.1", 29500, "single")),
@@ -79,10 +83,6 @@ SRUN = {
 )
 def test_resolve_launch_env(environ, expected):
     assert resolve_launch_env(environ) == expected
-
-
-def _without(env, *names):
-    return {k: v for k, v in env.items() if k not in names}
 
 
 @pytest.mark.parametrize(

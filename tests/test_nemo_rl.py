@@ -35,7 +35,7 @@ def nemo_rl_inputs(prompts, group_size, rewards, response_lengths, sample_mask=N
     for b, (p, n) in enumerate(zip(rows, lengths)):
         prompt_ids[b, : len(p)] = torch.tensor(p)
         token_mask[b, len(p) : len(p) + n] = 1.0
-    sample = torch.ones(B) if sample_mask is None else torch.tensor([sample_mask[i] for i in order], dtype=torch.float32)
+    sample = torch.ones(B) if sample_mask is None else torch.tensor([float(sample_mask[i]) for i in order])
     batch = {
         "message_log": [[{"role": "user", "token_ids": torch.tensor(p)}] for p in rows],
         "total_reward": torch.tensor([sum(v[b] for v in rewards.values()) for b in range(B)]),
@@ -231,7 +231,8 @@ def test_install_routes_the_selected_implementation_only():
     )
     assert isinstance(grpo._create_advantage_estimator(pydantic_like), GDPOMegatronEstimator)
     with pytest.raises(ValueError, match=r"implementation: expected 'gdpo_megatron', got 'gdpo-megatron'"):
-        grpo._create_advantage_estimator({"grpo": {"adv_estimator": {"name": "gdpo", "implementation": "gdpo-megatron"}}})
+        typo = {"name": "gdpo", "implementation": "gdpo-megatron"}
+        grpo._create_advantage_estimator({"grpo": {"adv_estimator": typo}})
 
 
 def test_reward_columns_of_mixed_dtypes_and_a_bool_mask():

@@ -186,7 +186,8 @@ def prompt_groups(prompt_ids, batch_size: int) -> torch.Tensor:
         ids = ids.unsqueeze(1)
     if ids.dim() != 2 or ids.shape[0] != batch_size:
         raise ValueError(
-            f"prompt_ids: expected [{batch_size}, S] prompt token ids (one row per rollout), got shape {tuple(ids.shape)}"
+            f"prompt_ids: expected [{batch_size}, S] prompt token ids (one row per rollout), "
+            f"got shape {tuple(ids.shape)}"
         )
     if ids.is_floating_point() or ids.dtype == torch.bool:
         raise ValueError(f"prompt_ids: expected integer token ids, got {ids.dtype}")
@@ -226,7 +227,9 @@ def _parse_conditions(conditions) -> list[dict]:
     if conditions is None:
         return []
     if not isinstance(conditions, Sequence) or isinstance(conditions, str):
-        raise ValueError(f"{CONFIG_PATH}.conditions: expected a list of {{target, on, threshold, fill}}, got {conditions!r}")
+        raise ValueError(
+            f"{CONFIG_PATH}.conditions: expected a list of {{target, on, threshold, fill}}, got {conditions!r}"
+        )
     parsed = []
     for i, c in enumerate(conditions):
         where = f"{CONFIG_PATH}.conditions[{i}]"

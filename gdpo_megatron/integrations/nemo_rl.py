@@ -143,8 +143,10 @@ def install(grpo_module: ModuleType | None = None) -> None:
 
     Wraps ``nemo_rl.algorithms.grpo._create_advantage_estimator``: a config whose
     ``grpo.adv_estimator.implementation`` is ``gdpo_megatron`` gets this estimator, any
-    config without that key what NeMo-RL builds. Call it once in the launch script before
-    ``grpo_train``; calling it again changes nothing.
+    config without that key what NeMo-RL builds. Call it once at the top of the launch
+    script, before other ``nemo_rl.algorithms`` modules are imported (some import the
+    factory by name); calling it again changes nothing. It patches the calling process:
+    NeMo-RL's synchronous ``grpo_train`` builds its estimator there.
     """
     if grpo_module is None:
         from nemo_rl.algorithms import grpo as grpo_module

@@ -1,0 +1,240 @@
+"""The reward stage: score this rank's rollouts with K named rewards in a process pool.
+
+Each data-parallel rank scores only its own rollouts, so nothing crosses ranks here. Work is
+sent one rollout at a time (all its rewards, in config order, so rewards that share work,
+like ``code_pass`` and ``code_no_bug``, can share it in the worker); every reward call has
+its own timeout. A call that raises, returns a non-finite or non-numeric value, runs past
+its timeout, or takes its worker down scores the reward's ``failure_value`` and is counted
+in ``reward/<name>/failures`` (timeouts also in ``reward/<name>/timeouts``) and logged. A
+worker that times out is killed, with any sandboxed programs it started, and replaced.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing as mp
+import numbers
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from gdpo_megatron.rewards import sandbox
+from gdpo_megatron.rewards.registry import RewardSpec, get_reward, load_reward_file, validate_specs
+
+log = logging.getLogger(__name__)
+
+_READY, _VALUE, _ERROR, _FATAL = "ready", "value", "error", "fatal"
+_MAX_START_FAILURES = 3  # consecutive workers dying before they are ready: give up
+_START_TIMEOUT_S = 300.0
+
+
+def _worker_main(conn: Connection, specs: Sequence[RewardSpec], reward_files: Sequence[str]) -> None:
+    """Worker loop: receive (rollout, completion, num_tokens, metadata, reward indices),
+    send one message per reward."""
+    try:
+        import gdpo_megatron.rewards  # noqa: F401  (registers the built-in rewards)
+
+        for path in reward_files:
+            load_reward_file(path)
+        fns = [get_reward(spec.name) for spec in specs]
+    except BaseException:
+        conn.send((_FATAL, traceback.format_exc()))
+        return
+    conn.send((_READY,))
+    while (task := conn.recv()) is not None:
+        rollout, completion, num_tokens, metadata, indices = task
+        for k in indices:
+            try:
+                value = fns[k](completion, num_tokens, metadata, **specs[k].kwargs)
+                if not isinstance(value, numbers.Real) or not math.isfinite(value):
+                    raise TypeError(f"returned {value!r}, expected a finite number")
+                conn.send((_VALUE, rollout, k, float(value)))
+            except (Exception, SystemExit):
+                conn.send((_ERROR, rollout, k, traceback.format_exc(limit=-3)))
+
+
+@dataclass
+class _Worker:
+    process: Any
+    conn: Connection
+    ready: bool = False
+    rollout: int | None = None  # what it is scoring now
+    indices: deque = field(default_factory=deque)  # rewards of that rollout still to come
+    started: float = 0.0  # when the current reward call began
+
+
+class RewardStage:
+    """``score`` returns ``[n, K]`` float32 rewards in config order plus per-reward metrics.
+
+    >>> with RewardStage([RewardSpec("math_correctness"), RewardSpec("length", kwargs={"max_tokens": 512})]) as stage:
+    ...     rewards, metrics = stage.score(completions, num_tokens, ground_truths)
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[RewardSpec],
+        num_workers: int = 2,
+        timeout_s: float = 30.0,
+        reward_files: Sequence[str | Path] = (),
+    ):
+        if not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"reward stage: num_workers must be an integer >= 1, got {num_workers!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"reward stage: timeout_s must be > 0, got {timeout_s!r}")
+        self.reward_files = [str(Path(p).resolve()) for p in reward_files]
+        for path in self.reward_files:
+            load_reward_file(path)
+        validate_specs(specs)
+        self.specs = list(specs)
+        self.timeouts = [spec.timeout_s or timeout_s for spec in self.specs]
+        # Workers fork from a server that imported the rewards once, so a replacement for a
+        # killed worker is ready in milliseconds instead of re-importing for seconds.
+        self._ctx = mp.get_context("forkserver")
+        self._ctx.set_forkserver_preload(["gdpo_megatron.rewards"])
+        self._start_failures = 0
+        self._workers = [self._start_worker() for _ in range(num_workers)]
+
+    @property
+    def names(self) -> list[str]:
+        """Reward names in config order (the columns of the reward tensor)."""
+        return [spec.name for spec in self.specs]
+
+    @property
+    def weights(self) -> list[float]:
+        return [spec.weight for spec in self.specs]
+
+    def score(
+        self, completions: Sequence[str], num_tokens: Sequence[int], metadata: Sequence[dict]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Rewards ``[n, K]`` for ``n`` rollouts, and ``reward/<name>/{mean,std,failures,timeouts}``."""
+        n = len(completions)
+        if len(num_tokens) != n or len(metadata) != n:
+            raise ValueError(
+                f"reward stage: got {n} completions, {len(num_tokens)} token counts and "
+                f"{len(metadata)} metadata dicts; expected one of each per rollout"
+            )
+        K = len(self.specs)
+        values = [[math.nan] * K for _ in range(n)]
+        failures, timeouts = [0] * K, [0] * K
+        first_error: list[str | None] = [None] * K
+        pending = deque((i, deque(range(K))) for i in range(n))
+
+        def fail(i: int, k: int, why: str, timed_out: bool = False) -> None:
+            values[i][k] = self.specs[k].failure_value
+            failures[k] += 1
+            timeouts[k] += timed_out
+            first_error[k] = first_error[k] or why
+
+        while pending or any(w.rollout is not None for w in self._workers):
+            for w in self._workers:
+                if w.ready and w.rollout is None and pending:
+                    w.rollout, w.indices = pending.popleft()
+                    w.conn.send((w.rollout, completions[w.rollout], num_tokens[w.rollout], metadata[w.rollout], list(w.indices)))
+                    w.started = time.monotonic()
+            deadline = self._next_deadline()
+            ready = wait([w.conn for w in self._workers], timeout=_START_TIMEOUT_S if deadline is None else deadline)
+            if not ready and deadline is None:
+                self.close()
+                raise RuntimeError(f"reward stage: no worker became ready within {_START_TIMEOUT_S} s")
+            for w in ready:
+                worker = next(x for x in self._workers if x.conn is w)
+                try:
+                    message = worker.conn.recv()
+                except (EOFError, OSError):
+                    message = None
+                if message is None or message[0] == _FATAL:
+                    self._replace(worker, message, pending, fail, "worker process died")
+                elif message[0] == _READY:
+                    worker.ready = True
+                    self._start_failures = 0
+                else:
+                    kind, i, k, payload = message
+                    if kind == _VALUE:
+                        values[i][k] = payload
+                    else:
+                        fail(i, k, payload)
+                    worker.indices.popleft()
+                    worker.started = time.monotonic()
+                    if not worker.indices:
+                        worker.rollout = None
+            now = time.monotonic()
+            for worker in list(self._workers):
+                if worker.rollout is not None and now >= worker.started + self.timeouts[worker.indices[0]]:
+                    k = worker.indices[0]
+                    self._replace(worker, None, pending, fail, f"timed out after {self.timeouts[k]} s", timed_out=True)
+
+        for k, why in enumerate(first_error):
+            if why is not None:
+                log.warning("reward %s failed on %d of %d rollouts; first failure:\n%s", self.names[k], failures[k], n, why)
+        rewards = torch.tensor(values, dtype=torch.float32).reshape(n, K)
+        return rewards, self._metrics(rewards, failures, timeouts)
+
+    def close(self) -> None:
+        for w in self._workers:
+            if w.process.is_alive():
+                try:
+                    w.conn.send(None)
+                except OSError:
+                    pass
+        for w in self._workers:
+            w.process.join(timeout=5)
+            if w.process.is_alive():
+                self._kill(w)
+            w.conn.close()
+        self._workers = []
+
+    def __enter__(self) -> "RewardStage":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _metrics(self, rewards: torch.Tensor, failures: list[int], timeouts: list[int]) -> dict[str, float]:
+        out = {}
+        for k, name in enumerate(self.names):
+            column = rewards[:, k].to(torch.float64)
+            out[f"reward/{name}/mean"] = column.mean().item() if column.numel() else 0.0
+            out[f"reward/{name}/std"] = column.std(correction=0).item() if column.numel() else 0.0
+            out[f"reward/{name}/failures"] = float(failures[k])
+            out[f"reward/{name}/timeouts"] = float(timeouts[k])
+        return out
+
+    def _next_deadline(self) -> float | None:
+        """Seconds until the first running call times out (None: nothing is running)."""
+        running = [w.started + self.timeouts[w.indices[0]] for w in self._workers if w.rollout is not None]
+        return max(0.0, min(running) - time.monotonic()) if running else None
+
+    def _start_worker(self) -> _Worker:
+        parent, child = self._ctx.Pipe()
+        process = self._ctx.Process(target=_worker_main, args=(child, self.specs, self.reward_files), daemon=True)
+        process.start()
+        child.close()  # so that the worker's death reads as EOF here
+        return _Worker(process, parent)
+
+    def _replace(self, worker: _Worker, message, pending: deque, fail, why: str, timed_out: bool = False) -> None:
+        """Kill ``worker``, fail its current reward call, requeue the rest, start a new one."""
+        if not worker.ready:
+            self._start_failures += 1
+            if self._start_failures >= _MAX_START_FAILURES or message is not None:
+                self.close()
+                detail = message[1] if message is not None else "it exited before it was ready"
+                raise RuntimeError(f"reward stage: a worker could not start:\n{detail}")
+        if worker.rollout is not None:
+            fail(worker.rollout, worker.indices.popleft(), why, timed_out)
+            if worker.indices:
+                pending.appendleft((worker.rollout, worker.indices))
+        self._kill(worker)
+        worker.conn.close()
+        self._workers[self._workers.index(worker)] = self._start_worker()
+
+    @staticmethod
+    def _kill(worker: _Worker) -> None:
+        worker.process.kill()
+        worker.process.join()
+        sandbox.kill_sandbox_processes(worker.process.pid)

@@ -6,7 +6,6 @@ anything is allocated. The parallel keys are named like NeMo-RL's and verl's Meg
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import math
 from dataclasses import dataclass, field
@@ -84,24 +83,25 @@ class ModelConfig:
         """A named shape (see ``MODEL_PRESETS``), with fields overridden by keyword."""
         if name not in MODEL_PRESETS:
             raise ValueError(f"model preset: expected one of {sorted(MODEL_PRESETS)}, got {name!r}")
-        return dataclasses.replace(MODEL_PRESETS[name], **overrides)
+        return cls(**{**MODEL_PRESETS[name], **overrides})
 
 
+# Constructor arguments of named shapes (Hugging Face configs of the same names).
 MODEL_PRESETS = {
     # CPU tests and examples; head_dim 64 because vLLM's CPU attention needs it.
-    "tiny": ModelConfig(vocab_size=512, hidden_size=128, ffn_hidden_size=256, num_layers=2,
-                        num_attention_heads=2, max_position_embeddings=512, tie_word_embeddings=False),
-    "llama2-7b": ModelConfig(vocab_size=32000, hidden_size=4096, ffn_hidden_size=11008, num_layers=32,
-                             num_attention_heads=32),
-    "llama3-8b": ModelConfig(vocab_size=128256, hidden_size=4096, ffn_hidden_size=14336, num_layers=32,
-                             num_attention_heads=32, num_query_groups=8, max_position_embeddings=8192,
-                             rotary_base=500000.0),
-    "qwen2-7b": ModelConfig(vocab_size=152064, hidden_size=3584, ffn_hidden_size=18944, num_layers=28,
-                            num_attention_heads=28, num_query_groups=4, max_position_embeddings=32768,
-                            rotary_base=1000000.0, norm_epsilon=1e-6, add_qkv_bias=True),
-    "llama3-70b": ModelConfig(vocab_size=128256, hidden_size=8192, ffn_hidden_size=28672, num_layers=80,
-                              num_attention_heads=64, num_query_groups=8, max_position_embeddings=8192,
-                              rotary_base=500000.0),
+    "tiny": dict(vocab_size=512, hidden_size=128, ffn_hidden_size=256, num_layers=2, num_attention_heads=2,
+                 max_position_embeddings=512),
+    "llama2-7b": dict(vocab_size=32000, hidden_size=4096, ffn_hidden_size=11008, num_layers=32,
+                      num_attention_heads=32),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, ffn_hidden_size=14336, num_layers=32,
+                      num_attention_heads=32, num_query_groups=8, max_position_embeddings=8192,
+                      rotary_base=500000.0),
+    "qwen2-7b": dict(vocab_size=152064, hidden_size=3584, ffn_hidden_size=18944, num_layers=28,
+                     num_attention_heads=28, num_query_groups=4, max_position_embeddings=32768,
+                     rotary_base=1000000.0, norm_epsilon=1e-6, add_qkv_bias=True),
+    "llama3-70b": dict(vocab_size=128256, hidden_size=8192, ffn_hidden_size=28672, num_layers=80,
+                       num_attention_heads=64, num_query_groups=8, max_position_embeddings=8192,
+                       rotary_base=500000.0),
 }
 
 

@@ -1,0 +1,126 @@
+"""Policy configuration: presets, vocabulary padding, and clear errors for bad settings."""
+import pytest
+import torch
+
+from gdpo_megatron.policy.batch import PolicyBatch
+from gdpo_megatron.policy.config import (
+    LossConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    PolicyConfig,
+    PrecisionConfig,
+    check_model_parallel,
+)
+
+
+def test_presets_have_the_published_shapes():
+    tiny = ModelConfig.preset("tiny")
+    assert (tiny.hidden_size, tiny.num_attention_heads, tiny.head_dim, tiny.num_layers, tiny.vocab_size) == (
+        128, 2, 64, 2, 512)
+    qwen = ModelConfig.preset("qwen2-7b")
+    assert (qwen.num_query_groups, qwen.head_dim, qwen.add_qkv_bias, qwen.rotary_base) == (4, 128, True, 1e6)
+    llama = ModelConfig.preset("llama3-70b")
+    assert (llama.num_layers, llama.num_query_groups, llama.head_dim) == (80, 8, 128)
+    assert ModelConfig.preset("tiny", num_layers=4).num_layers == 4
+    assert ModelConfig.preset("tiny", hidden_size=256).head_dim == 128
+    with pytest.raises(ValueError, match="model preset"):
+        ModelConfig.preset("gpt-5")
+
+
+@pytest.mark.parametrize("vocab,divisor,tp,expected", [
+    (512, 128, 1, 512), (512, 128, 2, 512), (500, 128, 2, 512), (32000, 128, 8, 32768), (151936, 1, 3, 151938)])
+def test_padded_vocab_splits_evenly_over_tensor_parallel_ranks(vocab, divisor, tp, expected):
+    model = ModelConfig.preset("tiny", vocab_size=vocab, make_vocab_size_divisible_by=divisor)
+    padded = model.padded_vocab_size(tp)
+    assert padded == expected and padded % tp == 0 and padded >= vocab
+
+
+@pytest.mark.parametrize("model_overrides,parallel,field", [
+    (dict(num_attention_heads=2), ParallelConfig(tensor_model_parallel_size=4), "model.num_attention_heads"),
+    (dict(num_attention_heads=4, num_query_groups=2), ParallelConfig(tensor_model_parallel_size=4),
+     "model.num_query_groups"),
+    (dict(num_layers=3), ParallelConfig(pipeline_model_parallel_size=2), "model.num_layers"),
+])
+def test_model_that_does_not_split_is_rejected(model_overrides, parallel, field):
+    model = ModelConfig.preset("tiny", **model_overrides)
+    with pytest.raises(ValueError, match=field):
+        check_model_parallel(model, parallel)
+    with pytest.raises(ValueError, match=field):
+        PolicyConfig(model=model, parallel=parallel).validate(world_size=4)
+
+
+def test_parallel_settings_are_checked():
+    with pytest.raises(NotImplementedError, match="context_parallel_size"):
+        ParallelConfig(context_parallel_size=2)
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        ParallelConfig(sequence_parallel=True)
+    with pytest.raises(ValueError, match="tensor_model_parallel_size"):
+        ParallelConfig(tensor_model_parallel_size=0)
+    with pytest.raises(ValueError, match="world size 3"):
+        ParallelConfig(tensor_model_parallel_size=2).data_parallel_size(3)
+    assert ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2).data_parallel_size(8) == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only errors")
+def test_fp8_and_transformer_engine_on_cpu_are_clear_errors():
+    assert PrecisionConfig().dtype == "fp32" and PrecisionConfig().transformer_engine is False
+    with pytest.raises(ValueError, match="precision.fp8='e4m3': FP8 needs a CUDA GPU"):
+        PolicyConfig(precision=PrecisionConfig(fp8="e4m3")).validate(world_size=1)
+    with pytest.raises(ValueError, match="precision.transformer_engine"):
+        PrecisionConfig(transformer_engine=True).check_runtime()
+    with pytest.raises(ValueError, match="precision.fp8"):
+        PrecisionConfig(fp8="e5m2")
+    with pytest.raises(ValueError, match="precision.fp8_recipe"):
+        PrecisionConfig(fp8="hybrid", fp8_recipe="nvfp4")
+    with pytest.raises(ValueError, match="precision.dtype"):
+        PrecisionConfig(dtype="fp16")
+
+
+@pytest.mark.parametrize("build,field", [
+    (lambda: ModelConfig.preset("tiny", hidden_size=129), "model.hidden_size"),
+    (lambda: ModelConfig.preset("tiny", num_attention_heads=4, num_query_groups=3), "model.num_query_groups"),
+    (lambda: ModelConfig.preset("tiny", vocab_size=0), "model.vocab_size"),
+    (lambda: OptimConfig(lr=0.0), "optim.lr"),
+    (lambda: OptimConfig(lr_warmup_steps=10, lr_decay_steps=5), "optim.lr_decay_steps"),
+    (lambda: OptimConfig(lr_decay_style="linear"), "optim.lr_decay_style"),
+    (lambda: LossConfig(loss_agg_mode="seq_mean"), "loss.loss_agg_mode"),
+    (lambda: LossConfig(ratio_clip_low=-0.1), "loss.ratio_clip_low"),
+    (lambda: LossConfig(kl_coef=-1.0), "loss.kl_coef"),
+    (lambda: PolicyConfig(ppo_epochs=0), "ppo_epochs"),
+    (lambda: PolicyConfig(temperature=0.0), "temperature"),
+])
+def test_bad_fields_are_named(build, field):
+    with pytest.raises(ValueError, match=field):
+        build()
+
+
+def good_batch():
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 0]])
+    mask = torch.tensor([[False, False, True, True], [False, True, True, False]])
+    return PolicyBatch(ids, mask, torch.tensor([0.5, -0.5]), old_logprobs=torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(input_ids=torch.tensor([[1, 2, 3, 4], [5, 6, 7, 512]])), r"input_ids: token ids must be in \[0, 512\)"),
+    (dict(input_ids=torch.zeros(2, 4, dtype=torch.int32)), "input_ids"),
+    (dict(loss_mask=torch.ones(2, 4, dtype=torch.bool)), "loss_mask: position 0"),
+    (dict(loss_mask=torch.zeros(2, 3, dtype=torch.bool)), "loss_mask"),
+    (dict(advantages=torch.tensor([0.5, float("nan")])), "advantages"),
+    (dict(advantages=torch.zeros(3)), "advantages"),
+    (dict(old_logprobs=torch.zeros(2, 4)), "old_logprobs"),
+])
+def test_bad_batches_are_named(change, field):
+    good_batch().validate(vocab_size=512)
+    batch = good_batch()
+    for name, value in change.items():
+        setattr(batch, name, value)
+    with pytest.raises(ValueError, match=field):
+        batch.validate(vocab_size=512)
+
+
+def test_micro_batches_must_divide_the_batch():
+    batch = good_batch()
+    assert [m.input_ids.tolist() for m in batch.micro_batches(1)] == [[[1, 2, 3, 4]], [[5, 6, 7, 0]]]
+    with pytest.raises(ValueError, match="micro_batch_size=3"):
+        batch.micro_batches(3)

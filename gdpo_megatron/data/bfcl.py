@@ -1,0 +1,100 @@
+"""The Berkeley Function Calling Leaderboard (BFCL) as a tool-calling evaluation set.
+
+Reads the question and possible-answer JSON files shipped in the ``bfcl-eval`` package
+(only its data; its code is never imported) for the single-turn categories ``simple``,
+``multiple``, ``parallel`` and ``parallel_multiple``. Each possible answer lists the
+acceptable values of every argument, ``""`` marking one that may be omitted; it becomes the
+``accepted`` form of ``tool_correctness``'s ground truth. A completion is correct when its
+calls match exactly (``tool_correctness == 3`` with BFCL's string normalization).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Sequence
+
+from gdpo_megatron.data.samples import Sample, make_sample
+from gdpo_megatron.rewards.tool_call import MAX_CORRECTNESS, tool_correctness
+
+CATEGORIES = ("simple", "multiple", "parallel", "parallel_multiple")
+# File stems by category, newest release first (v4 renamed "simple" to "simple_python").
+_FILE_STEMS = {"simple": ("simple_python", "simple")}
+
+
+def bfcl_data_dir() -> Path:
+    """The ``data`` directory of the installed ``bfcl-eval`` package."""
+    spec = importlib.util.find_spec("bfcl_eval")  # locates the package without running it
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the bfcl-eval package is not installed; `pip install --no-deps bfcl-eval` provides its data"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / "data"
+
+
+def load_bfcl(
+    categories: Sequence[str] = CATEGORIES, limit: int | None = None, data_dir: str | Path | None = None
+) -> list[Sample]:
+    """Tool samples of the given categories (at most ``limit`` per category)."""
+    data_dir = Path(data_dir) if data_dir is not None else bfcl_data_dir()
+    samples = []
+    for category in categories:
+        if category not in CATEGORIES:
+            raise ValueError(f"BFCL category: expected one of {CATEGORIES}, got {category!r}")
+        questions_path, answers_path = _category_files(data_dir, category)
+        answers = {r["id"]: r["ground_truth"] for r in _read_lines(answers_path)}
+        for n, question in enumerate(_read_lines(questions_path)):
+            if limit is not None and n >= limit:
+                break
+            where = f"{questions_path}: id {question.get('id')!r}"
+            if question["id"] not in answers:
+                raise ValueError(f"{where}: no possible answer in {answers_path}")
+            turns = question["question"]
+            if len(turns) != 1:
+                raise ValueError(f"{where}: expected a single-turn question, got {len(turns)} turns")
+            record = {
+                "id": question["id"],
+                "messages": turns[0],
+                "tools": question["function"],
+                "tool_calls": [_accepted_call(call, where) for call in answers[question["id"]]],
+                "category": category,
+            }
+            samples.append(make_sample(record, "tool", question["id"], where))
+    return samples
+
+
+def bfcl_accuracy(samples: Sequence[Sample], completions: Sequence[str]) -> dict[str, float]:
+    """Share of exactly correct completions per category, and over all samples."""
+    if len(samples) != len(completions):
+        raise ValueError(f"bfcl_accuracy: {len(samples)} samples but {len(completions)} completions")
+    correct, total = defaultdict(int), defaultdict(int)
+    for sample, completion in zip(samples, completions):
+        category = sample.metadata.get("category", "unknown")
+        score = tool_correctness(completion, 0, sample.ground_truth, normalize_strings=True)
+        for key in (category, "overall"):
+            total[key] += 1
+            correct[key] += score == MAX_CORRECTNESS
+    return {f"eval/bfcl/{key}/accuracy": correct[key] / total[key] for key in total}
+
+
+def _category_files(data_dir: Path, category: str) -> tuple[Path, Path]:
+    for stem in _FILE_STEMS.get(category, (category,)):
+        for questions in sorted(data_dir.glob(f"BFCL_v*_{stem}.json"), reverse=True):
+            answers = data_dir / "possible_answer" / questions.name
+            if answers.is_file():
+                return questions, answers
+    raise FileNotFoundError(f"no BFCL question and possible_answer files for category {category!r} in {data_dir}")
+
+
+def _read_lines(path: Path) -> list[dict]:
+    with path.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _accepted_call(call: dict, where: str) -> dict:
+    """``{name: {arg: [values]}}`` -> ``{"name": name, "accepted": {arg: [values]}}``."""
+    if not (isinstance(call, dict) and len(call) == 1):
+        raise ValueError(f"{where}: expected a possible answer {{name: {{arg: [values]}}}}, got {call!r}")
+    (name, accepted), = call.items()
+    return {"name": name, "accepted": accepted}

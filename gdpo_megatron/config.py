@@ -17,6 +17,8 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from gdpo_megatron.advantages import MODES, NONFINITE_POLICIES, Condition
+from gdpo_megatron.policy.config import PolicyConfig
+from gdpo_megatron.rewards.registry import RewardSpec
 
 
 class ConfigError(ValueError):
@@ -66,6 +68,113 @@ class AdvantageConfig:
                     )
             out.append(Condition(reward_names.index(c.reward), reward_names.index(c.on), c.threshold, c.fill))
         return out
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    """Sampling and the colocated vLLM engine (see :mod:`gdpo_megatron.rollout.vllm_engine`)."""
+
+    group_size: int = 8  # completions per prompt (G)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 256
+    stop: list[str] = dataclasses.field(default_factory=list)
+    tensor_parallel_size: int = 1  # vLLM's own TP; may differ from the policy's
+    gpu_memory_utilization: float = 0.5
+    kv_cache_gib: Optional[float] = None
+    max_model_len: int = 2048
+    enforce_eager: Optional[bool] = None
+    quantization: Optional[str] = None  # "fp8": FP8 rollouts on GPU
+
+    def __post_init__(self):
+        _check(self.group_size >= 1, "rollout.group_size", ">= 1", self.group_size)
+        _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", self.max_new_tokens)
+        _check(self.max_model_len > self.max_new_tokens, "rollout.max_model_len",
+               f"> max_new_tokens={self.max_new_tokens}", self.max_model_len)
+
+
+@dataclasses.dataclass
+class RewardsConfig:
+    """The rewards (in column order) and the process pool that scores them."""
+
+    rewards: list[RewardSpec] = dataclasses.field(default_factory=list)
+    num_workers: int = 2
+    timeout_s: float = 30.0
+    reward_files: list[str] = dataclasses.field(default_factory=list)  # Python files registering rewards
+
+    def __post_init__(self):
+        _check(len(self.rewards) > 0, "rewards.rewards", "at least one reward", self.rewards)
+        names = [r.name for r in self.rewards]
+        _check(len(set(names)) == len(names), "rewards.rewards", "unique names", names)
+
+    @property
+    def names(self) -> list[str]:
+        return [r.name for r in self.rewards]
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """Prompt data: a JSONL file of the given task family."""
+
+    train_path: str
+    family: str  # "tool", "math" or "code"
+    prompts_per_step: int = 8  # over all data-parallel ranks
+    eval_path: Optional[str] = None
+    eval_every: int = 0  # steps; 0: only at the end when eval_path is set
+    max_prompt_tokens: int = 512
+    shuffle_seed: int = 0
+
+    def __post_init__(self):
+        _check(self.prompts_per_step >= 1, "data.prompts_per_step", ">= 1", self.prompts_per_step)
+        _check(self.eval_every >= 0, "data.eval_every", ">= 0", self.eval_every)
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    """Where and how often to save; resume from the latest complete checkpoint."""
+
+    save_every: int = 0  # steps; 0: only at the end
+    keep_last: int = 2
+    resume: bool = True
+    export_hf: bool = True  # write a Hugging Face directory at the end
+
+    def __post_init__(self):
+        _check(self.save_every >= 0, "checkpoint.save_every", ">= 0", self.save_every)
+        _check(self.keep_last >= 1, "checkpoint.keep_last", ">= 1", self.keep_last)
+
+
+@dataclasses.dataclass
+class LoggingConfig:
+    wandb_project: Optional[str] = None  # None: JSONL only
+    progress_bar: bool = True
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything ``gdpo-train`` reads."""
+
+    run_dir: str
+    base_model: str  # a Hugging Face directory; the policy's shape comes from its config.json
+    data: DataConfig
+    rewards: RewardsConfig
+    steps: int = 100
+    seed: int = 1234
+    dynamic_sampling: bool = False  # drop groups in which no reward has any spread
+    policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+
+    def __post_init__(self):
+        _check(self.steps >= 1, "steps", ">= 1", self.steps)
+        self.advantage.resolve_conditions(self.rewards.names)
+
+
+def _check(ok: bool, key: str, expected: str, got) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: expected {expected}, got {got!r}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""The CPU demo: a tiny model learns a bundled multi-reward tool-calling task."""

@@ -1,0 +1,74 @@
+"""Per-step metrics: a JSONL file in the run directory always, wandb when enabled.
+
+Each line is ``{"step": N, "time": unix_seconds, <metric>: value, ...}``, written and flushed
+as soon as the step ends, so a crash loses at most the step in flight. A resumed run appends;
+:func:`read_metrics` keeps the last record of each step.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsLogger:
+    """Writes step metrics of rank 0 to ``run_dir/metrics.jsonl`` and optionally wandb."""
+
+    def __init__(self, run_dir: str | Path, config: dict, wandb_project: str | None = None, run_name: str | None = None):
+        self.path = Path(run_dir) / METRICS_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")
+        self._wandb = None
+        if wandb_project:
+            import wandb  # the `wandb` extra; offline unless WANDB_MODE says otherwise
+
+            self._wandb = wandb.init(project=wandb_project, name=run_name, config=config,
+                                     dir=str(self.path.parent), resume="allow")
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        record = {"step": step, "time": time.time()}
+        record.update({k: _plain(v) for k, v in metrics.items()})
+        self._file.write(json.dumps(record, allow_nan=True) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            self._wandb.log(record, step=step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The step records of a run, ordered by step; the last record of a repeated step wins.
+
+    A truncated last line (the process died while writing it) is skipped.
+    """
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no metrics file (is {run_dir} a run directory?)")
+    by_step: dict[int, dict] = {}
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if number == len(lines):
+                break
+            raise ValueError(f"{path}:{number}: not a JSON record: {e}") from e
+        by_step[int(record["step"])] = record
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and math.isinf(value):
+        return None
+    return value

@@ -61,6 +61,7 @@ class TrainingState:
     step: int
     data_position: Any = None  # JSON value from the data loader (e.g. samples consumed)
     config: dict = field(default_factory=dict)
+    world_size: int = 1  # ranks that saved it
 
 
 def _rank() -> int:
@@ -236,7 +237,7 @@ class CheckpointManager:
             raise CheckpointError(f"{directory}: no such checkpoint")
         if verify:
             self.verify(directory)
-        state = _read_state(directory)
+        state = read_training_state(directory)
 
         sharded = _sharded_state_dict(model, optimizer, scheduler, self.optimizer_sharding, is_loading=True)
         scheduler_state = sharded.pop("scheduler", None)
@@ -254,8 +255,8 @@ class CheckpointManager:
                 raise CheckpointError(f"{directory / DIST_DIR}: saved without a scheduler state")
             scheduler.load_state_dict(common["scheduler"])
         if restore_rng:
-            self._restore_rng(directory, state["world_size"])
-        return TrainingState(step=state["step"], data_position=state["data_position"], config=state["config"])
+            self._restore_rng(directory, state.world_size)
+        return state
 
     def _restore_rng(self, directory: Path, saved_world_size: int) -> None:
         if saved_world_size != _world_size():
@@ -289,15 +290,17 @@ class CheckpointManager:
                 )
 
 
-def _read_state(directory: Path) -> dict:
-    path = directory / STATE_FILE
+def read_training_state(directory: str | os.PathLike) -> TrainingState:
+    """The step, data position, config and world size stored in a checkpoint directory."""
+    path = Path(directory) / STATE_FILE
     try:
         state = json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing") from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path}: corrupted ({e})") from None
-    for key in ("step", "data_position", "config", "world_size"):
+    fields = ("step", "data_position", "config", "world_size")
+    for key in fields:
         if key not in state:
             raise CheckpointError(f"{path}: missing the field {key!r}")
-    return state
+    return TrainingState(**{key: state[key] for key in fields})

@@ -17,14 +17,17 @@ the Berkeley Function Calling Leaderboard form, ``{"name": ..., "accepted": {arg
 that may be omitted (nested dict values list their accepted values the same way).
 
 Correctness follows ToolRL, the reward the GDPO paper trains with: a matching score
-S = Jaccard(call names, with multiplicity) + sum over ground-truth calls of the best match
-among predicted calls of the same name (Jaccard of argument names + number of arguments with
-equal values), each predicted call used at most once, matched greedily in ground-truth order;
-the reward is 6 * S / S_max - 3 with S_max = 1 + |calls| + sum of the calls' argument counts.
+S = Jaccard(call names, with multiplicity) + sum over ground-truth calls of their match with
+a predicted call of the same name (Jaccard of argument names + number of arguments with
+equal values); the reward is 6 * S / S_max - 3 with S_max = 1 + |calls| + sum of the calls'
+argument counts. Calls are matched one to one so that S is largest (an optimal assignment;
+ToolRL's greedy matching in ground-truth order would make the score of parallel calls
+depend on the order the ground truth happens to list them in).
 """
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import Counter
 from typing import Any
@@ -114,22 +117,53 @@ def tool_correctness(
         return 0.0 if not expected else MIN_CORRECTNESS
     if not expected and not predicted:
         return 0.0
-    score = _jaccard([c["name"] for c in expected], [c["name"] for c in predicted])
-    best_possible = 1.0
-    used: set[int] = set()
-    for call in expected:
-        best_possible += 1 + len(call["args"])
-        best, best_index = 0.0, None
-        for i, pred in enumerate(predicted):
-            if i in used or pred["name"] != call["name"]:
-                continue
-            s = _argument_score(call["args"], pred["arguments"], normalize_strings)
-            if s > best:
-                best, best_index = s, i
-        if best_index is not None:
-            used.add(best_index)
-            score += best
+    names = _jaccard([c["name"] for c in expected], [c["name"] for c in predicted])
+    pair_scores = [
+        [_argument_score(call["args"], pred["arguments"], normalize_strings) if pred["name"] == call["name"] else 0.0
+         for pred in predicted]
+        for call in expected
+    ]
+    score = names + best_assignment(pair_scores)
+    best_possible = 1.0 + sum(1 + len(call["args"]) for call in expected)
     return (MAX_CORRECTNESS - MIN_CORRECTNESS) * score / best_possible + MIN_CORRECTNESS
+
+
+def best_assignment(scores: list[list[float]]) -> float:
+    """Largest total of a one-to-one matching of rows to columns (Hungarian algorithm).
+
+    Rows or columns may be left unmatched; scores must be >= 0.
+    """
+    if not scores or not scores[0]:
+        return 0.0
+    if len(scores) > len(scores[0]):
+        scores = [list(col) for col in zip(*scores)]
+    n, m = len(scores), len(scores[0])
+    # Minimize the negated scores with potentials u (rows) and v (columns); 1-based, column 0 is virtual.
+    u, v, match, way = [0.0] * (n + 1), [0.0] * (m + 1), [0] * (m + 1), [0] * (m + 1)
+    for row in range(1, n + 1):
+        match[0], col = row, 0
+        slack, used = [math.inf] * (m + 1), [False] * (m + 1)
+        while match[col]:
+            used[col] = True
+            i, delta, next_col = match[col], math.inf, 0
+            for j in range(1, m + 1):
+                if not used[j]:
+                    reduced = -scores[i - 1][j - 1] - u[i] - v[j]
+                    if reduced < slack[j]:
+                        slack[j], way[j] = reduced, col
+                    if slack[j] < delta:
+                        delta, next_col = slack[j], j
+            for j in range(m + 1):
+                if used[j]:
+                    u[match[j]] += delta
+                    v[j] -= delta
+                else:
+                    slack[j] -= delta
+            col = next_col
+        while col:
+            match[col] = match[way[col]]
+            col = way[col]
+    return sum(scores[match[j] - 1][j - 1] for j in range(1, m + 1) if match[j])
 
 
 def _expected_calls(ground_truth: dict) -> list[dict[str, Any]]:

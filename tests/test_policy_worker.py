@@ -1,0 +1,254 @@
+"""The policy update under every parallel layout equals one plain PyTorch computation.
+
+The expected values come from the same GPTModel run forward by hand on the whole batch, with
+``log_softmax`` logprobs, the clipped loss written out below, ``autograd``, and the first
+Adam step written out below. Megatron runs (its forward-backward schedules, DDP, optimizer,
+vocab-parallel logprobs) must match them at TP=1 with uneven data-parallel shards, TP=2 (with
+and without sequence parallelism), PP=2 (1F1B over 4 micro-batches) and TP=2 x PP=2.
+
+The weight helpers below are written from megatron's tensor attributes (``partition_dim``,
+``partition_stride``, the global ``layer_number``), independently of the project's checkpoint
+conversion, so that every layout starts from, and is compared on, the same full weights.
+"""
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from gdpo_megatron.policy import cpu_compat
+from gdpo_megatron.policy.batch import PolicyBatch
+from gdpo_megatron.policy.config import LossConfig, ModelConfig, OptimConfig, ParallelConfig, PolicyConfig
+from gdpo_megatron.policy.model import build_model, destroy_model_parallel, initialize_model_parallel
+from gdpo_megatron.policy.worker import PolicyWorker
+
+VOCAB = 500  # padded to 512 rows: the padding must stay out of every softmax
+B, T = 8, 16
+# eps well above float noise: a gradient that is ~0 in one layout and ~1e-9 in another
+# must not turn into opposite Adam updates of size lr.
+OPTIM = dict(lr=1e-3, weight_decay=0.01, adam_eps=1e-6, clip_grad=1.0)
+
+
+def tiny_config(tp=1, pp=1, sp=False, mbs=2, tie=False, loss=None, optim=None, **kwargs) -> PolicyConfig:
+    return PolicyConfig(
+        model=ModelConfig.preset("tiny", vocab_size=VOCAB, tie_word_embeddings=tie),
+        parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp),
+        optim=OptimConfig(**{**OPTIM, **(optim or {})}),
+        loss=LossConfig(**(loss or {})),
+        micro_batch_size=mbs,
+        **kwargs,
+    )
+
+
+def make_batch(seed=0) -> PolicyBatch:
+    """Prompts of 3-6 tokens, completions of uneven length (the first half much longer)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (B, T), generator=g)
+    prompt = torch.randint(3, 7, (B,), generator=g)
+    completion = torch.tensor([10, 9, 8, 9, 3, 2, 4, 1])
+    pos = torch.arange(T).unsqueeze(0)
+    mask = (pos >= prompt.unsqueeze(1)) & (pos < (prompt + completion).clamp(max=T).unsqueeze(1))
+    ids = torch.where(pos < (prompt + completion).unsqueeze(1), ids, 0)  # right padding
+    # rollout-engine logprobs near the model's (~log 1/500) with spread: clipping on both sides
+    old = -6.2 + 0.4 * torch.randn(B, T - 1, generator=g)
+    adv = torch.randn(B, generator=g)
+    return PolicyBatch(ids, mask, adv, old_logprobs=old)
+
+
+def data_parallel_share(batch: PolicyBatch) -> PolicyBatch:
+    """This rank's contiguous share of the batch by data-parallel rank."""
+    rank, size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    rows = batch.size // size
+    return batch.slice(rank * rows, (rank + 1) * rows)
+
+
+def global_name(model, name: str) -> str:
+    """Parameter name with the pipeline stage's local layer index made global."""
+    match = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
+    if not match:
+        return name
+    layer = model.decoder.layers[int(match.group(1))]
+    return f"decoder.layers.{layer.layer_number - 1}.{match.group(2)}"
+
+
+def _tp_chunks(param):
+    return parallel_state.get_tensor_model_parallel_world_size() * getattr(param, "partition_stride", 1)
+
+
+def full_state(model) -> dict:
+    """This stage's parameters as full (TP-gathered) tensors under global names."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    tp = dist.get_world_size(group)
+    out = {}
+    for name, param in model.named_parameters():
+        tensor = param.detach()
+        if getattr(param, "tensor_model_parallel", False) and tp > 1:
+            shards = [torch.empty_like(tensor) for _ in range(tp)]
+            dist.all_gather(shards, tensor.contiguous(), group=group)
+            stride, dim = getattr(param, "partition_stride", 1), param.partition_dim
+            pieces = [s.chunk(stride, dim=dim) for s in shards]
+            tensor = torch.cat([pieces[r][j] for j in range(stride) for r in range(tp)], dim=dim)
+        out[global_name(model, name)] = tensor.clone()
+    return out
+
+
+def loader(full: dict):
+    """``init_weights`` callback copying this rank's shard of ``full`` into the model."""
+
+    def load(model):
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                key = global_name(model, name)
+                if key not in full and key == "output_layer.weight":  # tied copy on the last stage
+                    key = "embedding.word_embeddings.weight"
+                tensor = full[key]
+                if getattr(param, "tensor_model_parallel", False) and tp > 1:
+                    chunks = tensor.chunk(_tp_chunks(param), dim=param.partition_dim)
+                    tensor = torch.cat(chunks[rank::tp], dim=param.partition_dim)
+                param.copy_(tensor)
+
+    return load
+
+
+def merge_stages(states: list) -> dict:
+    """One dict from the per-rank dicts of a pipelined run (ranks agree where they overlap)."""
+    merged = {}
+    for state in states:
+        for name, tensor in state.items():
+            if name in merged:
+                torch.testing.assert_close(tensor, merged[name], rtol=0, atol=0)
+            merged[name] = tensor
+    return merged
+
+
+# ---- functions run on every rank of a local world --------------------------------------
+
+def initial_weights(tie: bool) -> dict:
+    """Full weights of a freshly built (seeded) model."""
+    config = tiny_config(tie=tie)
+    initialize_model_parallel(config.parallel, config.seed)
+    try:
+        return full_state(build_model(config.model, config.parallel, config.precision))
+    finally:
+        destroy_model_parallel()
+
+
+def plain_step(full: dict, loss: dict, tie: bool) -> dict:
+    """Expected logprobs, loss, gradient norm and weights after one step, in plain PyTorch."""
+    config = tiny_config(tie=tie, loss=loss)
+    initialize_model_parallel(config.parallel, config.seed)
+    try:
+        model = build_model(config.model, config.parallel, config.precision)
+        loader(full)(model)
+        batch = make_batch()
+        with cpu_compat.device_scope():
+            logits = model(batch.input_ids, torch.arange(T).expand(B, T), None)
+            logp = torch.log_softmax(logits[:, :-1, :VOCAB], dim=-1)
+            logprobs = logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+            mask = batch.loss_mask[:, 1:]
+            ratio = torch.where(mask, logprobs - batch.old_logprobs, 0.0).exp()
+            adv = batch.advantages[:, None]
+            low, high = config.loss.ratio_clip_low, config.loss.ratio_clip_high
+            per_token = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - low, 1 + high)) * mask
+            if config.loss.loss_agg_mode == "token_mean":
+                loss_value = per_token.sum() / mask.sum()
+            else:
+                loss_value = (per_token.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / (mask.sum(-1) > 0).sum()
+            loss_value.backward()
+        params = dict(model.named_parameters())
+        grad_norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in params.values())).item()
+        optim = config.optim
+        scale = min(1.0, optim.clip_grad / (grad_norm + 1e-6))
+        after = {}
+        for name, p in params.items():
+            g = p.grad * scale
+            decay = 0.0 if p.dim() == 1 else optim.weight_decay  # no decay on norms
+            # First Adam step: the bias-corrected moments are g and g**2.
+            after[name] = p.detach() * (1 - optim.lr * decay) - optim.lr * g / (g.abs() + optim.adam_eps)
+        clipped = (torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - low, 1 + high)) > -adv * ratio) & mask
+        return dict(logprobs=logprobs.detach(), loss=loss_value.item(), grad_norm=grad_norm, weights=after,
+                    clip_fraction=(clipped.sum() / mask.sum()).item())
+    finally:
+        destroy_model_parallel()
+
+
+def megatron_steps(full: dict, config_kwargs: dict, split: bool, steps: int = 1) -> dict:
+    """Logprobs of the whole batch, then ``steps`` train steps on this rank's batch."""
+    config = tiny_config(**config_kwargs)
+    with PolicyWorker(config, init_weights=loader(full)) as worker:
+        batch = make_batch()
+        logprobs = worker.compute_logprobs(batch)
+        if split:
+            batch = data_parallel_share(batch)
+        metrics = [worker.train_step(batch) for _ in range(steps)]
+        return dict(logprobs=logprobs, metrics=metrics, weights=full_state(worker.gpt_model))
+
+
+# ---- tests -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def initial(gloo_world_2):
+    """Initial full weights, untied and tied (from rank 0; every rank built the same)."""
+    return {tie: gloo_world_2.run(initial_weights, tie)[0] for tie in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def expected(gloo_world_2, initial):
+    cache = {}
+
+    def get(agg="token_mean", tie=False):
+        if (agg, tie) not in cache:
+            cache[agg, tie] = gloo_world_2.run(plain_step, initial[tie], dict(loss_agg_mode=agg), tie)[0]
+        return cache[agg, tie]
+
+    return get
+
+
+def check_matches(results, want, tie=False):
+    weights = merge_stages([r["weights"] for r in results])
+    if tie and "output_layer.weight" in weights:  # the last stage's copy of the tied embedding
+        torch.testing.assert_close(weights.pop("output_layer.weight"), want["weights"]["embedding.word_embeddings.weight"],
+                                   rtol=0, atol=1e-5)
+    assert weights.keys() == want["weights"].keys()
+    for name, tensor in weights.items():
+        torch.testing.assert_close(tensor, want["weights"][name], rtol=0, atol=1e-5, msg=name)
+    for r in results:
+        torch.testing.assert_close(r["logprobs"], want["logprobs"], rtol=0, atol=1e-5)
+        metrics = r["metrics"][0]
+        assert metrics["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-6)
+        assert metrics["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+        assert metrics["clip_fraction"] == pytest.approx(want["clip_fraction"], abs=1e-6)
+
+
+LAYOUTS_2 = {
+    "tp1-dp2-uneven-shards": (dict(), True),
+    "tp2": (dict(tp=2), False),
+    "tp2-sequence-parallel": (dict(tp=2, sp=True), False),
+    "pp2-1f1b-4-micro-batches": (dict(pp=2), False),
+}
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
+@pytest.mark.parametrize("layout", LAYOUTS_2)
+def test_update_matches_plain_pytorch(gloo_world_2, initial, expected, layout, agg):
+    config_kwargs, split = LAYOUTS_2[layout]
+    want = expected(agg)
+    assert 0 < want["clip_fraction"] < 1 and want["grad_norm"] > OPTIM["clip_grad"]  # clipping is exercised
+    results = gloo_world_2.run(megatron_steps, initial[False], {**config_kwargs, "loss": dict(loss_agg_mode=agg)},
+                               split)
+    check_matches(results, want)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2-1f1b-4-micro-batches"])
+def test_update_with_tied_embeddings_matches_plain_pytorch(gloo_world_2, initial, expected, layout):
+    config_kwargs, split = LAYOUTS_2[layout]
+    results = gloo_world_2.run(megatron_steps, initial[True], {**config_kwargs, "tie": True}, split)
+    check_matches(results, expected(tie=True), tie=True)
+
+
+def test_tp2_pp2_update_matches_plain_pytorch(gloo_world_4, initial, expected):
+    results = gloo_world_4.run(megatron_steps, initial[False], dict(tp=2, pp=2, mbs=1), False)
+    check_matches(results, expected())

@@ -69,14 +69,18 @@ def _run_tests(program: str, tests_json: str, limits: SandboxLimits) -> tuple[tu
 
 
 def _with_assert(program: str, test: str) -> str:
-    """The program followed by the test, whose failed assertions exit with _ASSERT_FAILED."""
+    """The program followed by the test; an assertion of the test itself that fails (the
+    innermost frame is the test's) exits with _ASSERT_FAILED, any other error propagates."""
     return (
         f"{program}\n\n"
-        "def __gdpo_test():\n"
-        f"    exec(compile({test!r}, '<test>', 'exec'), globals())\n"
         "try:\n"
-        "    __gdpo_test()\n"
-        "except AssertionError:\n"
+        f"    exec(compile({test!r}, '<test>', 'exec'), globals())\n"
+        "except AssertionError as __gdpo_error:\n"
+        "    __gdpo_tb = __gdpo_error.__traceback__\n"
+        "    while __gdpo_tb.tb_next is not None:\n"
+        "        __gdpo_tb = __gdpo_tb.tb_next\n"
+        "    if __gdpo_tb.tb_frame.f_code.co_filename != '<test>':\n"
+        "        raise\n"
         f"    raise SystemExit({_ASSERT_FAILED})\n"
     )
 

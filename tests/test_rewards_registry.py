@@ -1,0 +1,62 @@
+"""Reward registry, user reward files, and spec validation."""
+import pytest
+
+from gdpo_megatron.rewards import RewardSpec, get_reward, load_reward_file, register_reward, registered_rewards, validate_specs
+
+BUILT_IN = {"tool_format", "tool_correctness", "math_correctness", "math_format", "length", "code_pass", "code_no_bug"}
+
+
+def test_built_in_rewards_are_registered():
+    assert BUILT_IN <= set(registered_rewards())
+
+
+def test_user_reward_file_registers_its_rewards(tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text(
+        "from gdpo_megatron.rewards import register_reward\n"
+        "@register_reward('test_exclamations')\n"
+        "def exclamations(completion, num_tokens, ground_truth, per=1.0):\n"
+        "    return per * completion.count('!')\n"
+    )
+    load_reward_file(path)
+    load_reward_file(path)  # importing twice is harmless
+    assert get_reward("test_exclamations")("a!b!", 2, {}, per=0.5) == 1.0
+    validate_specs([RewardSpec("test_exclamations", kwargs={"per": 2.0}), RewardSpec("length")])
+
+
+def test_a_name_cannot_be_taken_twice():
+    with pytest.raises(ValueError, match="already registered"):
+        register_reward("length")(lambda completion, num_tokens, ground_truth: 0.0)
+
+
+def test_unknown_reward_lists_the_known_ones():
+    with pytest.raises(ValueError, match="'no_such_reward' is not registered.*math_correctness"):
+        get_reward("no_such_reward")
+
+
+def test_missing_reward_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.py"):
+        load_reward_file(tmp_path / "nope.py")
+
+
+@pytest.mark.parametrize("specs,match", [
+    ([], "at least one"),
+    ([RewardSpec("length"), RewardSpec("length")], "listed twice"),
+    ([RewardSpec("length", kwargs={"max_token": 5})], "'length': kwargs"),
+    ([RewardSpec("nope")], "not registered"),
+])
+def test_validate_specs(specs, match):
+    with pytest.raises(ValueError, match=match):
+        validate_specs(specs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"name": ""}, "non-empty"),
+    ({"name": "x", "weight": float("nan")}, "weight"),
+    ({"name": "x", "failure_value": "0"}, "failure_value"),
+    ({"name": "x", "timeout_s": 0}, "timeout_s"),
+    ({"name": "x", "kwargs": [1]}, "kwargs"),
+])
+def test_reward_spec_rejects_bad_fields(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RewardSpec(**kwargs)

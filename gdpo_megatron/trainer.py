@@ -1,0 +1,306 @@
+"""The GDPO training loop: rollouts -> rewards -> advantages -> update -> weight sync.
+
+Every rank runs :class:`Trainer` inside an initialized ``torch.distributed`` world. Per step:
+
+1. each data-parallel replica takes its share of the step's prompts and samples ``G``
+   completions per prompt with its colocated vLLM engine (the replica's leader's rollouts
+   are broadcast to the rest of the replica);
+2. the leader scores them in its reward process pool;
+3. advantages come from :func:`gdpo_megatron.distributed.compute_advantages` over the
+   data-parallel group (exact GDPO over the whole step, whatever the split);
+4. the engine sleeps, the Megatron policy takes its update, and the new weights stream into
+   the engine as Hugging Face-named tensors;
+5. metrics go to ``run_dir/metrics.jsonl`` (and wandb), checkpoints to ``run_dir/checkpoints``.
+
+SIGUSR1 / SIGTERM (Slurm's warning before the time limit, or a preemption) make the loop save a
+checkpoint after the current step and return ``"interrupted"``; a rerun resumes from it.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from tqdm import tqdm
+
+from gdpo_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
+from gdpo_megatron.checkpoint.hf_io import load_hf_weights, save_hf_checkpoint
+from gdpo_megatron.checkpoint.manager import CheckpointManager
+from gdpo_megatron.checkpoint.weight_stream import iter_hf_weights
+from gdpo_megatron.config import ConfigError, TrainConfig, to_dict
+from gdpo_megatron.data.chat import encode_prompt
+from gdpo_megatron.data.samples import load_jsonl
+from gdpo_megatron.distributed import compute_advantages
+from gdpo_megatron.experience import (PromptSchedule, Rollouts, leader_broadcast, reward_inputs, sampling_seed,
+                                      to_policy_batch)
+from gdpo_megatron.metrics import MetricsLogger
+from gdpo_megatron.policy.worker import PolicyWorker
+from gdpo_megatron.rewards.stage import RewardStage
+from gdpo_megatron.rollout.engine import SamplingConfig
+from gdpo_megatron.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+CHECKPOINT_DIR = "checkpoints"
+HF_EXPORT_DIR = "hf"
+
+
+class Trainer:
+    """Builds the policy, the engine, the reward stage and the data order; runs the loop."""
+
+    def __init__(self, config: TrainConfig):
+        if not dist.is_initialized():
+            raise RuntimeError("Trainer: torch.distributed is not initialized")
+        self.config = config
+        self.run_dir = Path(config.run_dir)
+        self.is_rank0 = dist.get_rank() == 0
+        hf_config = read_hf_config(config.base_model)
+        model = model_config_from_hf(
+            hf_config, make_vocab_size_divisible_by=config.policy.model.make_vocab_size_divisible_by)
+        self.policy_config = dataclasses.replace(config.policy, model=model, seed=config.seed,
+                                                 temperature=config.rollout.temperature)
+        self.worker = PolicyWorker(self.policy_config,
+                                   init_weights=lambda m: load_hf_weights(m, model, config.base_model))
+        self.device = self.worker.device
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.dp_size, self.dp_rank = dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group)
+        self._check_layout()
+        mp_group = parallel_state.get_model_parallel_group()
+        self.mp_group = mp_group if dist.get_world_size(mp_group) > 1 else None
+        self.is_leader = self.mp_group is None or dist.get_rank(mp_group) == 0
+
+        self.checkpoints = CheckpointManager(self.run_dir / CHECKPOINT_DIR, keep_last=config.checkpoint.keep_last)
+        self.start_step = 0
+        if config.checkpoint.resume and self.checkpoints.latest_step() is not None:
+            state = self.checkpoints.load(self.worker.model, self.worker.optimizer, self.worker.scheduler)
+            self.start_step = state.step
+
+        self.samples = load_jsonl(config.data.train_path, config.data.family)
+        self.schedule = PromptSchedule(len(self.samples), config.data.prompts_per_step, config.data.shuffle_seed)
+        self.engine = VLLMEngine(VLLMEngineConfig(
+            model_path=config.base_model,
+            tensor_parallel_size=config.rollout.tensor_parallel_size,
+            dtype="auto" if torch.cuda.is_available() else "float32",
+            max_model_len=config.rollout.max_model_len,
+            gpu_memory_utilization=config.rollout.gpu_memory_utilization,
+            kv_cache_gib=config.rollout.kv_cache_gib,
+            enforce_eager=config.rollout.enforce_eager,
+            quantization=config.rollout.quantization,
+            seed=config.seed,
+        ))
+        self.tokenizer = self.engine.tokenizer
+        if self.start_step:
+            self._sync_weights()  # the engine started from base_model
+        rewards = config.rewards
+        self.reward_names = rewards.names
+        self.reward_weights = [r.weight for r in rewards.rewards]
+        self.conditions = config.advantage.resolve_conditions(self.reward_names)
+        self.reward_stage = RewardStage(rewards.rewards, rewards.num_workers, rewards.timeout_s,
+                                        rewards.reward_files) if self.is_leader else None
+        self.logger = MetricsLogger(self.run_dir, to_dict(config), config.logging.wandb_project,
+                                    self.run_dir.name) if self.is_rank0 else None
+        self._stop_requested = False
+
+    def _check_layout(self) -> None:
+        cfg = self.config
+        if cfg.data.prompts_per_step % self.dp_size:
+            raise ConfigError(f"data.prompts_per_step: {cfg.data.prompts_per_step} is not divisible by the "
+                              f"data-parallel size {self.dp_size}")
+        per_replica = cfg.data.prompts_per_step // self.dp_size * cfg.rollout.group_size
+        if per_replica % self.policy_config.micro_batch_size:
+            raise ConfigError(f"policy.micro_batch_size: {self.policy_config.micro_batch_size} does not divide the "
+                              f"{per_replica} rollouts of a data-parallel replica")
+        tp = self.policy_config.parallel.tensor_model_parallel_size
+        if tp % cfg.rollout.tensor_parallel_size:
+            raise ConfigError(f"rollout.tensor_parallel_size: {cfg.rollout.tensor_parallel_size} must divide "
+                              f"policy.parallel.tensor_model_parallel_size={tp} (vLLM groups consecutive ranks)")
+
+    # ---- the loop ---------------------------------------------------------------------
+
+    def train(self) -> str:
+        """Run from the resumed step to ``config.steps``; return ``"done"`` or ``"interrupted"``."""
+        previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGUSR1, signal.SIGTERM)}
+        steps = range(self.start_step, self.config.steps)
+        bar = tqdm(steps, desc="gdpo", initial=self.start_step, total=self.config.steps,
+                   disable=not (self.is_rank0 and self.config.logging.progress_bar))
+        outcome = "done"
+        try:
+            for step in bar:
+                metrics = self.step(step)
+                if self.logger:
+                    self.logger.log(step + 1, metrics)
+                    bar.set_postfix({n: f"{metrics[f'reward/{n}/mean']:.2f}" for n in self.reward_names})
+                last = step + 1 == self.config.steps
+                if self._agree_to_stop():
+                    self.save(step + 1)
+                    outcome = "interrupted"
+                    break
+                every = self.config.checkpoint.save_every
+                if last or (every and (step + 1) % every == 0):
+                    self.save(step + 1)
+            if outcome == "done" and self.config.checkpoint.export_hf:
+                self.export_hf(self.run_dir / HF_EXPORT_DIR)
+        finally:
+            bar.close()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        return outcome
+
+    def step(self, step: int) -> dict[str, float]:
+        """One GDPO step; returns the global metrics (on every rank)."""
+        cfg, G = self.config, self.config.rollout.group_size
+        times: dict[str, float] = {}
+        started = time.perf_counter()
+
+        with _timed(times, "rollout"):
+            indices = self.schedule.indices(step)[self.dp_rank :: self.dp_size]
+            samples = [self.samples[i] for i in indices]
+            global_ids = list(range(self.dp_rank, cfg.data.prompts_per_step, self.dp_size))
+            prompt_ids = [self._encode(s) for s in samples]
+            sampling = SamplingConfig(
+                temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                max_new_tokens=cfg.rollout.max_new_tokens, stop=tuple(cfg.rollout.stop),
+                seed=sampling_seed(cfg.seed, step, self.dp_rank))
+            completions = [c for group in self.engine.generate(prompt_ids, G, sampling) for c in group]
+            completions = leader_broadcast(completions, self.mp_group)
+            group_ids = torch.tensor(global_ids, device=self.device).repeat_interleave(G)
+            rollouts = Rollouts(prompt_ids, group_ids, completions)
+
+        with _timed(times, "reward"):
+            scored = None
+            if self.reward_stage is not None:
+                scored = self.reward_stage.score(*reward_inputs(rollouts, samples, G))
+            rewards, stage_metrics = leader_broadcast(scored, self.mp_group)
+            rewards = rewards.to(self.device)
+
+        with _timed(times, "advantage"):
+            result = self._advantages(rewards, rollouts.group_ids)
+
+        self.engine.sleep()
+        with _timed(times, "train"):
+            batch = to_policy_batch(rollouts, G, result.advantages.cpu(), result.mask.cpu(),
+                                    self.tokenizer.pad_token_id or 0)
+            mismatch = self._logprob_mismatch(batch)
+            train_metrics = self.worker.train_step(batch)
+        with _timed(times, "sync"):
+            self._sync_weights()
+            self.engine.wake_up()
+        times["step"] = time.perf_counter() - started
+
+        metrics = self._reward_metrics(rewards, stage_metrics)
+        metrics.update(result.metrics(self.reward_names))
+        metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
+        metrics.update(self._rollout_metrics(rollouts, times["step"]))
+        metrics["rollout/logprob_mismatch"] = mismatch
+        metrics.update({f"time/{k}": v for k, v in times.items()})
+        return metrics
+
+    # ---- pieces of a step ---------------------------------------------------------------
+
+    def _encode(self, sample) -> list[int]:
+        ids = encode_prompt(self.tokenizer, sample.messages)
+        limit = self.config.data.max_prompt_tokens
+        if len(ids) > limit:
+            raise ValueError(f"data: prompt {sample.id!r} has {len(ids)} tokens, more than "
+                             f"data.max_prompt_tokens={limit}")
+        return ids
+
+    def _advantages(self, rewards: torch.Tensor, group_ids: torch.Tensor):
+        adv = self.config.advantage
+        kwargs = dict(weights=self.reward_weights, mode=adv.mode, batch_norm=adv.batch_norm, eps=adv.eps,
+                      conditions=self.conditions, nonfinite=adv.nonfinite, group=self.dp_group)
+        result = compute_advantages(rewards, group_ids, **kwargs)
+        if self.config.dynamic_sampling:
+            # A group carries signal if ANY reward varies inside it: under GDPO each reward is
+            # normalized on its own, so a group whose summed reward is flat can still teach.
+            informative = ~result.group_zero_spread.all(dim=1)
+            position = torch.searchsorted(result.group_ids, group_ids)
+            result = compute_advantages(rewards, group_ids, informative[position], **kwargs)
+        return result
+
+    def _sync_weights(self) -> None:
+        self.engine.update_weights(iter_hf_weights(self.worker.gpt_model, self.policy_config.model))
+
+    def _reward_metrics(self, rewards: torch.Tensor, stage_metrics: dict) -> dict[str, float]:
+        """Per reward mean / std over the whole step, and failures / timeouts summed over replicas."""
+        K = rewards.shape[1]
+        counts = [stage_metrics.get(f"reward/{n}/{kind}", 0.0) for kind in ("failures", "timeouts")
+                  for n in self.reward_names]
+        r = rewards.double()
+        sums = torch.cat([r.sum(0), r.square().sum(0), r.new_tensor([r.shape[0]]), r.new_tensor(counts)])
+        dist.all_reduce(sums, group=self.dp_group)
+        n = sums[2 * K].item()
+        out = {}
+        for k, name in enumerate(self.reward_names):
+            mean = sums[k].item() / n
+            out[f"reward/{name}/mean"] = mean
+            out[f"reward/{name}/std"] = max(sums[K + k].item() / n - mean * mean, 0.0) ** 0.5
+            out[f"reward/{name}/failures"] = sums[2 * K + 1 + k].item()
+            out[f"reward/{name}/timeouts"] = sums[3 * K + 1 + k].item()
+        return out
+
+    def _logprob_mismatch(self, batch) -> float:
+        """Mean |engine - policy| logprob over all completion tokens of the step (before the update)."""
+        policy = self.worker.compute_logprobs(batch).cpu()
+        mask = batch.target_mask
+        gap = (policy - batch.old_logprobs).abs()[mask]
+        sums = torch.tensor([gap.double().sum().item(), float(mask.sum())], dtype=torch.float64, device=self.device)
+        dist.all_reduce(sums, group=self.dp_group)
+        return sums[0].item() / max(sums[1].item(), 1.0)
+
+    def _rollout_metrics(self, rollouts: Rollouts, step_time: float) -> dict[str, float]:
+        """Generated tokens and truncation over the whole step."""
+        tokens = rollouts.num_tokens
+        truncated = sum(c.finish_reason == "length" for c in rollouts.completions)
+        sums = torch.tensor([float(sum(tokens)), float(len(tokens)), float(truncated)], dtype=torch.float64,
+                            device=self.device)
+        dist.all_reduce(sums, group=self.dp_group)
+        total_tokens, n, truncated = sums.tolist()
+        return {
+            "rollout/tokens_generated": total_tokens,
+            "rollout/completion_tokens_mean": total_tokens / n,
+            "rollout/truncated_fraction": truncated / n,
+            "throughput/tokens_per_s": total_tokens / step_time,
+            "throughput/completions_per_s": n / step_time,
+        }
+
+    # ---- stopping, saving, exporting ------------------------------------------------------
+
+    def _request_stop(self, signum, frame) -> None:
+        self._stop_requested = True
+
+    def _agree_to_stop(self) -> bool:
+        """True on every rank if any rank was asked to stop."""
+        flag = torch.tensor([float(self._stop_requested)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def save(self, step: int) -> Path:
+        return self.checkpoints.save(step, self.worker.model, self.worker.optimizer, self.worker.scheduler,
+                                     data_position=step * self.config.data.prompts_per_step,
+                                     config=to_dict(self.config))
+
+    def export_hf(self, out_dir: Path) -> Path:
+        """The current policy as a Hugging Face directory with the base model's tokenizer."""
+        return save_hf_checkpoint(self.worker.gpt_model, self.policy_config.model, out_dir,
+                                  base_hf_config=read_hf_config(self.config.base_model),
+                                  tokenizer_dir=self.config.base_model)
+
+    def close(self) -> None:
+        """Release everything; vLLM's shutdown also destroys the default process group, so it goes last."""
+        if self.reward_stage is not None:
+            self.reward_stage.close()
+        if self.logger is not None:
+            self.logger.close()
+        self.worker.close()
+        self.engine.close()
+
+
+@contextlib.contextmanager
+def _timed(times: dict[str, float], name: str):
+    start = time.perf_counter()
+    yield
+    times[name] = time.perf_counter() - start

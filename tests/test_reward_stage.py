@@ -1,0 +1,153 @@
+"""The sharded reward stage: values in config order, and misbehaving rewards that hang,
+raise, return garbage or kill their worker are scored as failures, counted, and survived."""
+import math
+import os
+import time
+
+import pytest
+import torch
+
+from gdpo_megatron.rewards import RewardSpec, get_reward, sandbox
+from gdpo_megatron.rewards.stage import RewardStage
+
+BAD_REWARDS = '''
+import math, os, time
+from gdpo_megatron.rewards import register_reward
+
+@register_reward("stage_hangs_on_odd")
+def hangs_on_odd(completion, num_tokens, ground_truth):
+    if ground_truth["i"] % 2:
+        time.sleep(3600)
+    return ground_truth["i"] / 2
+
+@register_reward("stage_raises_on_3")
+def raises_on_3(completion, num_tokens, ground_truth):
+    if ground_truth["i"] == 3:
+        raise ValueError("no reward for rollout 3")
+    return float(ground_truth["i"])
+
+@register_reward("stage_exits_on_4")
+def exits_on_4(completion, num_tokens, ground_truth):
+    if ground_truth["i"] == 4:
+        os._exit(3)
+    return 1.0
+
+@register_reward("stage_garbage_on_2_and_5")
+def garbage_on_2_and_5(completion, num_tokens, ground_truth):
+    return {2: "1.0", 5: math.nan}.get(ground_truth["i"], 2.0)
+'''
+
+SPECS = [
+    RewardSpec("stage_hangs_on_odd", failure_value=-1.0, timeout_s=1.0),
+    RewardSpec("stage_raises_on_3", failure_value=-5.0),
+    RewardSpec("stage_exits_on_4", failure_value=-2.0),
+    RewardSpec("stage_garbage_on_2_and_5", failure_value=-3.0),
+    RewardSpec("length", weight=0.5, kwargs={"max_tokens": 3}),
+    RewardSpec("math_correctness"),
+]
+N = 6
+COMPLETIONS = ["\\boxed{\\frac{1}{2}}", "\\boxed{0.5}", "\\boxed{2}", "no answer", "<answer>1/2</answer>", "\\boxed{3}"]
+NUM_TOKENS = [1, 2, 3, 4, 5, 6]
+METADATA = [{"i": i, "answer": "\\frac{1}{2}"} for i in range(N)]
+
+
+@pytest.fixture(scope="module")
+def stage(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rewards") / "misbehaving.py"
+    path.write_text(BAD_REWARDS)
+    with RewardStage(SPECS, num_workers=2, timeout_s=20.0, reward_files=[path]) as stage:
+        yield stage
+
+
+def expected_rewards():
+    """What each reward should score, written out from the definitions above."""
+    rows = []
+    for i, (text, tokens, meta) in enumerate(zip(COMPLETIONS, NUM_TOKENS, METADATA)):
+        rows.append([
+            -1.0 if i % 2 else i / 2,
+            -5.0 if i == 3 else float(i),
+            -2.0 if i == 4 else 1.0,
+            -3.0 if i in (2, 5) else 2.0,
+            1.0 if tokens <= 3 else 0.0,
+            get_reward("math_correctness")(text, tokens, meta),  # computed here, in the test process
+        ])
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def test_failures_are_scored_counted_and_survived(stage):
+    start = time.monotonic()
+    rewards, metrics = stage.score(COMPLETIONS, NUM_TOKENS, METADATA)
+    elapsed = time.monotonic() - start
+    # Three 1 s hangs on two workers: well under a minute, however loaded the machine.
+    assert elapsed < 60
+
+    expected = expected_rewards()
+    assert expected[:, 5].tolist() == [1.0, 1.0, 0.0, 0.0, 1.0, 0.0]  # math-verify: 1/2 == 0.5
+    torch.testing.assert_close(rewards, expected, rtol=0, atol=0)
+
+    failures = {"stage_hangs_on_odd": 3, "stage_raises_on_3": 1, "stage_exits_on_4": 1,
+                "stage_garbage_on_2_and_5": 2, "length": 0, "math_correctness": 0}
+    for k, name in enumerate(stage.names):
+        column = expected[:, k].double()
+        assert metrics[f"reward/{name}/failures"] == failures[name]
+        assert metrics[f"reward/{name}/timeouts"] == (3 if name == "stage_hangs_on_odd" else 0)
+        assert metrics[f"reward/{name}/mean"] == pytest.approx(column.mean().item())
+        assert metrics[f"reward/{name}/std"] == pytest.approx(math.sqrt(((column - column.mean()) ** 2).mean().item()))
+
+
+def test_stage_keeps_working_after_replacing_workers(stage):
+    even = [0, 2, 4]
+    rewards, metrics = stage.score([COMPLETIONS[i] for i in even], [NUM_TOKENS[i] for i in even],
+                                   [METADATA[i] for i in even])
+    torch.testing.assert_close(rewards, expected_rewards()[even], rtol=0, atol=0)
+    assert metrics["reward/stage_hangs_on_odd/failures"] == 0
+    assert metrics["reward/stage_exits_on_4/failures"] == 1
+
+
+def test_names_and_weights_follow_the_config_order(stage):
+    assert stage.names == [s.name for s in SPECS]
+    assert stage.weights == [1.0, 1.0, 1.0, 1.0, 0.5, 1.0]
+
+
+def test_empty_batch(stage):
+    rewards, metrics = stage.score([], [], [])
+    assert rewards.shape == (0, len(SPECS)) and metrics["reward/length/failures"] == 0
+
+
+def test_mismatched_inputs_are_named(stage):
+    with pytest.raises(ValueError, match="2 completions, 1 token counts"):
+        stage.score(["a", "b"], [1], [{}, {}])
+
+
+@pytest.mark.skipif(sandbox.isolation() != "namespaces", reason="the sweep by user id needs the namespaces level")
+def test_sandboxed_program_of_a_killed_worker_is_killed_too():
+    code = "```python\nimport time\ntime.sleep(600)\n```"
+    spec = RewardSpec("code_pass", timeout_s=1.0, failure_value=-1.0, kwargs={"limits": {"wall_s": 600, "cpu_s": 600}})
+    with RewardStage([spec], num_workers=1) as stage:
+        rewards, metrics = stage.score([code], [1], [{"tests": [{"input": "", "output": ""}]}])
+    assert rewards.tolist() == [[-1.0]] and metrics["reward/code_pass/timeouts"] == 1
+    assert _live_sandbox_processes() == []
+
+
+def _live_sandbox_processes():
+    alive = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if entry.stat().st_uid >= sandbox.sandbox_uid(0):
+                    with open(f"/proc/{entry.name}/stat") as f:
+                        if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                            alive.append(int(entry.name))
+            except FileNotFoundError:
+                pass
+    return alive
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"num_workers": 0}, "num_workers"),
+    ({"timeout_s": 0}, "timeout_s"),
+    ({"reward_files": ["/nonexistent/rewards.py"]}, "rewards.py"),
+])
+def test_bad_stage_settings_are_named(kwargs, match):
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+        RewardStage([RewardSpec("length")], **kwargs)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Sequence
@@ -79,8 +80,11 @@ def bfcl_accuracy(samples: Sequence[Sample], completions: Sequence[str]) -> dict
 
 
 def _category_files(data_dir: Path, category: str) -> tuple[Path, Path]:
+    """Question and possible-answer files of ``category``, from the newest BFCL release."""
     for stem in _FILE_STEMS.get(category, (category,)):
-        for questions in sorted(data_dir.glob(f"BFCL_v*_{stem}.json"), reverse=True):
+        pattern = re.compile(rf"BFCL_v(\d+)_{stem}\.json")
+        found = [(int(m[1]), p) for p in data_dir.glob("BFCL_v*.json") if (m := pattern.fullmatch(p.name))]
+        for _, questions in sorted(found, reverse=True):
             answers = data_dir / "possible_answer" / questions.name
             if answers.is_file():
                 return questions, answers

@@ -11,15 +11,16 @@ from pathlib import Path
 
 EOS_TOKEN = "<|endoftext|>"
 
-# Enough varied text for a byte-level BPE to learn a few hundred merges deterministically.
-_CORPUS = [
-    "The answer is 42. Let me think step by step about the problem.",
-    "def add(a, b):\n    return a + b\n",
-    "Compute 17 * 23 = 391, then add 9 to get 400.",
-    "<think>reasoning goes here</think><answer>final</answer>",
-    '{"name": "get_weather", "arguments": {"city": "Paris"}}',
-    "Group normalization of each reward, then a weighted sum, then batch normalization.",
-] * 4
+
+
+def _corpus() -> list[str]:
+    """Deterministic text with enough distinct words for a 512-token byte-level BPE."""
+    import random
+
+    rng = random.Random(0)
+    words = ["".join(rng.choice("etaoinshrdlucmfwyp") for _ in range(rng.randint(2, 7))) for _ in range(300)]
+    words += ["answer", "think", "step", "reward", "return", "def", "42", "+", "=", "(", ")", ":", "\n"]
+    return [" ".join(rng.choice(words) for _ in range(50)) for _ in range(200)]
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,10 @@ class TinyLlamaSpec:
 
 
 def build_tokenizer(vocab_size: int):
-    """A byte-level BPE tokenizer trained on a fixed corpus; ``eos`` is the last special token."""
+    """A byte-level BPE tokenizer trained on a fixed corpus, with ``EOS_TOKEN`` as id 0.
+
+    A ``vocab_size`` beyond what the corpus supports (~1,200) leaves the upper ids without
+    text, like the padded embedding tables of real checkpoints."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -52,7 +56,7 @@ def build_tokenizer(vocab_size: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    tok.train_from_iterator(_corpus(), trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
 
 

@@ -1,0 +1,44 @@
+# Sourced by the sbatch scripts in this directory: run the trainer as one srun step and
+# requeue the job when the trainer stopped early to beat the time limit.
+#
+# Every task resolves its rank, world size, local rank and rendezvous address from the Slurm
+# environment itself (gdpo_megatron.distributed.launch), so there is no torchrun.
+#
+# Time limit and requeue: `#SBATCH --signal=USR1@<seconds>` makes Slurm send SIGUSR1 to the
+# tasks (not to this shell) that long before the limit. The trainer finishes its step, saves a
+# checkpoint and exits with EXIT_INTERRUPTED; this script then requeues the job, which keeps
+# its id, hence its run directory, and resumes from that checkpoint. SIGTERM (preemption,
+# scancel) is handled by the trainer the same way.
+
+# gdpo_megatron.cli.EXIT_INTERRUPTED ("try again later"): stopped by a signal, checkpoint saved.
+EXIT_INTERRUPTED=75
+# After the first task ends the others get this long to end too (a crashed rank would otherwise
+# leave the rest blocked in a collective until its timeout).
+TASK_EXIT_GRACE_S=${TASK_EXIT_GRACE_S:-180}
+
+# launch_training CONFIG [key.sub=value ...]
+# The run directory is RUN_DIR, else runs/<job name>-<job id>; a run_dir=... argument wins.
+launch_training() {
+    local config=$1
+    shift
+    if [[ ! -f $config ]]; then
+        echo "launch_training: config $config not found in $PWD (submit from the repository root)" >&2
+        return 2
+    fi
+    local run_dir=${RUN_DIR:-runs/${SLURM_JOB_NAME}-${SLURM_JOB_ID}}
+    echo "job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}): ${SLURM_NTASKS} tasks on" \
+         "${SLURM_JOB_NODELIST}, config ${config}, run dir ${run_dir}, $(date -u +%FT%TZ)"
+
+    local status=0
+    srun --wait="${TASK_EXIT_GRACE_S}" \
+        python -m gdpo_megatron.cli train --config "$config" \
+        run_dir="$run_dir" checkpoint.resume=true "$@" || status=$?
+
+    if (( status == EXIT_INTERRUPTED )); then
+        echo "trainer saved a checkpoint before the time limit; requeueing job ${SLURM_JOB_ID}"
+        scontrol requeue "${SLURM_JOB_ID}"
+        return $?
+    fi
+    echo "trainer exited with status ${status}, $(date -u +%FT%TZ)"
+    return "$status"
+}

@@ -10,6 +10,7 @@ The weight helpers below are written from megatron's tensor attributes (``partit
 ``partition_stride``, the global ``layer_number``), independently of the project's checkpoint
 conversion, so that every layout starts from, and is compared on, the same full weights.
 """
+import math
 import re
 
 import pytest
@@ -236,7 +237,7 @@ LAYOUTS_2 = {
 def test_update_matches_plain_pytorch(gloo_world_2, initial, expected, layout, agg):
     config_kwargs, split = LAYOUTS_2[layout]
     want = expected(agg)
-    assert 0 < want["clip_fraction"] < 1 and want["grad_norm"] > OPTIM["clip_grad"]  # clipping is exercised
+    assert 0.2 < want["clip_fraction"] < 0.8 and want["grad_norm"] > OPTIM["clip_grad"]  # clipping is exercised
     results = gloo_world_2.run(megatron_steps, initial[False], {**config_kwargs, "loss": dict(loss_agg_mode=agg)},
                                split)
     check_matches(results, want)
@@ -252,3 +253,53 @@ def test_update_with_tied_embeddings_matches_plain_pytorch(gloo_world_2, initial
 def test_tp2_pp2_update_matches_plain_pytorch(gloo_world_4, initial, expected):
     results = gloo_world_4.run(megatron_steps, initial[False], dict(tp=2, pp=2, mbs=1), False)
     check_matches(results, expected())
+
+
+def test_ppo_epochs_recompute_old_logprobs_and_kl_enters_the_loss(gloo_world_2, initial):
+    """Two epochs per batch; the batch's old logprobs are far from the policy's.
+
+    Epoch 1 must use recomputed old logprobs (ratio 1), so epoch 2 sees ratios near 1. The KL
+    gradient is zero while policy == reference, so both runs share the weights of epoch 2 and
+    their losses differ by exactly kl_coef * KL.
+    """
+    kl_coef = 0.5
+    common = dict(ppo_epochs=2, optim=dict(lr=1e-4))  # a small step: epoch 2's ratios stay near 1
+    runs = {}
+    for name, kwargs, split in [
+        ("tp1-dp2", dict(), True), ("tp2", dict(tp=2), False), ("pp2", dict(pp=2), False)]:
+        runs[name] = gloo_world_2.run(megatron_steps, initial[False],
+                                      {**kwargs, **common, "loss": dict(kl_coef=kl_coef)}, split)
+    without_kl = gloo_world_2.run(megatron_steps, initial[False], common, True)[0]["metrics"][0]
+
+    reference = merge_stages([r["weights"] for r in runs["tp1-dp2"]])
+    for name in ("tp2", "pp2"):
+        weights = merge_stages([r["weights"] for r in runs[name]])
+        for key, tensor in weights.items():
+            torch.testing.assert_close(tensor, reference[key], rtol=0, atol=1e-5, msg=f"{name}: {key}")
+    metrics = runs["tp1-dp2"][0]["metrics"][0]
+    for name in ("tp2", "pp2"):
+        other = runs[name][0]["metrics"][0]
+        for key in ("loss", "kl_ref", "ratio_mean", "approx_kl"):
+            assert other[key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-8), (name, key)
+
+    # The batch's own old logprobs give ratios of 0.5-2 (see make_batch) and clip ~1/3 of tokens.
+    assert abs(metrics["ratio_mean"] - 1) < 0.05 and 0.75 < metrics["ratio_min"] and metrics["ratio_max"] < 1.3
+    assert metrics["clip_fraction"] < 0.1 and metrics["approx_kl"] > 0
+    assert metrics["kl_ref"] > 0 and without_kl["kl_ref"] == 0.0
+    assert metrics["loss"] - without_kl["loss"] == pytest.approx(kl_coef * metrics["kl_ref"], rel=1e-4)
+
+
+@pytest.mark.parametrize("style", ["cosine", "constant"])
+def test_learning_rate_warms_up_then_follows_its_schedule(gloo_world_2, initial, style):
+    optim = dict(lr=1e-3, min_lr=1e-4, lr_warmup_steps=2, lr_decay_steps=4, lr_decay_style=style)
+    result = gloo_world_2.run(megatron_steps, initial[False], dict(optim=optim, mbs=4), True, 6)[0]
+
+    def expected(step):
+        if step <= 2:
+            return 1e-3 * step / 2
+        if style == "constant":
+            return 1e-3
+        progress = min((step - 2) / (4 - 2), 1.0)
+        return 1e-4 + (1e-3 - 1e-4) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    assert [m["lr"] for m in result["metrics"]] == pytest.approx([expected(s) for s in range(6)], abs=1e-12)

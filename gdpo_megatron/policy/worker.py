@@ -146,6 +146,11 @@ class PolicyWorker:
         """Micro-batches of ``batch`` through megatron's forward-backward function."""
         micro_batches = batch.micro_batches(self.config.micro_batch_size)
         seq_length = batch.seq_length
+        parallel = self.config.parallel
+        if parallel.sequence_parallel and seq_length % parallel.tensor_model_parallel_size:
+            raise ValueError(f"batch.input_ids: sequence length {seq_length} must be a multiple of "
+                             f"tensor_model_parallel_size={parallel.tensor_model_parallel_size} "
+                             "with sequence_parallel (pad the batch)")
         positions = torch.arange(seq_length, device=self.device).unsqueeze(0)
 
         def forward_step(data_iterator, module):

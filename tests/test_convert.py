@@ -151,17 +151,9 @@ def expect_import_error(hf_directory):
     return None
 
 
-def allow_child_processes():
-    """megatron-core's checkpoint writer forks; a gloo worker is daemonic, which forbids it."""
-    import multiprocessing
-
-    multiprocessing.current_process().daemon = False
-
-
 def run_cli(argv):
     from gdpo_megatron.checkpoint.convert_cli import main
 
-    allow_child_processes()
     main(argv)
     dist.barrier()
 

@@ -32,7 +32,14 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.dist_checkpointing.strategies.torch import (
+    MCoreSavePlanner,
+    TorchDistSaveShardedStrategy,
+    _replace_state_dict_keys_with_sharded_keys,
+    mcore_to_pyt_state_dict,
+)
 
 from gdpo_megatron.checkpoint.weight_stream import unwrap
 
@@ -128,6 +135,27 @@ def set_rng_state(state: dict) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
+    """megatron-core's ``torch_dist`` format, written synchronously by the calling process.
+
+    megatron-core's own writer starts a multiprocessing manager and forks a writer per save;
+    those cannot start in daemonic processes and outlive a SIGKILLed trainer. The files are
+    the same PyTorch distributed-checkpoint format, read back by megatron-core's loader.
+    """
+
+    def __init__(self):
+        super().__init__("torch_dist", 1)
+
+    def save(self, sharded_state_dict, checkpoint_dir) -> None:
+        sharded_state_dict, _, _ = _replace_state_dict_keys_with_sharded_keys(
+            sharded_state_dict, self.keep_only_main_replica)
+        dcp.save(
+            mcore_to_pyt_state_dict(sharded_state_dict, False),
+            storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1),
+            planner=MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False),
+        )
+
+
 def _sharded_state_dict(model, optimizer, scheduler, optimizer_sharding: str, is_loading: bool) -> dict:
     model_sd = unwrap(model).sharded_state_dict()
     state = {"model": model_sd}
@@ -196,7 +224,7 @@ class CheckpointManager:
         _barrier()
 
         sharded = _sharded_state_dict(model, optimizer, scheduler, self.optimizer_sharding, is_loading=False)
-        dist_checkpointing.save(sharded, str(tmp / DIST_DIR))
+        dist_checkpointing.save(sharded, str(tmp / DIST_DIR), sharded_strategy=InProcessTorchDistSave())
         torch.save(rng_state(), tmp / RNG_DIR / f"rank_{_rank()}.pt")
         if _rank() == 0:
             (tmp / STATE_FILE).write_text(state_text + "\n")

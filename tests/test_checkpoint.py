@@ -1,0 +1,205 @@
+"""Training checkpoints: layout changes, exact resume after SIGKILL, pruning, damaged files."""
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import random
+import shutil
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from gdpo_megatron.checkpoint.manager import CheckpointError, CheckpointManager, read_training_state
+from gdpo_megatron.distributed.local_world import free_port
+from gdpo_megatron.policy.batch import PolicyBatch
+from gdpo_megatron.policy.config import ModelConfig, OptimConfig, ParallelConfig, PolicyConfig
+from test_convert import megatron_logits
+
+VOCAB = 250
+B, T = 4, 12
+STEPS, SAVE_EVERY, KILL_AFTER = 6, 2, 5  # killed after step 5: resume replays steps 5 and 6
+
+
+def tiny_policy(tp: int = 1) -> PolicyConfig:
+    return PolicyConfig(
+        model=ModelConfig.preset("tiny", vocab_size=VOCAB, make_vocab_size_divisible_by=64),
+        parallel=ParallelConfig(tensor_model_parallel_size=tp),
+        # warmup + cosine decay: a resumed run needs the scheduler's state too
+        optim=OptimConfig(lr=1e-3, lr_warmup_steps=2, lr_decay_steps=10, lr_decay_style="cosine"),
+        micro_batch_size=2,
+    )
+
+
+def sampled_batch() -> PolicyBatch:
+    """A batch drawn from the python, numpy and torch global RNGs (all three must be restored)."""
+    ids = torch.randint(0, VOCAB, (B, T))
+    prompt = torch.tensor([random.randint(1, 4) for _ in range(B)])
+    completion = torch.from_numpy(np.random.randint(2, T - 4, size=B))
+    pos = torch.arange(T).unsqueeze(0)
+    mask = (pos >= prompt.unsqueeze(1)) & (pos < (prompt + completion).unsqueeze(1))
+    old = -5.5 + 0.3 * torch.randn(B, T - 1)
+    return PolicyBatch(ids, mask, torch.randn(B), old_logprobs=old)
+
+
+# --- functions run on every rank ---------------------------------------------------------------
+
+
+def train(root, resume: bool, kill_after: int | None = None) -> dict[int, float]:
+    """Train to ``STEPS`` (saving every ``SAVE_EVERY``), from scratch or the latest checkpoint."""
+    from gdpo_megatron.policy.worker import PolicyWorker
+
+    manager = CheckpointManager(root, keep_last=2)
+    losses = {}
+    with PolicyWorker(tiny_policy()) as worker:
+        if resume:
+            state = manager.load(worker.model, worker.optimizer, worker.scheduler)
+            first = state.data_position["next_step"]
+        else:
+            random.seed(0)
+            np.random.seed(0)
+            first = 1
+        for step in range(first, STEPS + 1):
+            losses[step] = worker.train_step(sampled_batch())["loss"]
+            if step % SAVE_EVERY == 0:
+                manager.save(step, worker.model, worker.optimizer, worker.scheduler,
+                             data_position={"next_step": step + 1}, config={"policy": {"seed": 1234}})
+            if step == kill_after:
+                os.kill(os.getpid(), signal.SIGKILL)
+    return losses
+
+
+def _killed_rank(rank: int, port: int, root) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    train(root, resume=False, kill_after=KILL_AFTER)
+
+
+def save_trained(root, tp: int):
+    """One train step at ``tp``, then a checkpoint of step 1; returns the logits and the LR."""
+    from gdpo_megatron.policy.worker import PolicyWorker
+
+    config = tiny_policy(tp)
+    torch.manual_seed(0)
+    batch = sampled_batch()
+    with PolicyWorker(config) as worker:
+        worker.train_step(batch)
+        CheckpointManager(root).save(1, worker.model, worker.optimizer, worker.scheduler, data_position={"next_step": 2},
+                                     config={"policy": {"model": dataclasses.asdict(config.model)}})
+        return megatron_logits(worker.gpt_model, VOCAB), worker.optimizer.param_groups[0]["lr"]
+
+
+def load_trained(root, tp: int):
+    from gdpo_megatron.policy.worker import PolicyWorker
+
+    with PolicyWorker(tiny_policy(tp)) as worker:
+        state = CheckpointManager(root).load(worker.model, worker.optimizer, worker.scheduler)
+        return state, megatron_logits(worker.gpt_model, VOCAB), worker.optimizer.param_groups[0]["lr"]
+
+
+def load_error(root):
+    from gdpo_megatron.policy.worker import PolicyWorker
+
+    with PolicyWorker(tiny_policy()) as worker:
+        try:
+            CheckpointManager(root).load(worker.model)
+        except CheckpointError as e:
+            return str(e)
+    return None
+
+
+# --- tests -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved_at_tp2(gloo_world_2, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp2")
+    logits, lr = gloo_world_2.run(save_trained, root, 2)[0]
+    return root, logits, lr
+
+
+def test_saved_at_tp2_loads_at_tp1_with_the_same_logits(gloo_world_2, saved_at_tp2):
+    root, logits, lr = saved_at_tp2
+    for state, loaded_logits, loaded_lr in gloo_world_2.run(load_trained, root, 1):
+        torch.testing.assert_close(loaded_logits, logits, atol=1e-5, rtol=0)
+        assert loaded_lr == lr > 0
+        assert state.step == 1 and state.data_position == {"next_step": 2} and state.world_size == 2
+        assert state.config["policy"]["model"]["vocab_size"] == VOCAB
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_repeats_the_uninterrupted_losses(gloo_world_2, tmp_path):
+    expected = gloo_world_2.run(train, tmp_path / "uninterrupted", False)[0]
+
+    root = tmp_path / "killed"
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    ranks = [ctx.Process(target=_killed_rank, args=(r, port, root)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=300)
+    assert [p.exitcode for p in ranks] == [-signal.SIGKILL] * 2
+    assert CheckpointManager(root).latest_step() == 4
+
+    resumed = gloo_world_2.run(train, root, True)[0]
+    assert sorted(resumed) == [5, 6]
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(expected[step], abs=1e-6, rel=0)
+    assert len({round(loss, 6) for loss in expected.values()}) == STEPS  # the losses do move
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_4", "step_6"]  # keep_last=2
+
+
+def test_keep_last_latest_pointer_and_half_written_checkpoints(gloo_world_2, saved_at_tp2, tmp_path):
+    source, _, _ = saved_at_tp2
+    root = tmp_path / "root"
+    root.mkdir()
+    for step in (3, 7, 12):
+        shutil.copytree(source / "step_1", root / f"step_{step}")
+    shutil.copytree(source / "step_1", root / ".tmp-step_20")  # a crash while writing step 20
+    (root / ".tmp-step_20" / "manifest.json").unlink()
+    manager = CheckpointManager(root, keep_last=2)
+    with pytest.warns(UserWarning, match=r"ignoring incomplete checkpoint .*\.tmp-step_20"):
+        assert manager.latest_step() == 12
+    with pytest.warns(UserWarning, match="incomplete"):
+        assert manager.complete_steps() == [3, 7, 12]
+    manager._prune(keep=12)
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_12", "step_7"]
+    assert (source / "latest").read_text().strip() == "step_1"
+    assert read_training_state(root / "step_12").step == 1  # copied from step 1
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
+def test_damaged_checkpoint_files_are_named(saved_at_tp2, tmp_path, damage):
+    source, _, _ = saved_at_tp2
+    directory = tmp_path / "step_1"
+    shutil.copytree(source / "step_1", directory)
+    shard = sorted((directory / "dist").glob("*.distcp"))[0]
+    data = shard.read_bytes()
+    if damage == "truncate":
+        shard.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        shard.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
+    else:
+        shard.unlink()
+    with pytest.raises(CheckpointError, match=f"{shard}: {'missing' if damage == 'delete' else 'corrupted'}"):
+        CheckpointManager(tmp_path).verify(directory)
+
+
+def test_load_names_the_missing_manifest_or_state_file(gloo_world_2, saved_at_tp2, tmp_path):
+    source, _, _ = saved_at_tp2
+    shutil.copytree(source / "step_1", tmp_path / "step_1")
+    (tmp_path / "step_1" / "manifest.json").unlink()
+    for message in gloo_world_2.run(load_error, tmp_path):
+        assert message == f"{tmp_path / 'step_1' / 'manifest.json'}: missing (the checkpoint is incomplete)"
+
+    (tmp_path / "step_1" / "trainer_state.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"trainer_state.json: corrupted"):
+        read_training_state(tmp_path / "step_1")
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        CheckpointManager(tmp_path / "empty").load(None)

@@ -39,6 +39,35 @@ def update_weights(model_path: str) -> None:
     _ENGINE["engine"].update_weights(model.state_dict().items())
 
 
+def policy_consistency(base_path: str, training_tp: int, temperature: float):
+    """Sync a randomly initialized Megatron policy (training TP ``training_tp``) into this
+    rank's engine, sample, and return (engine, policy) logprobs of the sampled tokens."""
+    from gdpo_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
+    from gdpo_megatron.checkpoint.weight_stream import iter_hf_weights
+    from gdpo_megatron.experience import Rollouts, to_policy_batch
+    from gdpo_megatron.policy.config import ParallelConfig, PolicyConfig
+    from gdpo_megatron.policy.worker import PolicyWorker
+
+    config = PolicyConfig(
+        model=model_config_from_hf(read_hf_config(base_path)),
+        parallel=ParallelConfig(tensor_model_parallel_size=training_tp),
+        temperature=temperature,
+        seed=77,
+    )
+    engine = _ENGINE["engine"]
+    with PolicyWorker(config) as worker:
+        engine.update_weights(iter_hf_weights(worker.gpt_model, config.model))
+        # the same prompts and seed on both ranks: one batch for the TP=2 policy
+        sampling = SamplingConfig(temperature=temperature, max_new_tokens=12, seed=21)
+        completions = [c for g in engine.generate(PROMPTS, 2, sampling) for c in g]
+        rollouts = Rollouts(PROMPTS, torch.arange(len(PROMPTS)).repeat_interleave(2), completions)
+        n = len(completions)
+        batch = to_policy_batch(rollouts, 2, torch.zeros(n), torch.ones(n, dtype=torch.bool), pad_id=0)
+        policy = worker.compute_logprobs(batch).cpu()
+    targets = batch.loss_mask[:, 1:]
+    return batch.old_logprobs[targets], policy[targets]
+
+
 def close_engine(port: int) -> None:
     """Shut the engine down; vLLM's teardown takes the default group with it, so re-form it."""
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -117,6 +146,14 @@ class TestOneReplicaPerRank:
         assert [len(c[0]) for c in first[0][0]] == [3, 3]
         assert_logprobs_match(models["base"], a, first[0])
         assert_logprobs_match(models["base"], b, first[1])
+
+    @pytest.mark.parametrize("training_tp", [1, 2])
+    def test_engine_logprobs_equal_the_policy_after_syncing_its_weights(self, tp1_world, models, training_tp):
+        results = tp1_world.run(policy_consistency, models["paths"]["base"], training_tp, 0.8)
+        for engine_logprobs, policy_logprobs in results:
+            assert engine_logprobs.numel() > 40
+            torch.testing.assert_close(engine_logprobs, policy_logprobs, atol=1e-4, rtol=0)
+        torch.testing.assert_close(results[0][0], results[1][0], atol=0, rtol=0)
 
     def test_update_weights_on_every_rank(self, tp1_world, models):
         tp1_world.run(update_weights, models["paths"]["other"])

@@ -27,8 +27,8 @@ Two isolation levels, chosen once per process by probing (see :func:`isolation`)
   working directory, signals to the caller and fork bombs beyond the user's process limit
   are NOT contained in this mode; run the trainer as root in a container to get the first.
 
-Call it from a single-threaded process (the reward stage's workers are): the limits are
-set between fork and exec.
+Linux only (>= 5.3: pidfd). Call it from a single-threaded process (the reward stage's
+workers are): the limits are set between fork and exec.
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ import ctypes
 import functools
 import os
 import resource
+import select
 import shutil
 import signal
 import stat
@@ -116,14 +117,13 @@ def run_python(
                 start_new_session=True, preexec_fn=functools.partial(_child_setup, limits, uid, str(workdir)),
             )
             try:
-                returncode = proc.wait(timeout=limits.wall_s)
-            except subprocess.TimeoutExpired:
-                returncode = None
+                returncode = _wait(proc, limits.wall_s)
             finally:
-                _kill_group(proc.pid)
-                if uid is not None:
-                    kill_sandbox_processes(os.getpid())
+                proc.kill()  # no-op if it has exited
                 proc.wait()
+                _kill_group(proc.pid)  # what it left in its process group
+                if uid is not None:
+                    kill_sandbox_processes(os.getpid())  # and anywhere else
             stdout, stdout_full = _read_capped(out, limits.output_bytes)
             stderr, stderr_full = _read_capped(err, limits.output_bytes)
     finally:
@@ -169,9 +169,9 @@ def kill_sandbox_processes(pid: int) -> None:
     processes, atomically with respect to their forks. Orphans were re-parented to the
     caller (a child subreaper), which reaps them so they do not hold process slots.
     """
-    if isolation() != "namespaces":
-        return
     uid = sandbox_uid(pid)
+    if isolation() != "namespaces" or not _processes_of(uid):
+        return  # none can appear: only the user's own processes create more of them
     child = os.fork()
     if child == 0:
         try:
@@ -236,6 +236,17 @@ def _check(rc: int, what: str) -> None:
     if rc != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"sandbox: {what} failed: {os.strerror(err)}")
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> int | None:
+    """Exit status of ``proc``, or ``None`` if it runs past ``timeout`` (woken by a pidfd,
+    not by polling)."""
+    fd = os.pidfd_open(proc.pid)
+    try:
+        exited, _, _ = select.select([fd], [], [], timeout)
+    finally:
+        os.close(fd)
+    return proc.wait() if exited else None
 
 
 def _kill_group(pgid: int) -> None:

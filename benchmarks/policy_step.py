@@ -1,0 +1,137 @@
+"""Policy train-step throughput: TP=1 vs TP=2 (and PP=2) on the CPU; BF16 vs FP8 MFU on a GPU.
+
+    OMP_NUM_THREADS=1 python benchmarks/policy_step.py [--repeats 5]   # CPU, tiny model
+    python benchmarks/policy_step.py --gpu                                 # needs CUDA + TE
+
+(a) CPU: the tiny model (hidden 128, 2 heads of 64, 2 layers, vocab 512, fp32), one
+    `PolicyWorker.train_step` (forward-backward over micro-batches, DDP, Adam) on the same
+    batch, at TP=1 in one process and at TP=2 and PP=2 in two gloo processes. Tokens/s counts
+    every token of the batch (prompt and completion). Layouts alternate repeat by repeat.
+(b) --gpu: a Llama-2-7B-shaped slice (hidden 4096, FFN 11008, 32 heads) with 2 layers, one
+    GPU, bf16 vs FP8 (hybrid, delayed scaling) through Transformer Engine. MFU is model
+    FLOPs (6 x matmul parameters + 12 x layers x hidden x sequence, per token) over the
+    GPU's dense BF16 peak.
+Every number is the median of `--repeats` repeats of `--steps` steps, after one warm-up step.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from gdpo_megatron.distributed.local_world import LocalWorld
+from gdpo_megatron.policy.batch import PolicyBatch
+from gdpo_megatron.policy.config import ModelConfig, OptimConfig, ParallelConfig, PolicyConfig, PrecisionConfig
+
+# Dense BF16 tensor-core peaks (FLOP/s) by device-name fragment.
+BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
+
+
+def make_batch(model: ModelConfig, batch_size: int, seq_length: int) -> PolicyBatch:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.vocab_size, (batch_size, seq_length), generator=g)
+    mask = torch.zeros(batch_size, seq_length, dtype=torch.bool)
+    mask[:, seq_length // 4:] = True  # a quarter prompt, the rest completion
+    old = -6.0 + 0.1 * torch.randn(batch_size, seq_length - 1, generator=g)
+    return PolicyBatch(ids, mask, torch.randn(batch_size, generator=g), old_logprobs=old)
+
+
+def timed_steps(config: PolicyConfig, batch_size: int, seq_length: int, steps: int) -> float:
+    """Median seconds of one train step (run on every rank; rank 0's answer is used)."""
+    from gdpo_megatron.policy.worker import PolicyWorker
+
+    batch = make_batch(config.model, batch_size, seq_length)
+    with PolicyWorker(config) as worker:
+        worker.train_step(batch)  # warm-up
+        times = []
+        for _ in range(steps):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            worker.train_step(batch)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def cpu_benchmark(args) -> None:
+    model = ModelConfig.preset("tiny")
+    layouts = {"TP=1": (1, ParallelConfig()), "TP=2": (2, ParallelConfig(tensor_model_parallel_size=2)),
+               "PP=2": (2, ParallelConfig(pipeline_model_parallel_size=2))}
+    tokens = args.batch_size * args.seq_length
+    seconds = {name: [] for name in layouts}
+    with LocalWorld(1) as one, LocalWorld(2) as two:
+        worlds = {1: one, 2: two}
+        for _ in range(args.repeats):
+            for name, (size, parallel) in layouts.items():
+                config = PolicyConfig(model=model, parallel=parallel, optim=OptimConfig(lr=1e-5),
+                                      micro_batch_size=args.micro_batch_size)
+                seconds[name].append(worlds[size].run(timed_steps, config, args.batch_size, args.seq_length,
+                                                      args.steps)[0])
+    print(f"tiny model, batch {args.batch_size} x {args.seq_length} tokens, micro-batch {args.micro_batch_size}, "
+          f"median of {args.repeats} x {args.steps} steps")
+    base = statistics.median(seconds["TP=1"])
+    print(f"{'layout':8} {'processes':>9} {'s/step':>8} {'tokens/s':>10} {'vs TP=1':>8}")
+    for name, (size, _) in layouts.items():
+        median = statistics.median(seconds[name])
+        print(f"{name:8} {size:>9} {median:8.4f} {tokens / median:10.0f} {base / median:8.2f}x")
+
+
+def matmul_flops_per_token(model: ModelConfig, seq_length: int) -> float:
+    """Training FLOPs per token: 6 x matmul parameters + 12 x layers x hidden x sequence."""
+    h, f, L = model.hidden_size, model.ffn_hidden_size, model.num_layers
+    qkv = h * (model.num_attention_heads + 2 * model.num_query_groups) * model.head_dim
+    per_layer = qkv + model.num_attention_heads * model.head_dim * h + 3 * h * f
+    params = L * per_layer + h * model.vocab_size  # + the output layer
+    return 6 * params + 12 * L * h * seq_length
+
+
+def gpu_benchmark(args) -> None:
+    name = torch.cuda.get_device_name()
+    peak = next((v for k, v in BF16_PEAK.items() if k in name), None)
+    model = ModelConfig.preset("llama2-7b", num_layers=2)
+    tokens = args.batch_size * args.seq_length
+    flops = matmul_flops_per_token(model, args.seq_length) * tokens
+    seconds = {"bf16": [], "fp8": []}
+    with LocalWorld(1, backend="nccl") as world:
+        for _ in range(args.repeats):
+            for label, fp8 in (("bf16", None), ("fp8", "hybrid")):
+                config = PolicyConfig(model=model, precision=PrecisionConfig(dtype="bf16", fp8=fp8),
+                                      optim=OptimConfig(lr=1e-6), micro_batch_size=args.micro_batch_size)
+                seconds[label].append(world.run(timed_steps, config, args.batch_size, args.seq_length,
+                                                 args.steps)[0])
+    print(f"{name}: llama2-7b shape, 2 layers, batch {args.batch_size} x {args.seq_length}, "
+          f"micro-batch {args.micro_batch_size}")
+    print(f"{'precision':10} {'s/step':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6}")
+    for label, values in seconds.items():
+        median = statistics.median(values)
+        achieved = flops / median
+        mfu = f"{achieved / peak:6.1%}" if peak else "   n/a"
+        print(f"{label:10} {median:8.4f} {tokens / median:10.0f} {achieved / 1e12:8.1f} {mfu}")
+    print(f"FP8 speed-up over BF16: {statistics.median(seconds['bf16']) / statistics.median(seconds['fp8']):.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpu", action="store_true", help="BF16 vs FP8 on one GPU instead of the CPU layouts")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per repeat")
+    parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (CPU 8, GPU 8)")
+    parser.add_argument("--seq-length", type=int, default=None, help="tokens per sequence (CPU 128, GPU 2048)")
+    parser.add_argument("--micro-batch-size", type=int, default=None, help="(CPU 4, GPU 1)")
+    args = parser.parse_args()
+    defaults = (8, 2048, 1) if args.gpu else (8, 128, 4)
+    for field, default in zip(("batch_size", "seq_length", "micro_batch_size"), defaults):
+        if getattr(args, field) is None:
+            setattr(args, field, default)
+    if args.gpu:
+        gpu_benchmark(args)
+    else:
+        cpu_benchmark(args)
+
+
+if __name__ == "__main__":
+    main()

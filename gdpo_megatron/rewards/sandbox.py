@@ -105,7 +105,6 @@ def run_python(
             os.chown(workdir, uid, uid)
             os.chmod(workdir, stat.S_IRWXU)
             _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-        if uid is not None:
             args = [_interpreter_for_other_users(), "-I", "main.py"]
         else:
             args = [sys.executable, "-I", "-c", _import_guard_runner()]
@@ -116,14 +115,16 @@ def run_python(
                 args, stdin=inp, stdout=out, stderr=err, cwd=workdir, env=_scrubbed_env(workdir),
                 start_new_session=True, preexec_fn=functools.partial(_child_setup, limits, uid, str(workdir)),
             )
+            exited = False
             try:
-                returncode = _wait(proc, limits.wall_s)
+                exited = _exits_within(proc, limits.wall_s)
             finally:
-                proc.kill()  # no-op if it has exited
-                proc.wait()
-                _kill_group(proc.pid)  # what it left in its process group
+                _kill_group(proc.pid)  # not reaped yet, so its pid still names only its group
+                proc.kill()  # in case it left its group; no-op if it has exited
+                status = proc.wait()
                 if uid is not None:
-                    kill_sandbox_processes(os.getpid())  # and anywhere else
+                    kill_sandbox_processes(os.getpid())  # whatever escaped the group
+            returncode = status if exited else None
             stdout, stdout_full = _read_capped(out, limits.output_bytes)
             stderr, stderr_full = _read_capped(err, limits.output_bytes)
     finally:
@@ -238,15 +239,15 @@ def _check(rc: int, what: str) -> None:
         raise OSError(err, f"sandbox: {what} failed: {os.strerror(err)}")
 
 
-def _wait(proc: subprocess.Popen, timeout: float) -> int | None:
-    """Exit status of ``proc``, or ``None`` if it runs past ``timeout`` (woken by a pidfd,
-    not by polling)."""
+def _exits_within(proc: subprocess.Popen, timeout: float) -> bool:
+    """Whether ``proc`` exits within ``timeout`` seconds; woken by a pidfd, not by polling,
+    and without reaping it."""
     fd = os.pidfd_open(proc.pid)
     try:
         exited, _, _ = select.select([fd], [], [], timeout)
     finally:
         os.close(fd)
-    return proc.wait() if exited else None
+    return bool(exited)
 
 
 def _kill_group(pgid: int) -> None:

@@ -151,3 +151,17 @@ def _live_sandbox_processes():
 def test_bad_stage_settings_are_named(kwargs, match):
     with pytest.raises((ValueError, FileNotFoundError), match=match):
         RewardStage([RewardSpec("length")], **kwargs)
+
+
+def test_a_reward_file_failing_in_the_workers_stops_the_stage_with_its_error(tmp_path):
+    path = tmp_path / "worker_only_failure.py"
+    path.write_text(
+        "import multiprocessing\n"
+        "if multiprocessing.parent_process() is not None:  # in a worker, not in the trainer\n"
+        "    raise ImportError('missing dependency in the workers')\n"
+    )
+    stage = RewardStage([RewardSpec("length")], num_workers=1, reward_files=[path])
+    with pytest.raises(RuntimeError, match="could not start(.|\n)*missing dependency in the workers"):
+        stage.score(["x"], [1], [{}])
+    with pytest.raises(RuntimeError, match="after close"):
+        stage.score(["x"], [1], [{}])

@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
@@ -61,12 +61,34 @@ def _worker_main(conn: Connection, specs: Sequence[RewardSpec], reward_files: Se
 
 @dataclass
 class _Worker:
-    process: Any
+    process: mp.process.BaseProcess
     conn: Connection
     ready: bool = False
     rollout: int | None = None  # what it is scoring now
     indices: deque = field(default_factory=deque)  # rewards of that rollout still to come
     started: float = 0.0  # when the current reward call began
+
+
+@dataclass
+class _Scores:
+    """What one ``score`` call has collected: values, and failures per reward."""
+
+    specs: list[RewardSpec]
+    values: list[list[float]]
+    failures: list[int]
+    timeouts: list[int]
+    first_error: list[str | None]
+
+    @classmethod
+    def empty(cls, n: int, specs: list[RewardSpec]) -> "_Scores":
+        K = len(specs)
+        return cls(specs, [[math.nan] * K for _ in range(n)], [0] * K, [0] * K, [None] * K)
+
+    def fail(self, i: int, k: int, why: str, timed_out: bool = False) -> None:
+        self.values[i][k] = self.specs[k].failure_value
+        self.failures[k] += 1
+        self.timeouts[k] += timed_out
+        self.first_error[k] = self.first_error[k] or why
 
 
 class RewardStage:
@@ -119,61 +141,25 @@ class RewardStage:
                 f"reward stage: got {n} completions, {len(num_tokens)} token counts and "
                 f"{len(metadata)} metadata dicts; expected one of each per rollout"
             )
-        K = len(self.specs)
-        values = [[math.nan] * K for _ in range(n)]
-        failures, timeouts = [0] * K, [0] * K
-        first_error: list[str | None] = [None] * K
-        pending = deque((i, deque(range(K))) for i in range(n))
-
-        def fail(i: int, k: int, why: str, timed_out: bool = False) -> None:
-            values[i][k] = self.specs[k].failure_value
-            failures[k] += 1
-            timeouts[k] += timed_out
-            first_error[k] = first_error[k] or why
-
+        if not self._workers:
+            raise RuntimeError("reward stage: score() called after close()")
+        scores = _Scores.empty(n, self.specs)
+        pending = deque((i, deque(range(len(self.specs)))) for i in range(n))
         while pending or any(w.rollout is not None for w in self._workers):
             for w in self._workers:
                 if w.ready and w.rollout is None and pending:
                     w.rollout, w.indices = pending.popleft()
-                    w.conn.send((w.rollout, completions[w.rollout], num_tokens[w.rollout], metadata[w.rollout], list(w.indices)))
+                    i = w.rollout
+                    w.conn.send((i, completions[i], num_tokens[i], metadata[i], list(w.indices)))
                     w.started = time.monotonic()
-            deadline = self._next_deadline()
-            ready = wait([w.conn for w in self._workers], timeout=_START_TIMEOUT_S if deadline is None else deadline)
-            if not ready and deadline is None:
-                self.close()
-                raise RuntimeError(f"reward stage: no worker became ready within {_START_TIMEOUT_S} s")
-            for w in ready:
-                worker = next(x for x in self._workers if x.conn is w)
-                try:
-                    message = worker.conn.recv()
-                except (EOFError, OSError):
-                    message = None
-                if message is None or message[0] == _FATAL:
-                    self._replace(worker, message, pending, fail, "worker process died")
-                elif message[0] == _READY:
-                    worker.ready = True
-                    self._start_failures = 0
-                else:
-                    kind, i, k, payload = message
-                    if kind == _VALUE:
-                        values[i][k] = payload
-                    else:
-                        fail(i, k, payload)
-                    worker.indices.popleft()
-                    worker.started = time.monotonic()
-                    if not worker.indices:
-                        worker.rollout = None
-            now = time.monotonic()
-            for worker in list(self._workers):
-                if worker.rollout is not None and now >= worker.started + self.timeouts[worker.indices[0]]:
-                    k = worker.indices[0]
-                    self._replace(worker, None, pending, fail, f"timed out after {self.timeouts[k]} s", timed_out=True)
-
-        for k, why in enumerate(first_error):
+            self._receive(scores, pending)
+            self._expire(scores, pending)
+        for k, why in enumerate(scores.first_error):
             if why is not None:
-                log.warning("reward %s failed on %d of %d rollouts; first failure:\n%s", self.names[k], failures[k], n, why)
-        rewards = torch.tensor(values, dtype=torch.float32).reshape(n, K)
-        return rewards, self._metrics(rewards, failures, timeouts)
+                log.warning("reward %s failed on %d of %d rollouts; first failure:\n%s",
+                            self.names[k], scores.failures[k], n, why)
+        rewards = torch.tensor(scores.values, dtype=torch.float32).reshape(n, len(self.specs))
+        return rewards, self._metrics(rewards, scores)
 
     def close(self) -> None:
         for w in self._workers:
@@ -195,20 +181,56 @@ class RewardStage:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _metrics(self, rewards: torch.Tensor, failures: list[int], timeouts: list[int]) -> dict[str, float]:
+    def _receive(self, scores: _Scores, pending: deque) -> None:
+        """Handle the workers' messages, waiting at most until the next call times out."""
+        running = [w.started + self.timeouts[w.indices[0]] for w in self._workers if w.rollout is not None]
+        timeout = max(0.0, min(running) - time.monotonic()) if running else _START_TIMEOUT_S
+        ready = wait([w.conn for w in self._workers], timeout=timeout)
+        if not ready and not running:
+            self.close()
+            raise RuntimeError(f"reward stage: no worker became ready within {_START_TIMEOUT_S} s")
+        for conn in ready:
+            worker = next(w for w in self._workers if w.conn is conn)
+            try:
+                message = worker.conn.recv()
+            except (EOFError, OSError):
+                message = None
+            if message is None or message[0] == _FATAL:
+                if not worker.ready:
+                    self._on_start_failure(message)
+                self._replace(worker, scores, pending, "worker process died")
+            elif message[0] == _READY:
+                worker.ready = True
+                self._start_failures = 0
+            else:
+                kind, i, k, payload = message
+                if kind == _VALUE:
+                    scores.values[i][k] = payload
+                else:
+                    scores.fail(i, k, payload)
+                worker.indices.popleft()
+                worker.started = time.monotonic()
+                if not worker.indices:
+                    worker.rollout = None
+
+    def _expire(self, scores: _Scores, pending: deque) -> None:
+        """Replace every worker whose current call has run past its timeout."""
+        now = time.monotonic()
+        for worker in list(self._workers):
+            if worker.rollout is not None:
+                limit = self.timeouts[worker.indices[0]]
+                if now >= worker.started + limit:
+                    self._replace(worker, scores, pending, f"timed out after {limit} s", timed_out=True)
+
+    def _metrics(self, rewards: torch.Tensor, scores: _Scores) -> dict[str, float]:
         out = {}
         for k, name in enumerate(self.names):
             column = rewards[:, k].to(torch.float64)
             out[f"reward/{name}/mean"] = column.mean().item() if column.numel() else 0.0
             out[f"reward/{name}/std"] = column.std(correction=0).item() if column.numel() else 0.0
-            out[f"reward/{name}/failures"] = float(failures[k])
-            out[f"reward/{name}/timeouts"] = float(timeouts[k])
+            out[f"reward/{name}/failures"] = float(scores.failures[k])
+            out[f"reward/{name}/timeouts"] = float(scores.timeouts[k])
         return out
-
-    def _next_deadline(self) -> float | None:
-        """Seconds until the first running call times out (None: nothing is running)."""
-        running = [w.started + self.timeouts[w.indices[0]] for w in self._workers if w.rollout is not None]
-        return max(0.0, min(running) - time.monotonic()) if running else None
 
     def _start_worker(self) -> _Worker:
         parent, child = self._ctx.Pipe()
@@ -217,16 +239,18 @@ class RewardStage:
         child.close()  # so that the worker's death reads as EOF here
         return _Worker(process, parent)
 
-    def _replace(self, worker: _Worker, message, pending: deque, fail, why: str, timed_out: bool = False) -> None:
+    def _on_start_failure(self, message) -> None:
+        """A worker died before it was ready: an import error is final, a crash may be retried."""
+        self._start_failures += 1
+        if message is not None or self._start_failures >= _MAX_START_FAILURES:
+            self.close()
+            detail = message[1] if message is not None else "it exited before it was ready"
+            raise RuntimeError(f"reward stage: a worker could not start:\n{detail}")
+
+    def _replace(self, worker: _Worker, scores: _Scores, pending: deque, why: str, timed_out: bool = False) -> None:
         """Kill ``worker``, fail its current reward call, requeue the rest, start a new one."""
-        if not worker.ready:
-            self._start_failures += 1
-            if self._start_failures >= _MAX_START_FAILURES or message is not None:
-                self.close()
-                detail = message[1] if message is not None else "it exited before it was ready"
-                raise RuntimeError(f"reward stage: a worker could not start:\n{detail}")
         if worker.rollout is not None:
-            fail(worker.rollout, worker.indices.popleft(), why, timed_out)
+            scores.fail(worker.rollout, worker.indices.popleft(), why, timed_out)
             if worker.indices:
                 pending.appendleft((worker.rollout, worker.indices))
         self._kill(worker)

@@ -1,4 +1,4 @@
-"""Reward functions (registered by name) and the sharded reward stage.
+"""Reward functions (registered by name) and the sharded reward stage that scores rollouts.
 
 Importing this package registers the built-in rewards: ``tool_format``,
 ``tool_correctness``, ``math_correctness``, ``math_format``, ``length``, ``code_pass`` and
@@ -13,5 +13,6 @@ from gdpo_megatron.rewards.registry import (
     registered_rewards,
     validate_specs,
 )
+from gdpo_megatron.rewards.stage import RewardStage
 
-__all__ = ["RewardSpec", "get_reward", "load_reward_file", "register_reward", "registered_rewards", "validate_specs"]
+__all__ = ["RewardSpec", "RewardStage", "get_reward", "load_reward_file", "register_reward", "registered_rewards", "validate_specs"]

@@ -13,19 +13,23 @@ Two isolation levels, chosen once per process by probing (see :func:`isolation`)
   interface but a down loopback: every connection fails) and a new mount namespace whose
   world-writable directories (/tmp, /var/tmp, /dev/shm, /run/lock) are fresh, private
   tmpfs mounts. Contained: network access; writing anywhere but its working directory
-  (the user id owns nothing else, and writes to the world-writable places vanish with the
-  namespace); reading the parent's environment (``/proc/<pid>/environ`` is denied to
+  (the user id owns nothing else, and writes to those world-writable places vanish with
+  the namespace; other world-writable directories, if a host has any, are not covered);
+  reading the parent's environment (``/proc/<pid>/environ`` is denied to
   another user); signalling the parent or any other process; fork bombs (RLIMIT_NPROC
   counts the processes of that user id only); processes that escape the process group
   (``setsid``, double fork) are killed by a sweep over the user id, and reaped by the
   calling process, which becomes a child subreaper. Not contained: reading world-readable
-  files, and CPU/memory contention with the host within the limits.
+  files (keep datasets with expected outputs unreadable to other users), and CPU/memory
+  contention with the host within the limits.
 
 ``"basic"`` (any other case): the same limits, but the program runs as the calling user
   and network access is blocked by refusing to import socket-level modules
-  (``network_isolation() == "import-guard"``), which code can undo. Writes outside the
-  working directory, signals to the caller and fork bombs beyond the user's process limit
-  are NOT contained in this mode; run the trainer as root in a container to get the first.
+  (``network_isolation() == "import-guard"``), which code can undo. NOT contained at this
+  level: writes outside the working directory, reading ``/proc/<parent>/environ``, signals
+  to the caller, and processes that leave the process group. RLIMIT_NPROC counts all of
+  the user's processes (and does not apply to root). Run the trainer as root in a container
+  to get the namespaces level.
 
 Linux only (>= 5.3: pidfd). Call it from a single-threaded process (the reward stage's
 workers are): the limits are set between fork and exec.

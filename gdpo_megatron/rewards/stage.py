@@ -7,6 +7,9 @@ its own timeout. A call that raises, returns a non-finite or non-numeric value, 
 its timeout, or takes its worker down scores the reward's ``failure_value`` and is counted
 in ``reward/<name>/failures`` (timeouts also in ``reward/<name>/timeouts``) and logged. A
 worker that times out is killed, with any sandboxed programs it started, and replaced.
+
+Workers are forked from a multiprocessing "forkserver", so (as with any multiprocessing
+code) a script that builds the stage needs an ``if __name__ == "__main__":`` guard.
 """
 from __future__ import annotations
 
@@ -116,7 +119,7 @@ class RewardStage:
         self.specs = list(specs)
         self.timeouts = [spec.timeout_s or timeout_s for spec in self.specs]
         # Workers fork from a server that imported the rewards once, so a replacement for a
-        # killed worker is ready in milliseconds instead of re-importing for seconds.
+        # killed worker does not import them again.
         self._ctx = mp.get_context("forkserver")
         self._ctx.set_forkserver_preload(["gdpo_megatron.rewards"])
         self._start_failures = 0

@@ -20,7 +20,14 @@ from megatron.core import parallel_state
 
 from gdpo_megatron.policy import cpu_compat
 from gdpo_megatron.policy.batch import PolicyBatch
-from gdpo_megatron.policy.config import LossConfig, ModelConfig, OptimConfig, ParallelConfig, PolicyConfig
+from gdpo_megatron.policy.config import (
+    LossConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    PolicyConfig,
+    PrecisionConfig,
+)
 from gdpo_megatron.policy.model import build_model, destroy_model_parallel, initialize_model_parallel
 from gdpo_megatron.policy.worker import PolicyWorker
 
@@ -303,3 +310,23 @@ def test_learning_rate_warms_up_then_follows_its_schedule(gloo_world_2, initial,
         return 1e-4 + (1e-3 - 1e-4) * 0.5 * (1 + math.cos(math.pi * progress))
 
     assert [m["lr"] for m in result["metrics"]] == pytest.approx([expected(s) for s in range(6)], abs=1e-12)
+
+
+def bf16_steps(full: dict, distributed_optimizer: bool) -> dict:
+    config = tiny_config(precision=PrecisionConfig(dtype="bf16"),
+                         optim=dict(use_distributed_optimizer=distributed_optimizer))
+    with PolicyWorker(config, init_weights=loader(full)) as worker:
+        dtypes = {p.dtype for p in worker.gpt_model.parameters()}
+        metrics = worker.train_step(data_parallel_share(make_batch()))
+        return dict(dtypes=dtypes, metrics=metrics, weights=full_state(worker.gpt_model))
+
+
+def test_bf16_step_tracks_fp32_with_either_optimizer(gloo_world_2, initial, expected):
+    want = expected()
+    plain, sharded = (gloo_world_2.run(bf16_steps, initial[False], d) for d in (False, True))
+    for results in (plain, sharded):
+        assert results[0]["dtypes"] == {torch.bfloat16}
+        assert results[0]["metrics"]["loss"] == pytest.approx(want["loss"], rel=0.02)
+    # The distributed optimizer shards fp32 master weights over the two data-parallel ranks.
+    for name, tensor in plain[0]["weights"].items():
+        torch.testing.assert_close(sharded[0]["weights"][name], tensor, rtol=0, atol=0, msg=name)

@@ -134,6 +134,11 @@ def build_model(
             position_embedding_type="rope",
             rotary_base=int(model.rotary_base),
         )
+    # megatron's torch norms are created in fp32 whatever params_dtype says (Megatron-LM casts
+    # the whole model with Float16Module); keep every parameter in params_dtype.
+    for param in gpt.parameters():
+        if param.dtype != precision.params_dtype:
+            param.data = param.data.to(precision.params_dtype)
     if torch.cuda.is_available():
         gpt.cuda(torch.cuda.current_device())
     return gpt

@@ -8,6 +8,7 @@ from transformers import PreTrainedTokenizerFast
 
 from gdpo_megatron.data import encode_prompt, load_jsonl, render_prompt
 from gdpo_megatron.data.samples import CODE_SYSTEM_PROMPT, MATH_SYSTEM_PROMPT
+from gdpo_megatron.rewards.coding import code_no_bug, code_pass
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "data"
 TEMPLATE = (
@@ -104,3 +105,21 @@ def test_tokenizer_without_a_template_is_named(tokenizer):
     bare = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer, unk_token="[UNK]")
     with pytest.raises(ValueError, match="no chat_template"):
         render_prompt(bare, [{"role": "user", "content": "hi"}])
+
+
+REFERENCE_PROGRAMS = {
+    "code-0": "a, b = map(int, input().split())\nprint(a + b)",
+    "code-1": "print(input()[::-1])",
+    "code-2": "input()\nprint(max(map(int, input().split())))",
+    "code-3": "def is_prime(n):\n    return n > 1 and all(n % d for d in range(2, int(n ** 0.5) + 1))",
+    "code-4": "n = int(input())\na, b = 0, 1\nfor _ in range(n):\n    a, b = b, a + b\nprint(a)",
+}
+
+
+def test_example_code_tasks_are_solvable():
+    samples = load_jsonl(EXAMPLES / "code.jsonl", "code")
+    assert sorted(s.id for s in samples) == sorted(REFERENCE_PROGRAMS)
+    for sample in samples:
+        completion = f"```python\n{REFERENCE_PROGRAMS[sample.id]}\n```"
+        assert code_pass(completion, 0, sample.ground_truth) == 1.0, sample.id
+        assert code_no_bug(completion, 0, sample.ground_truth) == 1.0, sample.id

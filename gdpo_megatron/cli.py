@@ -16,7 +16,7 @@ def train_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="YAML file (see configs/)")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides of the config")
     args = parser.parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    quiet_defaults()
 
     from gdpo_megatron.config import TrainConfig, load_config
 
@@ -32,6 +32,12 @@ def train_main(argv: list[str] | None = None) -> int:
     finally:
         trainer.close()
     return EXIT_INTERRUPTED if outcome == "interrupted" else 0
+
+
+def quiet_defaults() -> None:
+    """One OpenMP thread per process (several processes share the cores) and terse vLLM logs."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 def plot_main(argv: list[str] | None = None) -> int:

@@ -62,12 +62,12 @@ class Trainer:
             hf_config, make_vocab_size_divisible_by=config.policy.model.make_vocab_size_divisible_by)
         self.policy_config = dataclasses.replace(config.policy, model=model, seed=config.seed,
                                                  temperature=config.rollout.temperature)
+        self._check_layout(self.policy_config.parallel.data_parallel_size(dist.get_world_size()))
         self.worker = PolicyWorker(self.policy_config,
                                    init_weights=lambda m: load_hf_weights(m, model, config.base_model))
         self.device = self.worker.device
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_size, self.dp_rank = dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group)
-        self._check_layout()
         mp_group = parallel_state.get_model_parallel_group()
         self.mp_group = mp_group if dist.get_world_size(mp_group) > 1 else None
         self.is_leader = self.mp_group is None or dist.get_rank(mp_group) == 0
@@ -104,12 +104,13 @@ class Trainer:
                                     self.run_dir.name) if self.is_rank0 else None
         self._stop_requested = False
 
-    def _check_layout(self) -> None:
+    def _check_layout(self, dp_size: int) -> None:
+        """Errors that depend on the world size, raised before anything is built."""
         cfg = self.config
-        if cfg.data.prompts_per_step % self.dp_size:
+        if cfg.data.prompts_per_step % dp_size:
             raise ConfigError(f"data.prompts_per_step: {cfg.data.prompts_per_step} is not divisible by the "
-                              f"data-parallel size {self.dp_size}")
-        per_replica = cfg.data.prompts_per_step // self.dp_size * cfg.rollout.group_size
+                              f"data-parallel size {dp_size}")
+        per_replica = cfg.data.prompts_per_step // dp_size * cfg.rollout.group_size
         if per_replica % self.policy_config.micro_batch_size:
             raise ConfigError(f"policy.micro_batch_size: {self.policy_config.micro_batch_size} does not divide the "
                               f"{per_replica} rollouts of a data-parallel replica")
@@ -191,6 +192,9 @@ class Trainer:
         times["step"] = time.perf_counter() - started
 
         metrics = self._reward_metrics(rewards, stage_metrics)
+        for c in self.conditions:  # what the advantages saw for a gated reward
+            name = self.reward_names[c.target]
+            metrics[f"reward/{name}/gated_mean"] = self._global_mean(result.rewards[:, c.target])
         metrics.update(result.metrics(self.reward_names))
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
         metrics.update(self._rollout_metrics(rollouts, times["step"]))
@@ -242,14 +246,17 @@ class Trainer:
             out[f"reward/{name}/timeouts"] = sums[3 * K + 1 + k].item()
         return out
 
+    def _global_mean(self, values: torch.Tensor) -> float:
+        sums = torch.tensor([values.double().sum().item(), float(values.numel())], dtype=torch.float64,
+                            device=self.device)
+        dist.all_reduce(sums, group=self.dp_group)
+        return sums[0].item() / max(sums[1].item(), 1.0)
+
     def _logprob_mismatch(self, batch) -> float:
         """Mean |engine - policy| logprob over all completion tokens of the step (before the update)."""
         policy = self.worker.compute_logprobs(batch).cpu()
         mask = batch.target_mask
-        gap = (policy - batch.old_logprobs).abs()[mask]
-        sums = torch.tensor([gap.double().sum().item(), float(mask.sum())], dtype=torch.float64, device=self.device)
-        dist.all_reduce(sums, group=self.dp_group)
-        return sums[0].item() / max(sums[1].item(), 1.0)
+        return self._global_mean((policy - batch.old_logprobs).abs()[mask])
 
     def _rollout_metrics(self, rollouts: Rollouts, step_time: float) -> dict[str, float]:
         """Generated tokens and truncation over the whole step."""

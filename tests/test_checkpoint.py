@@ -21,6 +21,7 @@ from test_convert import megatron_logits
 VOCAB = 250
 B, T = 4, 12
 STEPS, SAVE_EVERY, KILL_AFTER = 6, 2, 5  # killed after step 5: resume replays steps 5 and 6
+SHARDING = "fully_reshardable"
 
 
 def tiny_policy(tp: int = 1) -> PolicyConfig:
@@ -203,3 +204,36 @@ def test_load_names_the_missing_manifest_or_state_file(gloo_world_2, saved_at_tp
         read_training_state(tmp_path / "step_1")
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         CheckpointManager(tmp_path / "empty").load(None)
+
+
+def continue_after_reload(root, distributed_optimizer: bool):
+    """Loss of step 3 when training on after step 1, and after reloading step 1's checkpoint.
+
+    Step 3's loss follows step 2's update, which depends on the Adam moments and step count
+    and on the LR schedule restored from the checkpoint.
+    """
+    from gdpo_megatron.policy.worker import PolicyWorker
+
+    config = tiny_policy()
+    config.optim.use_distributed_optimizer = distributed_optimizer
+    torch.manual_seed(0)
+    batches = [sampled_batch() for _ in range(3)]
+    with PolicyWorker(config) as worker:
+        worker.train_step(batches[0])
+        CheckpointManager(root, optimizer_sharding=SHARDING).save(1, worker.model, worker.optimizer, worker.scheduler)
+        worker.train_step(batches[1])
+        continued = worker.train_step(batches[2])["loss"]
+    losses = []
+    for optimizer_too in (True, False):  # without the optimizer's state the loss must differ
+        with PolicyWorker(config) as worker:
+            CheckpointManager(root, optimizer_sharding=SHARDING).load(worker.model, worker.optimizer if optimizer_too else None, worker.scheduler)
+            worker.train_step(batches[1])
+            losses.append(worker.train_step(batches[2])["loss"])
+    return continued, *losses
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_optimizer_state_survives_a_reload(gloo_world_2, tmp_path, distributed_optimizer):
+    for continued, reloaded, without_optimizer in gloo_world_2.run(continue_after_reload, tmp_path, distributed_optimizer):
+        assert reloaded == pytest.approx(continued, abs=1e-6, rel=0)
+        assert abs(without_optimizer - continued) > 1e-4

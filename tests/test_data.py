@@ -21,7 +21,9 @@ def records(path):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.parametrize("family,truth_keys", [("math", ["answer"]), ("tool", ["tool_calls", "tools"]), ("code", ["tests"])])
+@pytest.mark.parametrize("family,truth_keys", [
+    ("math", ["answer"]), ("tool", ["tool_calls", "tools"]), ("code", ["tests"]),
+])
 def test_example_datasets_load(family, truth_keys):
     path = EXAMPLES / f"{family}.jsonl"
     samples = load_jsonl(path, family)
@@ -50,9 +52,12 @@ def test_messages_metadata_ids_and_system_prompt_override(tmp_path):
         + json.dumps({"id": "q2", "prompt": "3+3?", "answer": "6"}) + "\n"
     )
     first, second = load_jsonl(path, "math", system_prompt="Answer in \\boxed{}.")
-    assert (first.id, first.messages, first.ground_truth, first.metadata) == ("chat-1", chat, {"answer": 4}, {"level": 3})
+    assert (first.id, first.messages) == ("chat-1", chat)
+    assert (first.ground_truth, first.metadata) == ({"answer": 4}, {"level": 3})
     assert second.id == "q2"
-    assert second.messages == [{"role": "system", "content": "Answer in \\boxed{}."}, {"role": "user", "content": "3+3?"}]
+    assert second.messages == [
+        {"role": "system", "content": "Answer in \\boxed{}."}, {"role": "user", "content": "3+3?"},
+    ]
 
 
 @pytest.mark.parametrize("family,line,match", [

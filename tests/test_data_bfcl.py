@@ -7,7 +7,9 @@ import pytest
 from gdpo_megatron.data import BFCL_CATEGORIES, bfcl_accuracy, load_bfcl
 from gdpo_megatron.data.bfcl import bfcl_data_dir
 
-FILES = {"simple": "simple_python", "multiple": "multiple", "parallel": "parallel", "parallel_multiple": "parallel_multiple"}
+FILES = {  # category -> file stem
+    "simple": "simple_python", "multiple": "multiple", "parallel": "parallel", "parallel_multiple": "parallel_multiple",
+}
 
 
 @pytest.fixture(scope="module")

@@ -38,9 +38,19 @@ B, T = 8, 16
 OPTIM = dict(lr=1e-3, weight_decay=0.01, adam_eps=1e-6, clip_grad=1.0)
 
 
-def tiny_config(tp=1, pp=1, sp=False, mbs=2, tie=False, loss=None, optim=None, **kwargs) -> PolicyConfig:
+# Model variants: the tiny Llama, the same with tied embeddings, and a Qwen2-like one (GQA with
+# 4 query heads in 2 groups, QKV bias, another RoPE base and norm epsilon).
+MODELS = {
+    "llama": dict(),
+    "llama-tied": dict(tie_word_embeddings=True),
+    "qwen2-gqa": dict(hidden_size=256, ffn_hidden_size=512, num_attention_heads=4, num_query_groups=2,
+                      add_qkv_bias=True, rotary_base=1e6, norm_epsilon=1e-6),
+}
+
+
+def tiny_config(tp=1, pp=1, sp=False, mbs=2, model="llama", loss=None, optim=None, **kwargs) -> PolicyConfig:
     return PolicyConfig(
-        model=ModelConfig.preset("tiny", vocab_size=VOCAB, tie_word_embeddings=tie),
+        model=ModelConfig.preset("tiny", vocab_size=VOCAB, **MODELS[model]),
         parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp),
         optim=OptimConfig(**{**OPTIM, **(optim or {})}),
         loss=LossConfig(**(loss or {})),
@@ -134,9 +144,9 @@ def merge_stages(states: list) -> dict:
 
 # ---- functions run on every rank of a local world --------------------------------------
 
-def initial_weights(tie: bool) -> dict:
+def initial_weights(model: str) -> dict:
     """Full weights of a freshly built (seeded) model."""
-    config = tiny_config(tie=tie)
+    config = tiny_config(model=model)
     initialize_model_parallel(config.parallel, config.seed)
     try:
         return full_state(build_model(config.model, config.parallel, config.precision))
@@ -144,9 +154,9 @@ def initial_weights(tie: bool) -> dict:
         destroy_model_parallel()
 
 
-def plain_step(full: dict, loss: dict, tie: bool) -> dict:
+def plain_step(full: dict, loss: dict, model: str) -> dict:
     """Expected logprobs, loss, gradient norm and weights after one step, in plain PyTorch."""
-    config = tiny_config(tie=tie, loss=loss)
+    config = tiny_config(model=model, loss=loss)
     initialize_model_parallel(config.parallel, config.seed)
     try:
         model = build_model(config.model, config.parallel, config.precision)
@@ -199,25 +209,25 @@ def megatron_steps(full: dict, config_kwargs: dict, split: bool, steps: int = 1)
 
 @pytest.fixture(scope="module")
 def initial(gloo_world_2):
-    """Initial full weights, untied and tied (from rank 0; every rank built the same)."""
-    return {tie: gloo_world_2.run(initial_weights, tie)[0] for tie in (False, True)}
+    """Initial full weights of each model variant (from rank 0; every rank built the same)."""
+    return {model: gloo_world_2.run(initial_weights, model)[0] for model in MODELS}
 
 
 @pytest.fixture(scope="module")
 def expected(gloo_world_2, initial):
     cache = {}
 
-    def get(agg="token_mean", tie=False):
-        if (agg, tie) not in cache:
-            cache[agg, tie] = gloo_world_2.run(plain_step, initial[tie], dict(loss_agg_mode=agg), tie)[0]
-        return cache[agg, tie]
+    def get(agg="token_mean", model="llama"):
+        if (agg, model) not in cache:
+            cache[agg, model] = gloo_world_2.run(plain_step, initial[model], dict(loss_agg_mode=agg), model)[0]
+        return cache[agg, model]
 
     return get
 
 
-def check_matches(results, want, tie=False):
+def check_matches(results, want):
     weights = merge_stages([r["weights"] for r in results])
-    if tie and "output_layer.weight" in weights:  # the last stage's copy of the tied embedding
+    if "output_layer.weight" not in want["weights"] and "output_layer.weight" in weights:  # the last stage's copy of the tied embedding
         torch.testing.assert_close(weights.pop("output_layer.weight"), want["weights"]["embedding.word_embeddings.weight"],
                                    rtol=0, atol=1e-5)
     assert weights.keys() == want["weights"].keys()
@@ -245,20 +255,22 @@ def test_update_matches_plain_pytorch(gloo_world_2, initial, expected, layout, a
     config_kwargs, split = LAYOUTS_2[layout]
     want = expected(agg)
     assert 0.2 < want["clip_fraction"] < 0.8 and want["grad_norm"] > OPTIM["clip_grad"]  # clipping is exercised
-    results = gloo_world_2.run(megatron_steps, initial[False], {**config_kwargs, "loss": dict(loss_agg_mode=agg)},
+    results = gloo_world_2.run(megatron_steps, initial["llama"], {**config_kwargs, "loss": dict(loss_agg_mode=agg)},
                                split)
     check_matches(results, want)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2-1f1b-4-micro-batches"])
-def test_update_with_tied_embeddings_matches_plain_pytorch(gloo_world_2, initial, expected, layout):
+@pytest.mark.parametrize("model,layout", [
+    ("llama-tied", "tp2"), ("llama-tied", "pp2-1f1b-4-micro-batches"), ("qwen2-gqa", "tp2"),
+    ("qwen2-gqa", "tp1-dp2-uneven-shards")])
+def test_other_model_variants_match_plain_pytorch(gloo_world_2, initial, expected, model, layout):
     config_kwargs, split = LAYOUTS_2[layout]
-    results = gloo_world_2.run(megatron_steps, initial[True], {**config_kwargs, "tie": True}, split)
-    check_matches(results, expected(tie=True), tie=True)
+    results = gloo_world_2.run(megatron_steps, initial[model], {**config_kwargs, "model": model}, split)
+    check_matches(results, expected(model=model))
 
 
 def test_tp2_pp2_update_matches_plain_pytorch(gloo_world_4, initial, expected):
-    results = gloo_world_4.run(megatron_steps, initial[False], dict(tp=2, pp=2, mbs=1), False)
+    results = gloo_world_4.run(megatron_steps, initial["llama"], dict(tp=2, pp=2, mbs=1), False)
     check_matches(results, expected())
 
 
@@ -274,9 +286,9 @@ def test_ppo_epochs_recompute_old_logprobs_and_kl_enters_the_loss(gloo_world_2, 
     runs = {}
     for name, kwargs, split in [
         ("tp1-dp2", dict(), True), ("tp2", dict(tp=2), False), ("pp2", dict(pp=2), False)]:
-        runs[name] = gloo_world_2.run(megatron_steps, initial[False],
+        runs[name] = gloo_world_2.run(megatron_steps, initial["llama"],
                                       {**kwargs, **common, "loss": dict(kl_coef=kl_coef)}, split)
-    without_kl = gloo_world_2.run(megatron_steps, initial[False], common, True)[0]["metrics"][0]
+    without_kl = gloo_world_2.run(megatron_steps, initial["llama"], common, True)[0]["metrics"][0]
 
     reference = merge_stages([r["weights"] for r in runs["tp1-dp2"]])
     for name in ("tp2", "pp2"):
@@ -299,7 +311,7 @@ def test_ppo_epochs_recompute_old_logprobs_and_kl_enters_the_loss(gloo_world_2, 
 @pytest.mark.parametrize("style", ["cosine", "constant"])
 def test_learning_rate_warms_up_then_follows_its_schedule(gloo_world_2, initial, style):
     optim = dict(lr=1e-3, min_lr=1e-4, lr_warmup_steps=2, lr_decay_steps=4, lr_decay_style=style)
-    result = gloo_world_2.run(megatron_steps, initial[False], dict(optim=optim, mbs=4), True, 6)[0]
+    result = gloo_world_2.run(megatron_steps, initial["llama"], dict(optim=optim, mbs=4), True, 6)[0]
 
     def expected(step):
         if step <= 2:
@@ -323,7 +335,7 @@ def bf16_steps(full: dict, distributed_optimizer: bool) -> dict:
 
 def test_bf16_step_tracks_fp32_with_either_optimizer(gloo_world_2, initial, expected):
     want = expected()
-    plain, sharded = (gloo_world_2.run(bf16_steps, initial[False], d) for d in (False, True))
+    plain, sharded = (gloo_world_2.run(bf16_steps, initial["llama"], d) for d in (False, True))
     for results in (plain, sharded):
         assert results[0]["dtypes"] == {torch.bfloat16}
         assert results[0]["metrics"]["loss"] == pytest.approx(want["loss"], rel=0.02)

@@ -4,7 +4,9 @@ import pytest
 from gdpo_megatron.rewards.coding import code_no_bug, code_pass, extract_program
 
 FAST = {"wall_s": 3.0, "cpu_s": 1}
-ADD = {"tests": [{"input": "1 2\n", "output": "3\n"}, {"input": "-5 5\n", "output": "0"}, {"input": "7 8", "output": "15\n"}]}
+ADD = {"tests": [
+    {"input": "1 2\n", "output": "3\n"}, {"input": "-5 5\n", "output": "0"}, {"input": "7 8", "output": "15\n"},
+]}
 IS_EVEN = {"tests": [{"assert": "assert is_even(2)"}, {"assert": "assert not is_even(3)"},
                      {"assert": "assert is_even(0)"}, {"assert": "assert is_even(-4)"}]}
 

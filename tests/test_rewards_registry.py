@@ -1,7 +1,14 @@
 """Reward registry, user reward files, and spec validation."""
 import pytest
 
-from gdpo_megatron.rewards import RewardSpec, get_reward, load_reward_file, register_reward, registered_rewards, validate_specs
+from gdpo_megatron.rewards import (
+    RewardSpec,
+    get_reward,
+    load_reward_file,
+    register_reward,
+    registered_rewards,
+    validate_specs,
+)
 
 BUILT_IN = {"tool_format", "tool_correctness", "math_correctness", "math_format", "length", "code_pass", "code_no_bug"}
 

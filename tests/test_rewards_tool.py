@@ -47,7 +47,8 @@ CORRECTNESS_CASES = [
     (CURRENCY, completion(list(reversed([c for c in CURRENCY["tool_calls"]]))), 3.0, "parallel calls in any order"),
     (CURRENCY, completion([call("convert", amount=100, to="EUR", src="USD")]),
      scaled(0.5 + (1 + 3) + 0, 9), "one of two parallel calls"),
-    (CURRENCY, completion([call("convert", amount=100.0, to="JPY", src="USD"), call("convert", amount=99, to="EUR", src="USD")]),
+    (CURRENCY, completion([call("convert", amount=100.0, to="JPY", src="USD"),
+                           call("convert", amount=99, to="EUR", src="USD")]),
      scaled(1 + (1 + 3) + (1 + 2), 9), "partial match: ints equal floats, one wrong amount"),
     (NO_CALL, "<think>just chat</think>\nHere is a joke.", 0.0, "no call expected, none made"),
     (NO_CALL, completion([call("get_weather", city="Paris")]), -3.0, "no call expected, one made"),
@@ -90,7 +91,8 @@ def test_boolean_is_not_a_number():
 BERKELEY = {"tool_calls": [{"name": "find", "accepted": {  # S_max = 1 + 1 + 3 = 5
     "a": [1], "unit": ["units", ""], "city": ["New York", "NYC"]}}]}
 NESTED = {"tool_calls": [{"name": "query", "accepted": {  # S_max = 1 + 1 + 1 = 3
-    "conditions": [{"department": ["Science"], "school": ["Bluebird High School", "Bluebird HS"], "year": ["", 2024]}]}}]}
+    "conditions": [{"department": ["Science"], "school": ["Bluebird High School", "Bluebird HS"],
+                    "year": ["", 2024]}]}}]}
 
 BERKELEY_CASES = [
     (BERKELEY, [call("find", a=1, city="NYC")], False, 3.0, "optional argument omitted, second alternative"),

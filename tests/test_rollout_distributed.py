@@ -13,6 +13,8 @@ from gdpo_megatron.rollout import SamplingConfig
 from gdpo_megatron.rollout.tiny_model import TinyLlamaSpec, save_tiny_llama
 
 PROMPTS = [[5, 17, 42, 99, 3], [250, 251, 252], [(7 * i) % 500 + 1 for i in range(40)]]
+pytestmark = pytest.mark.slow  # importing vLLM in two processes and starting engines: ~40-60 s
+
 SEEDED = SamplingConfig(max_new_tokens=10, seed=9)
 _ENGINE = {}  # the engine of this worker process
 

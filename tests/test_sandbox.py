@@ -1,6 +1,5 @@
 """The code sandbox contains each escape attempt, and none of them hangs the caller."""
 import os
-import signal
 import socket
 import time
 
@@ -10,7 +9,8 @@ from gdpo_megatron.rewards import sandbox
 from gdpo_megatron.rewards.sandbox import SandboxLimits, run_python
 
 LIMITS = SandboxLimits(wall_s=3.0, cpu_s=1, memory_bytes=256 << 20, output_bytes=64 << 10, processes=16)
-SHORT = SandboxLimits(wall_s=1.0, cpu_s=1, memory_bytes=256 << 20, output_bytes=64 << 10, processes=16)  # ends by timeout
+# For programs that end by a timeout anyway.
+SHORT = SandboxLimits(wall_s=1.0, cpu_s=1, memory_bytes=256 << 20, output_bytes=64 << 10, processes=16)
 namespaces_only = pytest.mark.skipif(
     sandbox.isolation() != "namespaces",
     reason="contained only at the 'namespaces' level (root); see gdpo_megatron/rewards/sandbox.py",
@@ -42,7 +42,8 @@ def test_isolation_levels_are_reported():
 
 
 def test_runs_a_program_with_stdin_and_removes_its_directory():
-    result = run_python("import os\nprint(input()[::-1])\nprint(os.getcwd())\nopen('f', 'w').write('x')", "abc\n", LIMITS)
+    code = "import os\nprint(input()[::-1])\nprint(os.getcwd())\nopen('f', 'w').write('x')"
+    result = run_python(code, "abc\n", LIMITS)
     assert result.ok and result.returncode == 0
     reversed_line, workdir = result.stdout.splitlines()
     assert reversed_line == "cba"
@@ -147,7 +148,8 @@ def test_parent_environment_is_not_visible(monkeypatch):
     )
     result = run_python(code, "", LIMITS)
     assert result.ok and "hunter2" not in result.stdout and "GDPO_TEST_SECRET" not in result.stdout
-    assert result.stdout.splitlines()[0] == str(sorted(["PATH", "HOME", "LANG", "PYTHONDONTWRITEBYTECODE", "PYTHONHASHSEED"]))
+    scrubbed = ["PATH", "HOME", "LANG", "PYTHONDONTWRITEBYTECODE", "PYTHONHASHSEED"]
+    assert result.stdout.splitlines()[0] == str(sorted(scrubbed))
     if sandbox.isolation() == "namespaces":
         assert "denied PermissionError" in result.stdout
 

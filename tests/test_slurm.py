@@ -33,7 +33,8 @@ NODE = "localhost"  # the node's name is also its address: the tasks rendezvous 
 # A requeued job may start again once its credentials expire (default 120 s).
 CRED_EXPIRE_S = 5
 START_TIMEOUT_S = 30
-JOB_TIMEOUT_S = 150
+FIRST_STEP_TIMEOUT_S = 150
+JOB_TIMEOUT_S = 300
 # Launcher variables a pytest process may carry from other tests; the job must not inherit them.
 FOREIGN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -110,11 +111,11 @@ class LocalSlurm:
         self._spawn("munged", "-F", f"--key-file={key}", f"--socket={socket_path}",
                     f"--pid-file={self.root}/munged.pid", f"--log-file={self.root}/munged.log",
                     f"--seed-file={self.root}/munged.seed")
-        self._wait(lambda: socket_path.exists(), "munged to create its socket")
+        self.wait_for(lambda: socket_path.exists(), "munged to create its socket")
         self._spawn("slurmctld", "-D", "-f", str(self.conf))
-        self._wait(lambda: self.run("scontrol", "ping", check=False).returncode == 0, "slurmctld to answer")
+        self.wait_for(lambda: self.run("scontrol", "ping", check=False).returncode == 0, "slurmctld to answer")
         self._spawn("slurmd", "-D", "-N", NODE, "-f", str(self.conf))
-        self._wait(lambda: self.run("sinfo", "-h", "-n", NODE, "-o", "%T").stdout.strip() == "idle",
+        self.wait_for(lambda: self.run("sinfo", "-h", "-n", NODE, "-o", "%T").stdout.strip() == "idle",
                    f"node {NODE} to become idle")
 
     def stop(self) -> None:
@@ -122,7 +123,7 @@ class LocalSlurm:
         if self.jobs and self.daemons:
             self.run("scancel", "--full", *self.jobs, check=False)
             try:
-                self._wait(lambda: all(self.state(job) not in ("PENDING", "RUNNING", "COMPLETING", "REQUEUED")
+                self.wait_for(lambda: all(self.state(job) not in ("PENDING", "RUNNING", "COMPLETING", "REQUEUED")
                                        for job in self.jobs), "the jobs to end")
             except (TimeoutError, RuntimeError):
                 pass  # the daemons go anyway
@@ -156,7 +157,7 @@ class LocalSlurm:
 
     def wait_job(self, job: str, timeout_s: float = JOB_TIMEOUT_S) -> dict[str, str]:
         """Wait until ``job`` has ended; return its ``scontrol show job`` fields."""
-        self._wait(lambda: self.state(job) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
+        self.wait_for(lambda: self.state(job) in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
                                                "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"),
                    f"job {job} to end", timeout_s)
         return self.job_info(job)
@@ -175,7 +176,8 @@ class LocalSlurm:
                                              stderr=subprocess.STDOUT, start_new_session=True))
         out.close()
 
-    def _wait(self, ready, what: str, timeout_s: float = START_TIMEOUT_S) -> None:
+    def wait_for(self, ready, what: str, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Poll ``ready()`` until true; raise if a daemon died or ``timeout_s`` passed."""
         deadline = time.monotonic() + timeout_s
         while not ready():
             dead = [p.args[0] for p in self.daemons if p.poll() is not None]
@@ -214,26 +216,46 @@ def base_model(tmp_path_factory):
     return make_base_model(tmp_path_factory.mktemp("base") / "model", steps=0)
 
 
-def test_tiny_cpu_job_trains_on_two_tasks(slurm, base_model, tmp_path):
-    run_dir = tmp_path / "run"
-    job = slurm.sbatch("slurm/gdpo_tiny_cpu.sh", f"base_model={base_model}", f"run_dir={run_dir}", "steps=2",
-                       "rollout.max_new_tokens=32", "checkpoint.export_hf=false")
+def _logged_steps(run_dir: Path) -> list[int]:
+    """Steps of the complete metrics records, in the order written (a restart would repeat some)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    *complete, _being_written = path.read_text().split("\n")
+    return [json.loads(line)["step"] for line in complete]
+
+
+def test_tiny_cpu_job_trains_requeues_on_usr1_and_resumes(slurm, base_model, tmp_path):
+    """Two tasks train; SIGUSR1 (what ``--signal`` sends before the time limit) makes the
+    trainer save and exit, the script requeues the job, and the rerun resumes to the end."""
+    run_dir, steps = tmp_path / "run", 6
+    job = slurm.sbatch("slurm/gdpo_tiny_cpu.sh", f"base_model={base_model}", f"run_dir={run_dir}",
+                       f"steps={steps}", "rollout.max_new_tokens=32", "checkpoint.save_every=0", "checkpoint.keep_last=3",
+                       "checkpoint.export_hf=false")
+    slurm.wait_for(lambda: _logged_steps(run_dir) or slurm.state(job) not in ("PENDING", "RUNNING"),
+                   "the first training step", FIRST_STEP_TIMEOUT_S)
+    slurm.run("scancel", "--signal=USR1", job)  # to the tasks, not the batch shell, like --signal=USR1@T
     info = slurm.wait_job(job)
     log = slurm.log(job)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{log}"
-    assert info["NumTasks"] == "2" and info["NodeList"] == "localhost"
+    assert info["NumTasks"] == "2" and info["NodeList"] == NODE
+    assert info["Restarts"] == "1", log
+    assert f"job {job} (restart 0): 2 tasks on {NODE}" in log and f"job {job} (restart 1)" in log
+    assert f"requeueing job {job}" in log
 
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2]
-    # 8 prompts x group size 8 over both data-parallel ranks, every reward scored
-    for r in records:
-        assert r["rollout/tokens_generated"] / r["rollout/completion_tokens_mean"] == pytest.approx(64)
+    # Every step exactly once, in order: the rerun continued from the saved step.
+    assert _logged_steps(run_dir) == list(range(1, steps + 1)), log
+    for record in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
+        # 8 prompts x group size 8 over both data-parallel ranks, every reward scored
+        assert record["rollout/tokens_generated"] / record["rollout/completion_tokens_mean"] == pytest.approx(64)
         for name in ("tool_format", "tool_correctness", "length"):
-            assert r[f"reward/{name}/failures"] == 0
+            assert record[f"reward/{name}/failures"] == 0
 
     checkpoints = run_dir / "checkpoints"
-    assert (checkpoints / "latest").read_text().strip() == "step_2"
-    state = json.loads((checkpoints / "step_2" / "trainer_state.json").read_text())
-    assert state["world_size"] == 2 and state["step"] == 2
-    assert sorted(p.name for p in (checkpoints / "step_2" / "rng").iterdir()) == ["rank_0.pt", "rank_1.pt"]
-    assert f"job {job} (restart 0): 2 tasks on localhost" in log
+    saved = sorted(int(p.name.removeprefix("step_")) for p in checkpoints.glob("step_*"))
+    assert len(saved) == 2 and saved[-1] == steps and saved[0] < steps, saved  # the interrupted one + the last
+    assert (checkpoints / "latest").read_text().strip() == f"step_{steps}"
+    for step in saved:
+        state = json.loads((checkpoints / f"step_{step}" / "trainer_state.json").read_text())
+        assert state["world_size"] == 2 and state["step"] == step
+        assert sorted(p.name for p in (checkpoints / f"step_{step}" / "rng").iterdir()) == ["rank_0.pt", "rank_1.pt"]

@@ -10,7 +10,6 @@
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -18,10 +17,11 @@ CONFIG = "configs/tiny_cpu.yaml"
 
 
 def main(argv: list[str]) -> int:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from gdpo_megatron.cli import quiet_defaults
     from gdpo_megatron.config import TrainConfig, load_config
     from gdpo_megatron.demo.worked_example import worked_example
 
+    quiet_defaults()
     print(worked_example(), end="\n\n")
     config = load_config(TrainConfig, CONFIG, argv)
 

@@ -8,6 +8,7 @@ are handed off via shared memory, which is fragile across process exits).
 """
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import os
 import pickle
@@ -58,7 +59,8 @@ def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: floa
         except BaseException:  # report everything, including SystemExit from the function
             payload = (rank, False, traceback.format_exc().encode())
         results.put(payload)
-    dist.destroy_process_group()
+    if dist.is_initialized():  # a function may have ended the group itself (vLLM's shutdown does)
+        dist.destroy_process_group()
 
 
 class WorkerError(RuntimeError):
@@ -90,12 +92,13 @@ class LocalWorld:
             ctx.Process(
                 target=_worker,
                 args=(r, self.world_size, port, self.backend, self.timeout_s, self._tasks[r], self._results),
-                daemon=True,
+                daemon=False,  # workers may start process pools of their own (e.g. the reward stage)
             )
             for r in range(self.world_size)
         ]
         for p in self._procs:
             p.start()
+        atexit.register(self.close)  # not daemons: make sure they go when the parent does
         self._collect("start-up")
 
     def run(self, fn: Callable[..., Any], *args, **kwargs) -> list[Any]:
@@ -141,6 +144,7 @@ class LocalWorld:
                 p.kill()
                 p.join()
         self._procs = []
+        atexit.unregister(self.close)
 
     def __enter__(self) -> "LocalWorld":
         return self

@@ -15,4 +15,7 @@ from gdpo_megatron.rewards.registry import (
 )
 from gdpo_megatron.rewards.stage import RewardStage
 
-__all__ = ["RewardSpec", "RewardStage", "get_reward", "load_reward_file", "register_reward", "registered_rewards", "validate_specs"]
+__all__ = [
+    "RewardSpec", "RewardStage", "get_reward", "load_reward_file", "register_reward", "registered_rewards",
+    "validate_specs",
+]

@@ -165,3 +165,12 @@ def test_a_reward_file_failing_in_the_workers_stops_the_stage_with_its_error(tmp
         stage.score(["x"], [1], [{}])
     with pytest.raises(RuntimeError, match="after close"):
         stage.score(["x"], [1], [{}])
+
+
+def test_a_worker_that_died_while_idle_is_replaced(stage):
+    for worker in stage._workers:  # e.g. the out-of-memory killer between two steps
+        worker.process.kill()
+        worker.process.join()
+    rewards, metrics = stage.score(COMPLETIONS[:1], NUM_TOKENS[:1], METADATA[:1])
+    torch.testing.assert_close(rewards, expected_rewards()[:1], rtol=0, atol=0)
+    assert all(metrics[f"reward/{name}/failures"] == 0 for name in stage.names)

@@ -149,12 +149,16 @@ class RewardStage:
         scores = _Scores.empty(n, self.specs)
         pending = deque((i, deque(range(len(self.specs)))) for i in range(n))
         while pending or any(w.rollout is not None for w in self._workers):
-            for w in self._workers:
+            for w in list(self._workers):
                 if w.ready and w.rollout is None and pending:
-                    w.rollout, w.indices = pending.popleft()
-                    i = w.rollout
-                    w.conn.send((i, completions[i], num_tokens[i], metadata[i], list(w.indices)))
-                    w.started = time.monotonic()
+                    i, indices = pending[0]
+                    try:
+                        w.conn.send((i, completions[i], num_tokens[i], metadata[i], list(indices)))
+                    except OSError:  # it died while idle: the rollout waits for the next worker
+                        self._replace(w, scores, pending, "worker process died")
+                        continue
+                    pending.popleft()
+                    w.rollout, w.indices, w.started = i, indices, time.monotonic()
             self._receive(scores, pending)
             self._expire(scores, pending)
         for k, why in enumerate(scores.first_error):

@@ -1,5 +1,6 @@
 """Config loading: YAML + dotted overrides into typed sections, with errors naming the key."""
 import dataclasses
+import glob
 from typing import Optional
 
 import pytest
@@ -89,3 +90,11 @@ def test_advantage_conditions_resolve_reward_names():
         cfg.resolve_conditions(["format", "length"])
     with pytest.raises(ConfigError, match=r"advantage.mode: expected one of"):
         from_dict(AdvantageConfig, {"mode": "ppo"}, "advantage")
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob("configs/*.yaml")))
+def test_shipped_configs_load(path):
+    from gdpo_megatron.config import TrainConfig
+
+    cfg = load_config(TrainConfig, path)
+    assert cfg.rewards.names and cfg.advantage.resolve_conditions(cfg.rewards.names) is not None

@@ -3,10 +3,10 @@
     OMP_NUM_THREADS=1 python benchmarks/rollout.py [--repeats 5]     # CPU parts
     python benchmarks/rollout.py --gpu                                 # GPU parts (needs CUDA)
 
-(a) Generated tokens/s on the tiny random Llama (hidden 128, 2 heads of 64, 2 layers,
-    vocab 512, fp32): 8 prompts x 8 completions, 32 new tokens, temperature 1, through the
-    vLLM engine and through transformers `generate` (KV cache, sampling, same batch). The two
-    alternate run by run in one process.
+(a) Generated tokens/s of random Llamas in fp32 (the tiny one: hidden 128, 2 heads of 64,
+    2 layers, vocab 512; and a 17M one): 8 prompts x 8 completions, 32 new tokens,
+    temperature 1, through the vLLM engine and through transformers `generate` (KV cache,
+    sampling, same batch). The two alternate run by run in one process.
 (b) One in-place weight sync (`update_weights` with the full Hugging Face state dict) vs
     model size, next to the engine start time: what re-creating the engine every step, the
     fallback when in-place updates do not work, would cost instead.
@@ -34,6 +34,7 @@ SYNC_SIZES = {
     "17M": TinyLlamaSpec(hidden_size=512, num_attention_heads=8, num_key_value_heads=8, num_hidden_layers=4, intermediate_size=1376, vocab_size=8192),
     "120M": TinyLlamaSpec(hidden_size=768, num_attention_heads=12, num_key_value_heads=12, num_hidden_layers=12, intermediate_size=2048, vocab_size=32000),
 }
+THROUGHPUT_SIZES = ("0.4M (tiny)", "17M")
 GPU_1B = TinyLlamaSpec(
     hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, num_hidden_layers=22,
     intermediate_size=5632, vocab_size=32000, max_position_embeddings=2048,
@@ -62,8 +63,21 @@ def timed_start(path: str, **overrides) -> tuple[VLLMEngine, float]:
 
 
 def generation_throughput(root: Path, repeats: int) -> None:
-    model = save_tiny_llama(root / "tiny")
-    engine, start_s = timed_start(str(root / "tiny"), dtype="float32", max_model_len=256, kv_cache_gib=0.5)
+    print(f"(a) {PROMPTS} prompts x {SAMPLES} samples x {NEW_TOKENS} new tokens, fp32, tokens/s")
+    print(f"    {'model':>12} {'vLLM':>9} {'transformers':>13} {'vLLM / transformers':>20}")
+    for name in THROUGHPUT_SIZES:
+        spec = SYNC_SIZES[name]
+        path = root / f"gen-{spec.hidden_size}-{spec.num_hidden_layers}"
+        model = save_tiny_llama(path, spec)
+        engine, _ = timed_start(str(path), dtype="float32", max_model_len=256, kv_cache_gib=0.5)
+        tps = tokens_per_second(engine, model, repeats)
+        engine.close()
+        ratio = tps["vllm"] / tps["transformers"]
+        print(f"    {name:>12} {tps['vllm']:9.0f} {tps['transformers']:13.0f} {ratio:19.2f}x")
+
+
+def tokens_per_second(engine: VLLMEngine, model, repeats: int) -> dict[str, float]:
+    """Median generated tokens/s of the engine and of transformers, alternating run by run."""
     batch = prompts(model.config.vocab_size)
     eos = model.config.eos_token_id
     counts = {}
@@ -80,19 +94,16 @@ def generation_throughput(root: Path, repeats: int) -> None:
         ended = (new == eos).cumsum(1)  # tokens up to and including the first EOS count
         counts["transformers"] = int(((ended == 0) | ((ended == 1) & (new == eos))).sum())
 
-    times = {"vllm": [], "transformers": []}
-    run_vllm(), run_transformers()  # warm-up
+    runs = {"vllm": run_vllm, "transformers": run_transformers}
+    rates = {name: [] for name in runs}
+    for fn in runs.values():
+        fn()  # warm-up
     for _ in range(repeats):
-        for name, fn in (("vllm", run_vllm), ("transformers", run_transformers)):
+        for name, fn in runs.items():
             t0 = time.perf_counter()
             fn()
-            times[name].append(counts[name] / (time.perf_counter() - t0))
-    engine.close()
-    tps = {name: statistics.median(v) for name, v in times.items()}
-    print(f"(a) {PROMPTS} prompts x {SAMPLES} samples x {NEW_TOKENS} new tokens, tiny Llama, fp32 (engine start {start_s:.1f} s)")
-    print(f"    vLLM          {tps['vllm']:9.0f} tokens/s")
-    print(f"    transformers  {tps['transformers']:9.0f} tokens/s")
-    print(f"    ratio vLLM / transformers: {tps['vllm'] / tps['transformers']:.2f}x")
+            rates[name].append(counts[name] / (time.perf_counter() - t0))
+    return {name: statistics.median(r) for name, r in rates.items()}
 
 
 def sync_vs_size(root: Path, repeats: int) -> None:

@@ -29,7 +29,7 @@ setup(
         "matplotlib",  # gdpo-plot
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "hypothesis"],
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "wandb"],
         # Rollouts on GPU machines; Transformer Engine for the TE layer spec and FP8.
         "gpu": ["transformer-engine[pytorch]", "vllm"],
         # Rollouts on CPU machines: the same vLLM code path, built for CPU.

@@ -185,7 +185,8 @@ class Trainer:
             batch = to_policy_batch(rollouts, G, result.advantages.cpu(), result.mask.cpu(),
                                     self.tokenizer.pad_token_id or 0)
             mismatch = self._logprob_mismatch(batch)
-            train_metrics = self.worker.train_step(batch)
+            # Every rollout of the step can be out (dynamic sampling, NaN rewards): no update then.
+            train_metrics = self.worker.train_step(batch) if result.group_count.sum() > 0 else {"skipped": 1.0}
         with _timed(times, "sync"):
             self._sync_weights()
             self.engine.wake_up()

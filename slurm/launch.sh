@@ -9,6 +9,12 @@
 # checkpoint and exits with EXIT_INTERRUPTED; this script then requeues the job, which keeps
 # its id, hence its run directory, and resumes from that checkpoint. SIGTERM (preemption,
 # scancel) is handled by the trainer the same way.
+#
+# Slurm signals every process of the step, not only the trainer: its reward workers and engine
+# processes would die of SIGUSR1 (default action: terminate) in the middle of the step the
+# trainer wants to finish. So each task starts with SIGUSR1 and SIGTERM ignored, a disposition
+# its child processes inherit, and the trainer's loop installs its own handler in the main
+# process only. (SIGKILL, after the time limit's KillWait, still ends everything.)
 
 # gdpo_megatron.cli.EXIT_INTERRUPTED ("try again later"): stopped by a signal, checkpoint saved.
 EXIT_INTERRUPTED=75
@@ -31,6 +37,7 @@ launch_training() {
 
     local status=0
     srun --wait="${TASK_EXIT_GRACE_S}" \
+        bash -c 'trap "" USR1 TERM; exec "$@"' gdpo-task \
         python -m gdpo_megatron.cli train --config "$config" \
         run_dir="$run_dir" checkpoint.resume=true "$@" || status=$?
 

@@ -168,14 +168,16 @@ def sandbox_uid(pid: int) -> int:
 
 
 def kill_sandbox_processes(pid: int) -> None:
-    """SIGKILL and reap every process of the sandbox user of ``pid`` (namespaces level only).
+    """SIGKILL and reap every process of the sandbox user of ``pid`` (only the namespaces level
+    runs programs as that user; the check needs no probe, so any process may call this).
 
     A child that switches to that user and calls ``kill(-1)`` reaches exactly those
     processes, atomically with respect to their forks. Orphans were re-parented to the
-    caller (a child subreaper), which reaps them so they do not hold process slots.
+    caller (a child subreaper while it ran them), which reaps them so they do not hold
+    process slots; zombies of other parents are theirs to reap.
     """
     uid = sandbox_uid(pid)
-    if isolation() != "namespaces" or not _processes_of(uid):
+    if not any(state != "Z" for _, state, _ in _processes_of(uid)):
         return  # none can appear: only the user's own processes create more of them
     child = os.fork()
     if child == 0:
@@ -188,24 +190,35 @@ def kill_sandbox_processes(pid: int) -> None:
             os._exit(0)
     os.waitpid(child, 0)
     deadline = time.monotonic() + _REAP_TIMEOUT_S
-    while (remaining := _processes_of(uid)) and time.monotonic() < deadline:
-        for p in remaining:
-            try:
-                os.waitpid(p, 0)
-            except ChildProcessError:  # not (yet) ours: its parent is still being killed
-                time.sleep(0.001)
+    me = os.getpid()
+    while time.monotonic() < deadline:
+        left = [(p, state, parent) for p, state, parent in _processes_of(uid) if state != "Z" or parent == me]
+        if not left:
+            return
+        for p, state, _ in left:
+            if state == "Z":
+                try:
+                    os.waitpid(p, 0)
+                except ChildProcessError:  # reaped meanwhile
+                    pass
+        time.sleep(0.001)  # the others are still dying
 
 
-def _processes_of(uid: int) -> list[int]:
-    pids = []
+def _processes_of(uid: int) -> list[tuple[int, str, int]]:
+    """(pid, state, parent pid) of every process whose effective user is ``uid``."""
+    found = []
     for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                if entry.stat().st_uid == uid:
-                    pids.append(int(entry.name))
-            except FileNotFoundError:
-                pass
-    return pids
+        if not entry.name.isdigit():
+            continue
+        try:
+            if entry.stat().st_uid != uid:
+                continue
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        found.append((int(entry.name), fields[0], int(fields[1])))
+    return found
 
 
 def _child_setup(limits: SandboxLimits, uid: int | None, workdir: str) -> None:

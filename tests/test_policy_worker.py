@@ -4,7 +4,8 @@ The expected values come from the same GPTModel run forward by hand on the whole
 ``log_softmax`` logprobs, the clipped loss written out below, ``autograd``, and the first
 Adam step written out below. Megatron runs (its forward-backward schedules, DDP, optimizer,
 vocab-parallel logprobs) must match them at TP=1 with uneven data-parallel shards, TP=2 (with
-and without sequence parallelism), PP=2 (1F1B over 4 micro-batches) and TP=2 x PP=2.
+and without sequence parallelism), PP=2 (1F1B over 4 micro-batches) and TP=2 x PP=2, for the
+tiny Llama, its tied-embedding variant and a Qwen2-like GQA model with QKV bias.
 
 The weight helpers below are written from megatron's tensor attributes (``partition_dim``,
 ``partition_stride``, the global ``layer_number``), independently of the project's checkpoint
@@ -342,3 +343,51 @@ def test_bf16_step_tracks_fp32_with_either_optimizer(gloo_world_2, initial, expe
     # The distributed optimizer shards fp32 master weights over the two data-parallel ranks.
     for name, tensor in plain[0]["weights"].items():
         torch.testing.assert_close(sharded[0]["weights"][name], tensor, rtol=0, atol=0, msg=name)
+
+
+def build_errors_and_names() -> dict:
+    """Parameter names of the local spec, and the errors of building at the wrong time."""
+    config = tiny_config(tp=2, model="qwen2-gqa")
+    errors = {}
+    try:
+        build_model(config.model, config.parallel, config.precision)
+    except RuntimeError as e:
+        errors["before"] = str(e)
+    initialize_model_parallel(config.parallel, config.seed)
+    try:
+        try:
+            build_model(config.model, ParallelConfig(), config.precision)
+        except ValueError as e:
+            errors["mismatch"] = str(e)
+        try:
+            initialize_model_parallel(config.parallel)
+        except RuntimeError as e:
+            errors["twice"] = str(e)
+        model = build_model(config.model, config.parallel, config.precision)
+        shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    finally:
+        destroy_model_parallel()
+    return dict(errors=errors, shapes=shapes)
+
+
+def test_local_spec_names_shapes_and_build_errors(gloo_world_2):
+    result = gloo_world_2.run(build_errors_and_names)[0]
+    assert "call initialize_model_parallel first" in result["errors"]["before"]
+    assert "parallel.tensor_model_parallel_size=1" in result["errors"]["mismatch"]
+    assert "already initialized" in result["errors"]["twice"]
+    # Qwen2-like at TP=2: 4 query heads in 2 groups of head_dim 64, QKV bias, 512 vocab rows.
+    per_layer = {
+        "input_layernorm.weight": (256,),
+        "self_attention.linear_qkv.weight": ((4 + 2 * 2) * 64 // 2, 256),
+        "self_attention.linear_qkv.bias": ((4 + 2 * 2) * 64 // 2,),
+        "self_attention.linear_proj.weight": (256, 4 * 64 // 2),
+        "pre_mlp_layernorm.weight": (256,),
+        "mlp.linear_fc1.weight": (2 * 512 // 2, 256),
+        "mlp.linear_fc2.weight": (256, 512 // 2),
+    }
+    assert result["shapes"] == {
+        "embedding.word_embeddings.weight": (256, 256),
+        **{f"decoder.layers.{i}.{name}": shape for i in (0, 1) for name, shape in per_layer.items()},
+        "decoder.final_layernorm.weight": (256,),
+        "output_layer.weight": (256, 256),
+    }

@@ -52,12 +52,17 @@ def test_messages_metadata_ids_and_system_prompt_override(tmp_path):
         + json.dumps({"id": "q2", "prompt": "3+3?", "answer": "6"}) + "\n"
     )
     first, second = load_jsonl(path, "math", system_prompt="Answer in \\boxed{}.")
-    assert (first.id, first.messages) == ("chat-1", chat)
+    assert first.id == "chat-1"
+    assert first.messages == [{"role": "system", "content": "Be brief.\n\nAnswer in \\boxed{}."}, chat[1]]
     assert (first.ground_truth, first.metadata) == ({"answer": 4}, {"level": 3})
     assert second.id == "q2"
     assert second.messages == [
         {"role": "system", "content": "Answer in \\boxed{}."}, {"role": "user", "content": "3+3?"},
     ]
+    (bare,) = load_jsonl(path, "math", system_prompt="")[1:]
+    assert bare.messages == [{"role": "user", "content": "3+3?"}]
+    (default,) = load_jsonl(path, "math")[:1]
+    assert default.messages[0]["content"] == f"Be brief.\n\n{MATH_SYSTEM_PROMPT}"
 
 
 @pytest.mark.parametrize("family,line,match", [

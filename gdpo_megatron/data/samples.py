@@ -1,8 +1,9 @@
 """Prompt datasets for the three task families: JSONL files of prompts and ground truth.
 
 One JSON object per line. The prompt is ``"messages"`` (a chat: ``[{"role", "content"}]``)
-or ``"prompt"`` (one user message); a system message stating the answer format is added
-unless the chat already starts with one. Ground truth, by family:
+or ``"prompt"`` (one user message). The family's instructions (answer format; for tool
+calling also the function schemas) go into the system message: appended to the chat's own
+system message if it starts with one, else as a new first message. Ground truth, by family:
 
 * ``math``: ``"answer"`` (string or number), checked by ``math_correctness``;
 * ``tool``: ``"tool_calls"`` (list; empty for "answer without a call") and ``"tools"``
@@ -48,7 +49,10 @@ class Sample:
 
 
 def load_jsonl(path: str | Path, family: str, system_prompt: str | None = None) -> list[Sample]:
-    """Samples of ``family`` from a JSONL file; ``system_prompt`` overrides the family's."""
+    """Samples of ``family`` from a JSONL file.
+
+    ``system_prompt`` replaces the family's instructions (``""``: add none).
+    """
     path = Path(path)
     if family not in FAMILIES:
         raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
@@ -84,8 +88,11 @@ def make_sample(record: dict, family: str, default_id: str, where: str, system_p
             raise ValueError(f"{where}: missing '{key}' (required for {family} samples)")
         ground_truth[key] = record.pop(key)
     _check_ground_truth(family, ground_truth, where)
-    if messages[0]["role"] != "system":
-        messages.insert(0, {"role": "system", "content": system_prompt or _system_prompt(family, ground_truth)})
+    instructions = _system_prompt(family, ground_truth) if system_prompt is None else system_prompt
+    if instructions and messages[0]["role"] == "system":
+        messages[0]["content"] = f"{messages[0]['content']}\n\n{instructions}"
+    elif instructions:
+        messages.insert(0, {"role": "system", "content": instructions})
     return Sample(str(record.pop("id", default_id)), family, messages, ground_truth, record)
 
 

@@ -31,7 +31,7 @@ CODE_SYSTEM_PROMPT = (
 )
 TOOL_SYSTEM_PROMPT = (
     "You can call these functions:\n{tools}\n\n"
-    "Think inside <think>...</think>. To call functions, then write\n"
+    "Think inside <think>...</think>. Then, to call functions, write\n"
     '<tool_call>\n[{{"name": "<function name>", "arguments": {{<argument>: <value>}}}}, ...]\n</tool_call>\n'
     "listing every call needed. If no function fits, answer in plain text after the think block."
 )

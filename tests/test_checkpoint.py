@@ -21,7 +21,6 @@ from test_convert import megatron_logits
 VOCAB = 250
 B, T = 4, 12
 STEPS, SAVE_EVERY, KILL_AFTER = 6, 2, 5  # killed after step 5: resume replays steps 5 and 6
-SHARDING = "fully_reshardable"
 
 
 def tiny_policy(tp: int = 1) -> PolicyConfig:
@@ -220,19 +219,19 @@ def continue_after_reload(root, distributed_optimizer: bool):
     batches = [sampled_batch() for _ in range(3)]
     with PolicyWorker(config) as worker:
         worker.train_step(batches[0])
-        CheckpointManager(root, optimizer_sharding=SHARDING).save(1, worker.model, worker.optimizer, worker.scheduler)
+        CheckpointManager(root).save(1, worker.model, worker.optimizer, worker.scheduler)
         worker.train_step(batches[1])
         continued = worker.train_step(batches[2])["loss"]
     losses = []
     for optimizer_too in (True, False):  # without the optimizer's state the loss must differ
         with PolicyWorker(config) as worker:
-            CheckpointManager(root, optimizer_sharding=SHARDING).load(worker.model, worker.optimizer if optimizer_too else None, worker.scheduler)
+            CheckpointManager(root).load(worker.model, worker.optimizer if optimizer_too else None, worker.scheduler)
             worker.train_step(batches[1])
             losses.append(worker.train_step(batches[2])["loss"])
     return continued, *losses
 
 
-@pytest.mark.parametrize("distributed_optimizer", [False, True])
+@pytest.mark.parametrize("distributed_optimizer", [False, pytest.param(True, marks=pytest.mark.gpu)])
 def test_optimizer_state_survives_a_reload(gloo_world_2, tmp_path, distributed_optimizer):
     for continued, reloaded, without_optimizer in gloo_world_2.run(continue_after_reload, tmp_path, distributed_optimizer):
         assert reloaded == pytest.approx(continued, abs=1e-6, rel=0)

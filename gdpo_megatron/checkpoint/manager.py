@@ -42,6 +42,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 )
 
 from gdpo_megatron.checkpoint.weight_stream import unwrap
+from gdpo_megatron.policy import cpu_compat
 
 STEP_DIR = re.compile(r"step_(\d+)")
 TMP_PREFIX = ".tmp-"
@@ -160,9 +161,16 @@ def _sharded_state_dict(model, optimizer, scheduler, optimizer_sharding: str, is
     model_sd = unwrap(model).sharded_state_dict()
     state = {"model": model_sd}
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": optimizer_sharding}
-        )
+        try:
+            state["optimizer"] = optimizer.sharded_state_dict(
+                model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": optimizer_sharding}
+            )
+        except AssertionError as e:  # megatron-core's torch-Adam path of the distributed optimizer
+            raise CheckpointError(
+                "without Transformer Engine or Apex, megatron-core's distributed optimizer cannot load "
+                "a checkpoint before its first step (it reads the Adam step from its own state); "
+                "use optim.use_distributed_optimizer=false on such machines"
+            ) from e
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
     return state
@@ -223,8 +231,9 @@ class CheckpointManager:
             (tmp / RNG_DIR).mkdir()
         _barrier()
 
-        sharded = _sharded_state_dict(model, optimizer, scheduler, self.optimizer_sharding, is_loading=False)
-        dist_checkpointing.save(sharded, str(tmp / DIST_DIR), sharded_strategy=InProcessTorchDistSave())
+        with cpu_compat.device_scope():
+            sharded = _sharded_state_dict(model, optimizer, scheduler, self.optimizer_sharding, is_loading=False)
+            dist_checkpointing.save(sharded, str(tmp / DIST_DIR), sharded_strategy=InProcessTorchDistSave())
         torch.save(rng_state(), tmp / RNG_DIR / f"rank_{_rank()}.pt")
         if _rank() == 0:
             (tmp / STATE_FILE).write_text(state_text + "\n")
@@ -267,15 +276,17 @@ class CheckpointManager:
             self.verify(directory)
         state = read_training_state(directory)
 
-        sharded = _sharded_state_dict(model, optimizer, scheduler, self.optimizer_sharding, is_loading=True)
+        with cpu_compat.device_scope():
+            sharded = _sharded_state_dict(model, optimizer, scheduler, self.optimizer_sharding, is_loading=True)
         scheduler_state = sharded.pop("scheduler", None)
         try:
-            loaded = dist_checkpointing.load(sharded, str(directory / DIST_DIR))
+            with cpu_compat.device_scope():
+                loaded = dist_checkpointing.load(sharded, str(directory / DIST_DIR))
         except Exception as e:
             raise CheckpointError(f"{directory / DIST_DIR}: cannot load the distributed checkpoint: {e}") from e
         unwrap(model).load_state_dict(loaded["model"])
         if optimizer is not None:
-            with torch.no_grad():  # fp32 optimizers copy into leaf parameters
+            with torch.no_grad(), cpu_compat.device_scope():  # fp32 optimizers copy into leaf parameters
                 optimizer.load_state_dict(loaded["optimizer"])
         if scheduler_state is not None:
             common = dist_checkpointing.load_common_state_dict(str(directory / DIST_DIR))

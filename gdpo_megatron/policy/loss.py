@@ -98,9 +98,9 @@ def policy_loss(
     metric_sums = {
         "clip_fraction": ((clipped > unclipped) & mask).sum().to(logprobs.dtype),
         "approx_kl": (((ratio - 1.0) - log_ratio) * weight).sum().detach(),
-        "entropy": (entropy * weight).sum().detach() if entropy is not None else torch.zeros(()),
+        "entropy": (entropy * weight).sum().detach() if entropy is not None else logprobs.new_zeros(()),
         "ratio_mean": (ratio * weight).sum().detach(),
-        "kl_ref": torch.zeros(()),
+        "kl_ref": logprobs.new_zeros(()),
     }
     if config.kl_coef > 0:
         ref_log_ratio = torch.where(mask, ref_logprobs - logprobs, 0.0)

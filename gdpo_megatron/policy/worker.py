@@ -219,10 +219,10 @@ class PolicyWorker:
 
     def _reduce_metrics(self, outputs: list) -> dict[str, float]:
         """Global metrics from the per-micro-batch sums (all-reduced over data parallel)."""
-        last_stage = parallel_state.is_pipeline_last_stage()
-        sums = torch.stack([o["sums"] for o in outputs]).sum(0) if last_stage else None
-        extrema = torch.stack([o["extrema"] for o in outputs]).amax(0) if last_stage else None
-        if last_stage:
+        sums = extrema = None
+        if parallel_state.is_pipeline_last_stage():
+            sums = torch.stack([o["sums"] for o in outputs]).sum(0)
+            extrema = torch.stack([o["extrema"] for o in outputs]).amax(0)
             dp_group = parallel_state.get_data_parallel_group()
             dist.all_reduce(sums, group=dp_group)
             dist.all_reduce(extrema, op=dist.ReduceOp.MAX, group=dp_group)

@@ -2,7 +2,9 @@
 raise, return garbage or kill their worker are scored as failures, counted, and survived."""
 import math
 import os
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,9 +126,11 @@ def test_sandboxed_program_of_a_killed_worker_is_killed_too():
     code = "```python\nimport time\ntime.sleep(600)\n```"
     spec = RewardSpec("code_pass", timeout_s=1.0, failure_value=-1.0, kwargs={"limits": {"wall_s": 600, "cpu_s": 600}})
     with RewardStage([spec], num_workers=1) as stage:
+        killed = stage._workers[0].process.pid
         rewards, metrics = stage.score([code], [1], [{"tests": [{"input": "", "output": ""}]}])
     assert rewards.tolist() == [[-1.0]] and metrics["reward/code_pass/timeouts"] == 1
     assert _live_sandbox_processes() == []
+    assert list(Path(tempfile.gettempdir()).glob(f"gdpo-sandbox-{killed}-*")) == []  # its working directory
 
 
 def _live_sandbox_processes():

@@ -47,7 +47,7 @@ def test_runs_a_program_with_stdin_and_removes_its_directory():
     assert result.ok and result.returncode == 0
     reversed_line, workdir = result.stdout.splitlines()
     assert reversed_line == "cba"
-    assert os.path.basename(workdir).startswith("gdpo-sandbox-")
+    assert os.path.basename(workdir).startswith(f"gdpo-sandbox-{os.getpid()}-")
     assert not os.path.exists(workdir)
 
 

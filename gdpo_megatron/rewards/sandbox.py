@@ -102,7 +102,7 @@ def run_python(
     if level not in ISOLATION_LEVELS or (level == "namespaces" and isolation() != "namespaces"):
         raise ValueError(f"sandbox level: expected 'basic' or an available level ({isolation()!r}), got {level!r}")
     uid = sandbox_uid(os.getpid()) if level == "namespaces" else None
-    workdir = Path(tempfile.mkdtemp(prefix="gdpo-sandbox-"))
+    workdir = Path(tempfile.mkdtemp(prefix=_workdir_prefix(os.getpid())))
     try:
         (workdir / "main.py").write_text(code, encoding="utf-8")
         if uid is not None:
@@ -167,6 +167,14 @@ def sandbox_uid(pid: int) -> int:
     return _UID_BASE + pid
 
 
+def clean_up_after(pid: int) -> None:
+    """Kill the sandboxed processes and remove the working directories that process ``pid``
+    left behind (when it was killed in the middle of a run)."""
+    kill_sandbox_processes(pid)
+    for leftover in Path(tempfile.gettempdir()).glob(f"{_workdir_prefix(pid)}*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
 def kill_sandbox_processes(pid: int) -> None:
     """SIGKILL and reap every process of the sandbox user of ``pid`` (only the namespaces level
     runs programs as that user; the check needs no probe, so any process may call this).
@@ -219,6 +227,10 @@ def _processes_of(uid: int) -> list[tuple[int, str, int]]:
             continue
         found.append((int(entry.name), fields[0], int(fields[1])))
     return found
+
+
+def _workdir_prefix(pid: int) -> str:
+    return f"gdpo-sandbox-{pid}-"
 
 
 def _child_setup(limits: SandboxLimits, uid: int | None, workdir: str) -> None:

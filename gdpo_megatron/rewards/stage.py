@@ -6,7 +6,8 @@ like ``code_pass`` and ``code_no_bug``, can share it in the worker); every rewar
 its own timeout. A call that raises, returns a non-finite or non-numeric value, runs past
 its timeout, or takes its worker down scores the reward's ``failure_value`` and is counted
 in ``reward/<name>/failures`` (timeouts also in ``reward/<name>/timeouts``) and logged. A
-worker that times out is killed, with any sandboxed programs it started, and replaced.
+worker that times out is killed and replaced; the sandboxed programs it started and their
+working directories go with it.
 
 Workers are forked from a multiprocessing "forkserver", so (as with any multiprocessing
 code) a script that builds the stage needs an ``if __name__ == "__main__":`` guard.
@@ -268,4 +269,4 @@ class RewardStage:
     def _kill(worker: _Worker) -> None:
         worker.process.kill()
         worker.process.join()
-        sandbox.kill_sandbox_processes(worker.process.pid)
+        sandbox.clean_up_after(worker.process.pid)

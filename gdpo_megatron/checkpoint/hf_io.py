@@ -104,34 +104,36 @@ def load_hf_weights(model: torch.nn.Module, config: ModelConfig, hf_dir: str | P
 
 
 def _write_shards(weights: Iterable[tuple[str, torch.Tensor]], out: Path, max_shard_bytes: int) -> None:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    sizes = [0]
-    paths = []
+    """Safetensors files of at most ``max_shard_bytes`` (a larger single tensor gets its own),
+    named like ``save_pretrained`` names them, with an index when there are several."""
+    shard_names: list[list[str]] = []
+    current: dict[str, torch.Tensor] = {}
+    current_bytes = total_bytes = 0
 
     def flush():
-        paths.append(out / f".shard-{len(paths)}.safetensors")
-        save_file(shards[-1], paths[-1], metadata={"format": "pt"})
-        shards[-1] = {}
+        save_file(current, out / f".shard-{len(shard_names)}.safetensors", metadata={"format": "pt"})
+        shard_names.append(list(current))
+        current.clear()
 
     for name, tensor in weights:
         nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and sizes[-1] + nbytes > max_shard_bytes:
+        if current and current_bytes + nbytes > max_shard_bytes:
             flush()
-            sizes.append(0)
-        shards[-1][name] = tensor
-        sizes[-1] += nbytes
+            current_bytes = 0
+        current[name] = tensor
+        current_bytes += nbytes
+        total_bytes += nbytes
     flush()
 
-    if len(paths) == 1:
-        os.rename(paths[0], out / SINGLE_FILE)
+    if len(shard_names) == 1:
+        os.rename(out / ".shard-0.safetensors", out / SINGLE_FILE)
         return
     weight_map = {}
-    for i, path in enumerate(paths):
-        final = f"model-{i + 1:05d}-of-{len(paths):05d}.safetensors"
-        with safe_open(path, framework="pt") as f:
-            weight_map.update({name: final for name in f.keys()})
-        os.rename(path, out / final)
-    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(weight_map.items()))}
+    for i, names in enumerate(shard_names):
+        final = f"model-{i + 1:05d}-of-{len(shard_names):05d}.safetensors"
+        os.rename(out / f".shard-{i}.safetensors", out / final)
+        weight_map.update({name: final for name in names})
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
@@ -165,29 +167,30 @@ def save_hf_checkpoint(
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out}: exists and is not empty")
-    tmp = out.with_name(f".tmp-{out.name}")
-    writer = _rank() == 0
-    if writer:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-
-    layout = model_layout(config, 1)
-    total = len(hf_names(layout, config.add_qkv_bias))
+    if dist.is_initialized():
+        dist.barrier()  # every rank has checked before rank 0 creates anything
     stream = iter_hf_weights(model, config)
-    if not writer:
+    if _rank() == 0:
+        total = len(hf_names(model_layout(config, 1), config.add_qkv_bias))
+        weights = ((name, tensor.detach().to("cpu", dtype or tensor.dtype).clone())
+                   for name, tensor in tqdm(stream, total=total, desc="export", disable=not progress))
+        hf_config = hf_config_from_model(config, base_hf_config)
+        hf_config["torch_dtype"] = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
+        _write_hf_dir(weights, hf_config, out, tokenizer_dir, max_shard_bytes)
+    else:
         for _ in stream:  # take part in the gathers
             pass
-        if dist.is_initialized():
-            dist.barrier()
-        return out
+    if dist.is_initialized():
+        dist.barrier()
+    return out
 
-    def host_copies():
-        for name, tensor in tqdm(stream, total=total, desc="export", disable=not progress):
-            yield name, tensor.detach().to("cpu", dtype or tensor.dtype).clone()
 
-    _write_shards(host_copies(), tmp, max_shard_bytes)
-    hf_config = hf_config_from_model(config, base_hf_config)
-    hf_config["torch_dtype"] = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
+def _write_hf_dir(weights, hf_config: dict, out: Path, tokenizer_dir: str | Path | None, max_shard_bytes: int) -> None:
+    """Everything into a temporary sibling directory, renamed to ``out`` when complete."""
+    tmp = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    _write_shards(weights, tmp, max_shard_bytes)
     (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
     tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else None
     if tokenizer_dir and (tokenizer_dir / "generation_config.json").is_file():
@@ -200,7 +203,3 @@ def save_hf_checkpoint(
     if out.exists():
         out.rmdir()
     os.rename(tmp, out)
-    if dist.is_initialized():
-        dist.barrier()
-    return out
-

@@ -79,10 +79,9 @@ def iter_hf_weights(model: torch.nn.Module, config: ModelConfig) -> Iterator[tup
     pp_ranks = dist.get_process_group_ranks(pp_group) if pp_size > 1 else None
     device = local[0][1].device if local else torch.device("cpu")
 
-    for stage, entries in enumerate(stages):
-        owned = stage == pp_rank or pp_size == 1
-        for index, (name, shard_shape, dtype) in enumerate(entries):
-            if owned:
+    for stage, stage_entries in enumerate(stages):
+        for index, (name, shard_shape, dtype) in enumerate(stage_entries):
+            if stage == pp_rank:
                 shard = local[index][1].detach()
                 if tp_size > 1:
                     shards = [torch.empty_like(shard) for _ in range(tp_size)]

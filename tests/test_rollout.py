@@ -151,6 +151,22 @@ def test_update_of_a_subset_changes_only_those_tensors(engine, models, base_weig
         torch.testing.assert_close(torch.tensor(group[0].logprobs, dtype=torch.float64), expected, atol=1e-4, rtol=0)
 
 
+def test_a_bad_tensor_stops_the_update_with_its_name_and_the_engine_keeps_working(engine, models, base_weights):
+    eos = models["base"].config.eos_token_id
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=6)
+    outputs = lambda: [g[0].token_ids for g in engine.generate(PROMPTS, 1, sampling)]
+    with pytest.raises(ValueError, match=r"'model\.norm\.weight' has shape \(64,\), expected \(128,\)"):
+        engine.update_weights([("model.norm.weight", torch.zeros(64))])
+    assert outputs() == [greedy(models["base"], p, 6, eos) for p in PROMPTS]  # nothing was loaded
+
+    other = list(models["other"].state_dict().items())
+    bogus = ("model.layers.7.mlp.up_proj.weight", torch.zeros(256, 128))
+    with pytest.raises(ValueError, match=r"'model\.layers\.7\.mlp\.up_proj\.weight' is not a tensor of the checkpoint"):
+        engine.update_weights(other[:4] + [bogus])  # stops after layer 0's q, k, v went in
+    engine.update_weights(other)
+    assert outputs() == [greedy(models["other"], p, 6, eos) for p in PROMPTS]
+
+
 def test_sleep_blocks_generation_until_wake_up_and_allows_updates(engine, models, base_weights):
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=6)
     engine.sleep()

@@ -50,6 +50,7 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
@@ -111,6 +112,7 @@ class VLLMEngine:
 
         self.config = config
         self.sleep_mode = sleep_mode
+        self._shapes = checkpoint_shapes(config.model_path)
         self._llm = LLM(
             model=config.model_path,
             tensor_parallel_size=config.tensor_parallel_size,
@@ -130,6 +132,7 @@ class VLLMEngine:
 
     @property
     def tokenizer(self):
+        """The checkpoint's tokenizer, as vLLM loaded it."""
         return self._llm.get_tokenizer()
 
     def generate(
@@ -154,12 +157,34 @@ class VLLMEngine:
         return [completions[i * n : (i + 1) * n] for i in range(len(prompt_token_ids))]
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load full Hugging Face-named tensors in place (any subset of the model's)."""
+        """Load full Hugging Face-named tensors in place (any subset of the checkpoint's).
+
+        Each tensor's name and shape are checked against the checkpoint as it streams by. On
+        a bad one the update stops with a ValueError, and layers the stream had not reached
+        keep their previous weights (the layer it stopped in may be left half-updated).
+        """
         if self._asleep and self.sleep_mode and not self._weights_awake:
             self._llm.wake_up(tags=["weights"])
             self._weights_awake = True
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
-        self._llm.reset_prefix_cache()
+        stream = self._checked(weights)
+        try:
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream, "is_checkpoint_format": True})
+        except BaseException:
+            self._llm.collective_rpc(_end_interrupted_reload)
+            raise
+        finally:
+            self._llm.reset_prefix_cache()
+
+    def _checked(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        for name, tensor in weights:
+            expected = self._shapes.get(name)
+            if expected is None:
+                raise ValueError(
+                    f"update_weights: {name!r} is not a tensor of the checkpoint {self.config.model_path}"
+                )
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+            yield name, tensor
 
     def sleep(self) -> None:
         """GPU: offload weights to host memory and drop the KV cache. CPU: nothing to free."""
@@ -196,6 +221,27 @@ class VLLMEngine:
             seed=seed,
             logprobs=0,  # only the sampled token's logprob
         )
+
+
+def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in a safetensors checkpoint directory (headers only)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model_path: no *.safetensors files in {model_path}")
+    shapes = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            shapes.update((name, tuple(f.get_slice(name).get_shape())) for name in f.keys())
+    return shapes
+
+
+def _end_interrupted_reload(worker) -> None:
+    """Runs in each vLLM worker: put back the weights of layers an aborted reload left on meta."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    finalize_layerwise_reload(worker.model_runner.get_model(), worker.vllm_config.model_config)
 
 
 def _derived_seed(seed: int, prompt_index: int, sample_index: int) -> int:

@@ -4,7 +4,13 @@ import torch
 
 from gdpo_megatron.distributed.local_world import LocalWorld
 from gdpo_megatron.policy.batch import PolicyBatch
-from gdpo_megatron.policy.config import ModelConfig, OptimConfig, PolicyConfig, PrecisionConfig, transformer_engine_available
+from gdpo_megatron.policy.config import (
+    ModelConfig,
+    OptimConfig,
+    PolicyConfig,
+    PrecisionConfig,
+    transformer_engine_available,
+)
 
 pytestmark = [
     pytest.mark.gpu,

@@ -228,9 +228,10 @@ def expected(gloo_world_2, initial):
 
 def check_matches(results, want):
     weights = merge_stages([r["weights"] for r in results])
-    if "output_layer.weight" not in want["weights"] and "output_layer.weight" in weights:  # the last stage's copy of the tied embedding
-        torch.testing.assert_close(weights.pop("output_layer.weight"), want["weights"]["embedding.word_embeddings.weight"],
-                                   rtol=0, atol=1e-5)
+    if "output_layer.weight" not in want["weights"] and "output_layer.weight" in weights:
+        # the last pipeline stage's copy of the tied embedding must have followed it
+        embedding = want["weights"]["embedding.word_embeddings.weight"]
+        torch.testing.assert_close(weights.pop("output_layer.weight"), embedding, rtol=0, atol=1e-5)
     assert weights.keys() == want["weights"].keys()
     for name, tensor in weights.items():
         torch.testing.assert_close(tensor, want["weights"][name], rtol=0, atol=1e-5, msg=name)

@@ -83,10 +83,11 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: 
         # Loss functions return token sums; megatron divides the gradients by the global count.
         calculate_per_token_loss=True,
         use_cpu_initialization=not on_gpu,
-        # Fusions need CUDA kernels (or torch.compile, seconds per first call on CPU).
+        # Fusions are compiled kernels (torch.compile on CPU costs seconds per first call); the
+        # fused softmax needs megatron's CUDA extension, absent from PyPI (TE has its own).
         bias_activation_fusion=on_gpu,
         bias_dropout_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu,
+        masked_softmax_fusion=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         **fp8,

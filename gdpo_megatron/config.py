@@ -122,6 +122,9 @@ class DataConfig:
 
     train_path: str
     family: str  # "tool", "math" or "code"
+    # Instructions added to each chat's system message: None, the family's own (answer format,
+    # tool schemas); "" none (the data already has them).
+    system_prompt: Optional[str] = None
     prompts_per_step: int = 8  # over all data-parallel ranks
     eval_path: Optional[str] = None
     eval_every: int = 0  # steps; 0: only at the end when eval_path is set

@@ -78,7 +78,7 @@ class Trainer:
             state = self.checkpoints.load(self.worker.model, self.worker.optimizer, self.worker.scheduler)
             self.start_step = state.step
 
-        self.samples = load_jsonl(config.data.train_path, config.data.family)
+        self.samples = load_jsonl(config.data.train_path, config.data.family, config.data.system_prompt)
         self.schedule = PromptSchedule(len(self.samples), config.data.prompts_per_step, config.data.shuffle_seed)
         self.engine = VLLMEngine(VLLMEngineConfig(
             model_path=config.base_model,

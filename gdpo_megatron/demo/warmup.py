@@ -64,7 +64,7 @@ def make_base_model(out_dir: str | Path, steps: int = 150, batch_size: int = 32,
     tokenizer = build_tokenizer(seed=seed)
     config = LlamaConfig(
         vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
     )

@@ -1,0 +1,357 @@
+"""``gdpo-plan``: per-GPU memory of a training config, and whether it fits, before submitting.
+
+``gdpo-plan --config configs/gdpo_7b.yaml --gpus-per-node 8 --gpu-memory 80 [--nodes N]
+[key.sub=value ...]`` prints a table for the fullest pipeline stage, with and without the
+distributed optimizer, and exits 0 when the configured layout fits (1 when not, 2 on bad input).
+
+The model shape is ``policy.model`` (e.g. ``{preset: qwen2-7b}``); ``base_model`` is not read,
+it usually does not exist where jobs are planned. Settings that resolve per machine are planned
+as on a CUDA GPU: ``precision.dtype: auto`` is bf16, ``optim.use_distributed_optimizer: null``
+is true.
+
+What is counted, per GPU (the assumptions are printed with the table):
+
+* weights in the parameter dtype; gradients in fp32 (megatron DDP buffers,
+  ``grad_reduce_in_fp32``); Adam state in fp32: master weights (bf16 parameters only) and two
+  moments, divided by the data-parallel size under the distributed optimizer;
+* a frozen reference copy of the weights when ``loss.kl_coef > 0``;
+* activations of the in-flight micro-batches (1F1B keeps ``PP - stage`` of them), sequence =
+  ``data.max_prompt_tokens + rollout.max_new_tokens``, no activation recompute, flash/fused
+  attention (no ``s x s`` scores), no dropout; on the last stage also the logits in the
+  parameter dtype plus their fp32 copy and the fp32 softmax kept for the backward pass;
+* vLLM, colocated: while generating it holds ``gpu_memory_utilization`` of the GPU (weights in
+  bf16, or FP8 linear layers with ``rollout.quantization: fp8``, split over the rollout TP size,
+  and the KV cache in the rest; ``rollout.kv_cache_gib`` replaces the fraction); while the
+  policy trains it sleeps (level 1: weights on the host, KV cache freed) and holds nothing;
+* a fixed allowance for the CUDA context, NCCL buffers and allocator fragmentation.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from gdpo_megatron.config import ConfigError, TrainConfig, apply_override, load_config
+from gdpo_megatron.policy.config import ModelConfig, ParallelConfig, check_model_parallel
+
+GIB = 2**30
+FP32_BYTES = 4
+PARAM_BYTES = {"bf16": 2, "fp32": 4}
+VLLM_DTYPE_BYTES = 2  # bf16: vLLM's weights and KV cache for a bf16 checkpoint
+ADAM_MOMENTS = 2
+DEFAULT_OVERHEAD_GIB = 3.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """The GPUs a job gets."""
+
+    nodes: int
+    gpus_per_node: int
+    gpu_memory_gib: float
+    overhead_gib: float = DEFAULT_OVERHEAD_GIB  # CUDA context, NCCL buffers, fragmentation
+
+    def __post_init__(self):
+        for name in ("nodes", "gpus_per_node"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(self, name)}")
+        if not self.gpu_memory_gib > 0:
+            raise ValueError(f"--gpu-memory: expected > 0 GiB, got {self.gpu_memory_gib}")
+        if not self.overhead_gib >= 0:
+            raise ValueError(f"--overhead: expected >= 0 GiB, got {self.overhead_gib}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+# ---- parameter and activation counts ------------------------------------------------------
+
+
+def layer_params(model: ModelConfig, tp: int) -> int:
+    """Parameters of one transformer layer held by one tensor-parallel rank."""
+    h, f, d = model.hidden_size, model.ffn_hidden_size, model.head_dim
+    q, kv = model.num_attention_heads * d, model.num_query_groups * d
+    qkv = h * (q + 2 * kv) + (q + 2 * kv if model.add_qkv_bias else 0)
+    sharded = qkv + q * h + h * 2 * f + f * h  # QKV, output projection, SwiGLU fc1 (gate+up), fc2
+    return sharded // tp + 2 * h  # the two RMSNorm weights are replicated
+
+
+def stage_params(model: ModelConfig, parallel: ParallelConfig, stage: int) -> int:
+    """Parameters one rank of pipeline stage ``stage`` holds (its TP shard)."""
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    embedding = model.padded_vocab_size(tp) // tp * model.hidden_size
+    count = model.num_layers // pp * layer_params(model, tp)
+    if stage == 0:
+        count += embedding
+    if stage == pp - 1:
+        count += model.hidden_size  # final norm
+        if not model.tie_word_embeddings or pp > 1:  # a tied output layer off stage 0 is a copy
+            count += embedding
+    return count
+
+
+def total_params(model: ModelConfig) -> int:
+    """Parameters of the unsharded model with its real vocabulary (what vLLM loads)."""
+    embeddings = (1 if model.tie_word_embeddings else 2) * model.vocab_size * model.hidden_size
+    return model.num_layers * layer_params(model, 1) + model.hidden_size + embeddings
+
+
+def activation_bytes_per_token_layer(model: ModelConfig, parallel: ParallelConfig, param_bytes: int) -> int:
+    """Activations one layer keeps for its backward pass, per token, on one TP rank.
+
+    Norm inputs, QKV input, q/k/v, attention output (= projection input), fc1 input, fc1
+    output (gate and up) and fc2 input. The four hidden-size tensors are split over TP only
+    with sequence parallelism.
+    """
+    h, f, d = model.hidden_size, model.ffn_hidden_size, model.head_dim
+    tp = parallel.tensor_model_parallel_size
+    hidden = 4 * h // (tp if parallel.sequence_parallel else 1)
+    sharded = (2 * model.num_attention_heads * d + 2 * model.num_query_groups * d + 3 * f) // tp
+    return (hidden + sharded) * param_bytes
+
+
+def kv_cache_bytes_per_token(model: ModelConfig, rollout_tp: int) -> int:
+    """K and V of every layer for one token on one vLLM rank (KV heads replicate past TP = heads)."""
+    heads = math.ceil(model.num_query_groups / rollout_tp)
+    return 2 * model.num_layers * heads * model.head_dim * VLLM_DTYPE_BYTES
+
+
+def vllm_weight_bytes(model: ModelConfig, rollout_tp: int, quantization: Optional[str]) -> int:
+    """vLLM's weights on one rank: bf16, or FP8 (1 byte) transformer layers with ``fp8``."""
+    layers = model.num_layers * layer_params(model, 1)
+    embeddings_and_final_norm = total_params(model) - layers
+    layer_bytes = 1 if quantization == "fp8" else VLLM_DTYPE_BYTES
+    return (embeddings_and_final_norm * VLLM_DTYPE_BYTES + layers * layer_bytes) // rollout_tp
+
+
+# ---- the plan ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    """Bytes on one GPU of a pipeline stage; optimizer state for both optimizer kinds."""
+
+    stage: int
+    params: int
+    weights: int
+    gradients: int
+    optimizer_distributed: int
+    optimizer_plain: int
+    reference: int
+    activations: int
+    logits: int
+
+    def static(self, distributed: bool) -> int:
+        """What stays on the GPU for the whole run (also while vLLM generates)."""
+        optimizer = self.optimizer_distributed if distributed else self.optimizer_plain
+        return self.weights + self.gradients + optimizer + self.reference
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per GPU of the fullest pipeline stage, vLLM and the fixed allowance; the verdicts."""
+
+    config: TrainConfig
+    cluster: Cluster
+    data_parallel_size: int
+    sequence_length: int
+    micro_batches_per_step: int
+    stage: StagePlan  # the pipeline stage with the highest peak
+    vllm_weights: int
+    vllm_total: int  # while generating: weights + KV cache
+    kv_cache_per_token: int
+    overhead: int
+
+    @property
+    def kv_cache(self) -> int:
+        return self.vllm_total - self.vllm_weights
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return max(self.kv_cache, 0) // self.kv_cache_per_token
+
+    def peak_generating(self, distributed: bool) -> int:
+        return self.overhead + self.stage.static(distributed) + self.vllm_total
+
+    def peak_training(self, distributed: bool) -> int:
+        return self.overhead + self.stage.static(distributed) + self.stage.activations + self.stage.logits
+
+    def peak(self, distributed: bool) -> int:
+        return max(self.peak_generating(distributed), self.peak_training(distributed))
+
+    def fits(self, distributed: bool) -> bool:
+        return (self.peak(distributed) <= self.cluster.gpu_memory_gib * GIB
+                and self.kv_cache_tokens >= self.config.rollout.max_model_len)
+
+    @property
+    def distributed_optimizer(self) -> bool:
+        return bool(self.config.policy.optim.use_distributed_optimizer)
+
+
+def plan_memory(config: TrainConfig, cluster: Cluster) -> MemoryPlan:
+    """Per-GPU memory of ``config`` on ``cluster``; raises ConfigError if the layout is impossible."""
+    policy, rollout, data = config.policy, config.rollout, config.data
+    model, parallel = policy.model, policy.parallel
+    try:
+        check_model_parallel(model, parallel)
+        dp = parallel.data_parallel_size(cluster.world_size)
+    except ValueError as e:
+        raise ConfigError(f"policy.{e}") from None
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    if tp % rollout.tensor_parallel_size:
+        raise ConfigError(f"rollout.tensor_parallel_size: {rollout.tensor_parallel_size} must divide "
+                          f"policy.parallel.tensor_model_parallel_size={tp}")
+    if data.prompts_per_step % dp:
+        raise ConfigError(f"data.prompts_per_step: {data.prompts_per_step} is not divisible by the "
+                          f"data-parallel size {dp}")
+    rollouts_per_replica = data.prompts_per_step // dp * rollout.group_size
+    if rollouts_per_replica % policy.micro_batch_size:
+        raise ConfigError(f"policy.micro_batch_size: {policy.micro_batch_size} does not divide the "
+                          f"{rollouts_per_replica} rollouts of a data-parallel replica")
+    micro_batches = rollouts_per_replica // policy.micro_batch_size
+
+    param_bytes = PARAM_BYTES[policy.precision.dtype]
+    sequence = data.max_prompt_tokens + rollout.max_new_tokens
+    tokens = sequence * policy.micro_batch_size
+    per_layer = activation_bytes_per_token_layer(model, parallel, param_bytes) * tokens
+    adam_bytes = ADAM_MOMENTS * FP32_BYTES + (FP32_BYTES if param_bytes < FP32_BYTES else 0)
+
+    stages = []
+    for stage in range(pp):
+        params = stage_params(model, parallel, stage)
+        in_flight = min(pp - stage, micro_batches)
+        logits = (tokens * model.padded_vocab_size(tp) // tp * (param_bytes + 2 * FP32_BYTES)
+                  if stage == pp - 1 else 0)
+        stages.append(StagePlan(
+            stage=stage,
+            params=params,
+            weights=params * param_bytes,
+            gradients=params * FP32_BYTES,
+            optimizer_distributed=math.ceil(params * adam_bytes / dp),
+            optimizer_plain=params * adam_bytes,
+            reference=params * param_bytes if policy.loss.kl_coef > 0 else 0,
+            activations=in_flight * (model.num_layers // pp) * per_layer,
+            logits=logits,
+        ))
+    vllm_weights = vllm_weight_bytes(model, rollout.tensor_parallel_size, rollout.quantization)
+    if rollout.kv_cache_gib is not None:
+        vllm_total = vllm_weights + int(rollout.kv_cache_gib * GIB)
+    else:
+        vllm_total = int(rollout.gpu_memory_utilization * cluster.gpu_memory_gib * GIB)
+    plans = [MemoryPlan(
+        config=config, cluster=cluster, data_parallel_size=dp, sequence_length=sequence,
+        micro_batches_per_step=micro_batches, stage=stage, vllm_weights=vllm_weights, vllm_total=vllm_total,
+        kv_cache_per_token=kv_cache_bytes_per_token(model, rollout.tensor_parallel_size),
+        overhead=int(cluster.overhead_gib * GIB),
+    ) for stage in stages]
+    return max(plans, key=lambda plan: plan.peak(plan.distributed_optimizer))
+
+
+# ---- report ------------------------------------------------------------------------------
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """The plan as a table in GiB, with the assumptions it rests on and the verdict."""
+    cfg, cluster, s = plan.config, plan.cluster, plan.stage
+    policy, rollout = cfg.policy, cfg.rollout
+    model, parallel = policy.model, policy.parallel
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    dtype = policy.precision.dtype
+    configured = plan.distributed_optimizer
+
+    def gib(n: int) -> str:
+        return f"{n / GIB:.1f}" if n else "-"
+
+    rows = [
+        (f"policy weights ({dtype})", s.weights, s.weights),
+        ("gradients (fp32 DDP buffer)", s.gradients, s.gradients),
+        ("Adam state (fp32)", s.optimizer_distributed, s.optimizer_plain),
+        ("reference model (kl_coef > 0)", s.reference, s.reference),
+        (f"activations ({min(pp - s.stage, plan.micro_batches_per_step)} micro-batch(es) in flight)",
+         s.activations, s.activations),
+        ("logits + fp32 softmax (last stage)", s.logits, s.logits),
+        (f"vLLM weights (TP {rollout.tensor_parallel_size})", plan.vllm_weights, plan.vllm_weights),
+        ("vLLM KV cache", plan.kv_cache, plan.kv_cache),
+        ("CUDA context, NCCL, fragmentation", plan.overhead, plan.overhead),
+        ("peak while generating", plan.peak_generating(True), plan.peak_generating(False)),
+        ("peak while training (vLLM asleep)", plan.peak_training(True), plan.peak_training(False)),
+    ]
+    marks = ("*" if configured else "", "" if configured else "*")
+    header = ("GiB per GPU", f"distributed optimizer{marks[0]}", f"plain optimizer{marks[1]}")
+    width = max(len(r[0]) for r in rows) + 2
+    lines = [
+        f"gdpo-plan: {cluster.nodes} node(s) x {cluster.gpus_per_node} GPUs of {cluster.gpu_memory_gib:g} GiB",
+        f"model: {total_params(model) / 1e9:.2f} B parameters ({model.num_layers} layers, hidden "
+        f"{model.hidden_size}, {model.num_attention_heads} heads / {model.num_query_groups} KV groups, vocab "
+        f"{model.vocab_size} padded to {model.padded_vocab_size(tp)})",
+        f"layout: TP {tp} x PP {pp} x DP {plan.data_parallel_size}"
+        f"{', sequence parallel' if parallel.sequence_parallel else ''}; "
+        f"figures for pipeline stage {s.stage} ({s.params / 1e9:.2f} B parameters per GPU)",
+        f"sequence: {plan.sequence_length} tokens ({cfg.data.max_prompt_tokens} prompt + {rollout.max_new_tokens} "
+        f"new) x micro-batch {policy.micro_batch_size}; {plan.micro_batches_per_step} micro-batches per step",
+        f"assumed: {dtype} weights, fp32 gradients, Adam fp32 "
+        f"{'master weights + ' if PARAM_BYTES[dtype] < FP32_BYTES else ''}2 moments, no activation recompute, "
+        f"flash attention"
+        + (f"; fp8={policy.precision.fp8} is not modeled ({dtype} sizes, an upper bound)"
+           if policy.precision.fp8 else ""),
+        "",
+        f"{header[0]:<{width}}{header[1]:>24}{header[2]:>18}",
+    ]
+    lines += [f"{name:<{width}}{gib(a):>24}{gib(b):>18}" for name, a, b in rows]
+    verdict = [("fits" if plan.fits(d) else "does not fit") for d in (True, False)]
+    lines.append(f"{'in ' + format(cluster.gpu_memory_gib, 'g') + ' GiB':<{width}}{verdict[0]:>24}{verdict[1]:>18}")
+    lines += [
+        "",
+        f"(* configured: policy.optim.use_distributed_optimizer={str(configured).lower()})",
+        f"KV cache: {plan.kv_cache_tokens:,} tokens per vLLM engine, {plan.kv_cache_tokens // plan.sequence_length} "
+        f"full sequences at once (rollout.max_model_len {rollout.max_model_len} must fit)",
+    ]
+    if rollout.max_model_len < plan.sequence_length:
+        lines.append(f"note: rollout.max_model_len={rollout.max_model_len} is below prompt + new tokens "
+                     f"({plan.sequence_length}); long prompts will be cut short")
+    return "\n".join(lines)
+
+
+def load_for_gpu(path: str | Path, overrides: list[str]) -> TrainConfig:
+    """``load_config`` with the machine-dependent defaults resolved as on a CUDA GPU."""
+    load_config(TrainConfig, path, overrides)  # reads and checks the file; errors name the key
+    data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    for item in overrides:
+        apply_override(data, item)
+    policy = data.get("policy") or {}
+    gpu_defaults = []
+    if (policy.get("precision") or {}).get("dtype", "auto") == "auto":
+        gpu_defaults.append("policy.precision.dtype=bf16")
+    if (policy.get("optim") or {}).get("use_distributed_optimizer") is None:
+        gpu_defaults.append("policy.optim.use_distributed_optimizer=true")
+    return load_config(TrainConfig, path, [*overrides, *gpu_defaults])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gdpo-plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="training YAML (see configs/)")
+    parser.add_argument("--gpus-per-node", type=int, required=True)
+    parser.add_argument("--gpu-memory", type=float, required=True, metavar="GIB", help="memory of one GPU, GiB")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--overhead", type=float, default=DEFAULT_OVERHEAD_GIB, metavar="GIB",
+                        help="per-GPU allowance for the CUDA context, NCCL and fragmentation")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides of the config")
+    args = parser.parse_args(argv)
+    try:
+        cluster = Cluster(args.nodes, args.gpus_per_node, args.gpu_memory, args.overhead)
+        plan = plan_memory(load_for_gpu(args.config, args.overrides), cluster)
+    except (ConfigError, ValueError) as e:
+        print(f"gdpo-plan: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(plan))
+    return 0 if plan.fits(plan.distributed_optimizer) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

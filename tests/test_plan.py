@@ -1,0 +1,156 @@
+"""gdpo-plan: per-GPU memory against numbers worked out by hand for a small config."""
+import re
+
+import pytest
+import yaml
+
+from gdpo_megatron.config import TrainConfig, load_config
+from gdpo_megatron.plan import Cluster, load_for_gpu, main, plan_memory, total_params
+from gdpo_megatron.policy.config import ModelConfig
+
+MIB = 2**20
+GIB = 2**30
+
+# 4 layers, hidden 64, ffn 96, 4 heads of 16 with 2 KV groups, QKV bias, vocab 1000;
+# TP 2 x PP 2 on 8 GPUs -> DP 2. The base model does not exist: the planner must not read it.
+SMALL = {
+    "run_dir": "runs/plan-test",
+    "base_model": "/nonexistent/hf-model",
+    "data": {"train_path": "/nonexistent/prompts.jsonl", "family": "tool", "prompts_per_step": 8,
+             "max_prompt_tokens": 96},
+    "rewards": {"rewards": [{"name": "tool_format"}]},
+    "rollout": {"group_size": 4, "max_new_tokens": 32, "max_model_len": 128, "tensor_parallel_size": 1,
+                "gpu_memory_utilization": 0.25},
+    "policy": {
+        "model": {"vocab_size": 1000, "hidden_size": 64, "ffn_hidden_size": 96, "num_layers": 4,
+                  "num_attention_heads": 4, "num_query_groups": 2, "add_qkv_bias": True},
+        "parallel": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+        "precision": {"dtype": "bf16"},
+        "optim": {"use_distributed_optimizer": True},
+        "loss": {"kl_coef": 0.1},
+        "micro_batch_size": 2,
+    },
+}
+# A 4 MiB GPU with a 1.25 MiB allowance: the distributed optimizer fits, the plain one does not.
+GPU_GIB, OVERHEAD = 4 * MIB / GIB, 1.25 * MIB
+CLUSTER = Cluster(nodes=1, gpus_per_node=8, gpu_memory_gib=GPU_GIB, overhead_gib=OVERHEAD / GIB)
+CLI = ["--gpus-per-node", "8", "--gpu-memory", str(GPU_GIB), "--overhead", str(OVERHEAD / GIB)]
+
+# ---- worked by hand -----------------------------------------------------------------------
+# One layer, unsharded: QKV 64 x (64 + 2 * 32) = 8192 + bias 128, projection 64 x 64 = 4096,
+# fc1 64 x 2 * 96 = 12288, fc2 96 x 64 = 6144 -> 30848; norms 2 x 64 = 128 (replicated).
+LAYER_TP2 = 30848 // 2 + 128  # 15552
+VOCAB_SHARD = 512  # 1000 padded to a multiple of 128 x TP = 256 -> 1024, half per rank
+STAGE0 = 2 * LAYER_TP2 + VOCAB_SHARD * 64  # 2 layers + embedding = 63872
+STAGE1 = 2 * LAYER_TP2 + 64 + VOCAB_SHARD * 64  # 2 layers + final norm + output layer = 63936
+# Stage 1 peaks (logits): bf16 weights 2 B, fp32 grads 4 B, Adam 12 B (/ DP 2), reference 2 B.
+WEIGHTS1, GRADS1, ADAM1_PLAIN, REF1 = 2 * STAGE1, 4 * STAGE1, 12 * STAGE1, 2 * STAGE1
+ADAM1_DIST = ADAM1_PLAIN // 2
+# Activations per token and layer: 4 x 64 (norm and linear inputs, not split without sequence
+# parallelism) + (q 64 + k, v 2 x 32 + attention output 64 + fc1 out 192 + fc2 in 96) / TP 2
+# = 256 + 240 = 496 elements, bf16; 128 tokens (96 + 32) x micro-batch 2; stage 1 of 1F1B
+# keeps 1 micro-batch of its 2 layers in flight.
+TOKENS = (96 + 32) * 2
+ACTIVATIONS1 = 1 * 2 * 496 * 2 * TOKENS  # 507904
+LOGITS1 = TOKENS * VOCAB_SHARD * (2 + 4 + 4)  # bf16 logits, fp32 copy, fp32 softmax: 1310720
+# vLLM at TP 1, bf16: 4 layers x 30976 + final norm 64 + 2 x 1000 x 64 embeddings = 251968 params.
+VLLM_WEIGHTS = 2 * 251968
+VLLM_TOTAL = GPU_GIB * GIB // 4  # gpu_memory_utilization 0.25 of 4 MiB
+KV_PER_TOKEN = 2 * 4 * 2 * 16 * 2  # K and V, 4 layers, 2 KV heads of 16, bf16
+
+
+def write(tmp_path, config):
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def test_small_config_against_hand_computed_bytes(tmp_path):
+    plan = plan_memory(load_config(TrainConfig, write(tmp_path, SMALL)), CLUSTER)
+    assert plan.data_parallel_size == 2 and plan.sequence_length == 128
+    assert plan.micro_batches_per_step == 8  # 8 prompts / DP 2 x group 4 / micro-batch 2
+    s = plan.stage
+    assert s.stage == 1 and s.params == STAGE1
+    assert (s.weights, s.gradients, s.optimizer_distributed, s.optimizer_plain, s.reference) == (
+        WEIGHTS1, GRADS1, ADAM1_DIST, ADAM1_PLAIN, REF1)
+    assert (s.activations, s.logits) == (ACTIVATIONS1, LOGITS1)
+    assert (plan.vllm_weights, plan.vllm_total) == (VLLM_WEIGHTS, VLLM_TOTAL)
+    assert plan.kv_cache_tokens == (VLLM_TOTAL - VLLM_WEIGHTS) // KV_PER_TOKEN == 1063
+
+    static_dist = WEIGHTS1 + GRADS1 + ADAM1_DIST + REF1
+    static_plain = WEIGHTS1 + GRADS1 + ADAM1_PLAIN + REF1
+    assert plan.peak_generating(True) == OVERHEAD + static_dist + VLLM_TOTAL
+    assert plan.peak_training(True) == OVERHEAD + static_dist + ACTIVATIONS1 + LOGITS1 == 4024448
+    assert plan.peak_training(False) == OVERHEAD + static_plain + ACTIVATIONS1 + LOGITS1 == 4408064
+    assert plan.fits(True) and not plan.fits(False)  # 4 MiB = 4194304
+
+
+def test_first_stage_holds_one_micro_batch_per_stage(tmp_path):
+    """With small logits and a small vLLM share, stage 0 (2 micro-batches in flight) is the fullest."""
+    config = load_config(TrainConfig, write(tmp_path, SMALL),
+                         ["policy.model.vocab_size=100", "rollout.gpu_memory_utilization=0.1"])
+    s = plan_memory(config, CLUSTER).stage
+    stage0 = 2 * LAYER_TP2 + 128 * 64  # vocab 100 -> 256 rows, 128 per rank
+    assert s.stage == 0 and s.params == stage0
+    assert s.activations == 2 * 2 * 496 * 2 * TOKENS and s.logits == 0
+
+
+def test_rollout_variants(tmp_path):
+    path = write(tmp_path, SMALL)
+    fp8 = plan_memory(load_config(TrainConfig, path, ["rollout.quantization=fp8"]), CLUSTER)
+    assert fp8.vllm_weights == 2 * (251968 - 4 * 30976) + 4 * 30976  # layers in 1 byte
+    tp2 = plan_memory(load_config(TrainConfig, path, ["rollout.tensor_parallel_size=2"]), CLUSTER)
+    assert tp2.vllm_weights == VLLM_WEIGHTS // 2 and tp2.kv_cache_per_token == KV_PER_TOKEN // 2
+    fixed = plan_memory(load_config(TrainConfig, path, [f"rollout.kv_cache_gib={1 / 1024}"]), CLUSTER)
+    assert fixed.vllm_total == VLLM_WEIGHTS + MIB and fixed.kv_cache == MIB
+
+
+def test_cli_exit_status_and_table(tmp_path, capsys):
+    path = write(tmp_path, SMALL)
+    assert main(["--config", path, *CLI]) == 0
+    out = capsys.readouterr().out
+    assert "layout: TP 2 x PP 2 x DP 2" in out
+    verdict = next(line for line in out.splitlines() if line.startswith("in "))
+    assert re.search(r"\sfits\s+does not fit$", verdict)  # distributed optimizer, plain optimizer
+    assert main(["--config", path, *CLI, "policy.optim.use_distributed_optimizer=false"]) == 1
+    # memory fits, but vLLM needs room for one max_model_len sequence (1063 tokens of KV cache)
+    assert main(["--config", path, *CLI, "rollout.max_model_len=2048"]) == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpus-per-node", "6"], "policy.parallel: world size 6 is not divisible"),
+    (["policy.parallel.pipeline_model_parallel_size=1", "policy.parallel.tensor_model_parallel_size=8"],
+     "policy.model.num_attention_heads: expected a multiple of parallel.tensor_model_parallel_size=8"),
+    (["rollout.tensor_parallel_size=4"], "rollout.tensor_parallel_size: 4 must divide"),
+    (["data.prompts_per_step=3"], "data.prompts_per_step: 3 is not divisible by the data-parallel size 2"),
+    (["policy.micro_batch_size=3"], "policy.micro_batch_size: 3 does not divide the 16 rollouts"),
+    (["policy.optim.lr=-1"], "policy.optim.lr: expected > 0"),
+])
+def test_bad_layouts_are_named(tmp_path, capsys, args, message):
+    assert main(["--config", write(tmp_path, SMALL), *CLI, *args]) == 2  # a repeated option: the last wins
+    assert message in capsys.readouterr().err
+
+
+def test_machine_dependent_defaults_planned_as_on_a_gpu(tmp_path):
+    config = {**SMALL, "policy": {k: v for k, v in SMALL["policy"].items() if k not in ("precision", "optim")}}
+    plan = plan_memory(load_for_gpu(write(tmp_path, config), []), CLUSTER)
+    assert plan.config.policy.precision.dtype == "bf16" and plan.distributed_optimizer
+    assert plan.stage.weights == WEIGHTS1
+    explicit = load_for_gpu(write(tmp_path, SMALL), ["policy.precision.dtype=fp32"])
+    assert explicit.policy.precision.dtype == "fp32"
+
+
+def test_presets_match_published_parameter_counts():
+    assert total_params(ModelConfig.preset("qwen2-7b")) == 7_615_616_512  # Qwen2.5-7B
+    assert total_params(ModelConfig.preset("llama3-8b")) == 8_030_261_248
+    assert total_params(ModelConfig.preset("llama2-7b")) == 6_738_415_616
+
+
+def test_7b_config_fits_eight_80gb_gpus_and_tp1_does_not(capsys):
+    config = load_config(TrainConfig, "configs/gdpo_7b.yaml")  # on a machine without CUDA
+    assert config.policy.model.hidden_size == 3584 and config.policy.precision.fp8 is None
+    cli = ["--config", "configs/gdpo_7b.yaml", "--gpus-per-node", "8", "--gpu-memory", "80"]
+    assert main(cli) == 0
+    assert main([*cli, "policy.parallel.tensor_model_parallel_size=1", "policy.parallel.sequence_parallel=false",
+                 "rollout.tensor_parallel_size=1"]) == 1
+    capsys.readouterr()

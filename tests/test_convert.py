@@ -121,7 +121,8 @@ def import_logits(hf_directory, tp: int):
 
 
 def import_then_export(hf_directory, out_dir, tp: int, pp: int, max_shard_bytes: int):
-    """Import at TP/PP, export, and collect what the weight stream yields on this rank."""
+    """Import at TP/PP, export in fp32 and in bf16 (to ``out_dir``-bf16), and return what the
+    weight stream yields on this rank and the rank's output-layer shard (the last stage's)."""
     from gdpo_megatron.checkpoint.hf_config import read_hf_config
     from gdpo_megatron.checkpoint.hf_io import load_hf_weights, save_hf_checkpoint
     from gdpo_megatron.checkpoint.weight_stream import iter_hf_weights
@@ -130,9 +131,12 @@ def import_then_export(hf_directory, out_dir, tp: int, pp: int, max_shard_bytes:
     try:
         config, gpt = build_megatron(hf_directory, tp, pp)
         load_hf_weights(gpt, config, hf_directory)
-        save_hf_checkpoint(gpt, config, out_dir, base_hf_config=read_hf_config(hf_directory),
-                           tokenizer_dir=hf_directory, max_shard_bytes=max_shard_bytes)
-        return [(name, tensor.clone()) for name, tensor in iter_hf_weights(gpt, config)]
+        for dtype, out in ((None, out_dir), (torch.bfloat16, out_dir.with_name(out_dir.name + "-bf16"))):
+            save_hf_checkpoint(gpt, config, out, base_hf_config=read_hf_config(hf_directory),
+                               tokenizer_dir=hf_directory, max_shard_bytes=max_shard_bytes, dtype=dtype)
+        output_layer = dict(gpt.named_parameters()).get("output_layer.weight")
+        return ([(name, tensor.clone()) for name, tensor in iter_hf_weights(gpt, config)],
+                None if output_layer is None else output_layer.detach().clone())
     finally:
         destroy_model_parallel()
 
@@ -233,7 +237,7 @@ def test_export_is_bit_identical_and_loads_in_transformers(gloo_world_2, hf_dir,
 
     directory, model, expected_logits = hf_dir
     out = tmp_path / "exported"
-    streams = gloo_world_2.run(import_then_export, directory, out, tp, pp, 40_000)
+    results = gloo_world_2.run(import_then_export, directory, out, tp, pp, 40_000)
 
     original = {n: t for n, t in model.state_dict().items()
                 if not (model.config.tie_word_embeddings and n == "lm_head.weight")}
@@ -243,9 +247,22 @@ def test_export_is_bit_identical_and_loads_in_transformers(gloo_world_2, hf_dir,
     assert sorted(exported) == sorted(original)
     for name, tensor in original.items():
         assert torch.equal(exported[name], tensor), name
-    for stream in streams:  # every rank sees every full tensor, once
-        assert sorted(n for n, _ in stream) == sorted(original)
+    head = model.state_dict()["lm_head.weight"]  # the embedding when tied
+    for rank, (stream, output_layer) in enumerate(results):
+        assert sorted(n for n, _ in stream) == sorted(original)  # every rank sees every full tensor, once
         assert all(torch.equal(t, original[n]) for n, t in stream)
+        if output_layer is not None:  # a pipeline's last stage holds the head even when tied
+            rows = output_layer.shape[0]
+            padded = torch.cat([head, torch.zeros(256 - VOCAB, head.shape[1])])
+            assert torch.equal(output_layer, padded[rank * rows : (rank + 1) * rows] if tp > 1 else padded)
+    holders = sum(output_layer is not None for _, output_layer in results)
+    assert holders == (1 if pp == 2 else 0 if model.config.tie_word_embeddings else 2)
+
+    bf16 = out.with_name(out.name + "-bf16")
+    assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
+    for path in bf16.glob("*.safetensors"):
+        for name, tensor in load_file(path).items():
+            assert torch.equal(tensor, original[name].to(torch.bfloat16)), name
 
     index = json.loads((out / "model.safetensors.index.json").read_text())  # 40 kB shards: several files
     assert len(set(index["weight_map"].values())) > 1

@@ -5,6 +5,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from gdpo_megatron.policy.config import ModelConfig
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
@@ -72,8 +74,9 @@ def model_config_from_hf(hf_config: dict, **overrides: Any) -> ModelConfig:
     return ModelConfig(**{**fields, **overrides})
 
 
-def hf_config_from_model(model: ModelConfig, base: dict | None = None) -> dict:
-    """A ``config.json`` for ``model``: ``base`` (e.g. the imported one) with the shape fields set.
+def hf_config_from_model(model: ModelConfig, base: dict | None = None, dtype: torch.dtype = torch.float32) -> dict:
+    """A ``config.json`` for ``model`` with weights in ``dtype``: ``base`` (e.g. the imported
+    one) with the shape fields set, written by the installed transformers' config class.
 
     Without ``base`` the architecture is Qwen2 when the model has QKV biases, else Llama.
     """
@@ -82,7 +85,8 @@ def hf_config_from_model(model: ModelConfig, base: dict | None = None) -> dict:
     arch = architecture_of(base) if base else ("Qwen2ForCausalLM" if model.add_qkv_bias else "LlamaForCausalLM")
     if model.add_qkv_bias != (arch == "Qwen2ForCausalLM"):
         raise ValueError(f"model.add_qkv_bias={model.add_qkv_bias} does not fit architecture {arch}")
-    derived = ("transformers_version", "architectures", "rope_parameters", "rope_theta", "layer_types")
+    derived = ("transformers_version", "architectures", "rope_parameters", "rope_theta", "layer_types",
+               "dtype", "torch_dtype")
     base = {k: v for k, v in (base or {}).items() if k not in derived}
     config = transformers.CONFIG_MAPPING[ARCHITECTURES[arch]](**{
         **base,
@@ -98,5 +102,6 @@ def hf_config_from_model(model: ModelConfig, base: dict | None = None) -> dict:
         "rms_norm_eps": model.norm_epsilon,
         "tie_word_embeddings": model.tie_word_embeddings,
         "architectures": [arch],
+        "torch_dtype": str(dtype).removeprefix("torch."),  # transformers 5 stores it as "dtype"
     })
     return config.to_dict()

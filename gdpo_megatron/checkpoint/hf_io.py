@@ -174,8 +174,7 @@ def save_hf_checkpoint(
         total = len(hf_names(model_layout(config, 1), config.add_qkv_bias))
         weights = ((name, tensor.detach().to("cpu", dtype or tensor.dtype).clone())
                    for name, tensor in tqdm(stream, total=total, desc="export", disable=not progress))
-        hf_config = hf_config_from_model(config, base_hf_config)
-        hf_config["torch_dtype"] = str(dtype or next(model.parameters()).dtype).removeprefix("torch.")
+        hf_config = hf_config_from_model(config, base_hf_config, dtype or next(model.parameters()).dtype)
         _write_hf_dir(weights, hf_config, out, tokenizer_dir, max_shard_bytes)
     else:
         for _ in stream:  # take part in the gathers

@@ -318,3 +318,26 @@ def test_unsupported_hugging_face_configs_are_refused():
         model_config_from_hf({**config, "hidden_act": "gelu"})
     with pytest.raises(ValueError, match="rope_type: only 'default'"):
         model_config_from_hf({**config, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}})
+
+
+def test_cli_runs_as_a_single_process_command(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from gdpo_megatron.checkpoint.manager import read_training_state
+    from gdpo_megatron.distributed.local_world import free_port
+
+    directory, root = tmp_path / "hf", tmp_path / "megatron"
+    make_hf_model("llama").save_pretrained(directory)
+    env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "gdpo_megatron.checkpoint.convert_cli", "hf-to-megatron", str(directory), str(root)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == f"wrote {root / 'step_0'}"
+    assert "import: 100%" in run.stderr  # the progress bar
+    state = read_training_state(root / "step_0")
+    assert state.config["hf_config"] == json.loads((directory / "config.json").read_text())
+    assert state.config["model"]["vocab_size"] == VOCAB and state.world_size == 1

@@ -41,6 +41,7 @@ setup(
             "gdpo-train = gdpo_megatron.cli:train_main",
             "gdpo-plot = gdpo_megatron.cli:plot_main",
             "gdpo-convert = gdpo_megatron.checkpoint.convert_cli:main",
+            "gdpo-eval = gdpo_megatron.evaluate:main",
         ]
     },
 )

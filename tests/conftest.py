@@ -33,3 +33,12 @@ def gloo_world_4():
     """Four gloo processes shared by every test of a module."""
     with LocalWorld(4) as world:
         yield world
+
+
+@pytest.fixture(scope="session")
+def demo_base_model(tmp_path_factory):
+    """The demo's base model (a tiny Llama warmed up on the tool-calling task), built once."""
+    from gdpo_megatron.demo.warmup import make_base_model
+
+    # Long enough a warm-up that completions differ in their rewards (else every advantage is 0).
+    return str(make_base_model(tmp_path_factory.mktemp("base") / "model", steps=60))

@@ -15,12 +15,8 @@ REWARDS = ("tool_format", "tool_correctness", "length")
 
 
 @pytest.fixture(scope="module")
-def base_model(tmp_path_factory):
-    from gdpo_megatron.demo.warmup import make_base_model
-
-    torch.manual_seed(0)
-    # Long enough a warm-up that completions differ in their rewards (else every advantage is 0).
-    return str(make_base_model(tmp_path_factory.mktemp("base") / "model", steps=60))
+def base_model(demo_base_model):
+    return demo_base_model
 
 
 def _overrides(base_model, run_dir, steps, *extra):

@@ -1,0 +1,96 @@
+"""Evaluate a Hugging Face checkpoint: greedy completions scored by the configured rewards.
+
+``gdpo-eval --model runs/x/hf --bfcl`` reports BFCL accuracy per category (exact calls,
+BFCL's string normalization); ``--data FILE --family F --rewards a,b`` reports each reward's
+mean on any prompt file. Completions come from the same vLLM engine the trainer uses.
+Prompts longer than the context left for the answer are skipped and counted, never cut.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Sequence
+
+from gdpo_megatron.data.chat import encode_prompt
+from gdpo_megatron.data.samples import Sample
+from gdpo_megatron.rewards.registry import RewardSpec
+
+
+def evaluate(model_dir: str | Path, samples: Sequence[Sample], rewards: Sequence[RewardSpec] = (), *,
+             bfcl: bool = False, max_new_tokens: int = 256, max_model_len: int = 2048,
+             num_workers: int = 2) -> tuple[dict[str, float], list[str]]:
+    """Metrics (``eval/...``) and the completions of the samples that fit (in order)."""
+    from gdpo_megatron.data.bfcl import bfcl_accuracy
+    from gdpo_megatron.rewards.stage import RewardStage
+    from gdpo_megatron.rollout.engine import SamplingConfig
+    from gdpo_megatron.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+    import torch
+
+    engine = VLLMEngine(VLLMEngineConfig(
+        model_path=str(model_dir), max_model_len=max_model_len,
+        dtype="auto" if torch.cuda.is_available() else "float32"))
+    try:
+        tokenizer = engine.tokenizer
+        encoded = [(s, encode_prompt(tokenizer, s.messages)) for s in samples]
+        kept = [(s, ids) for s, ids in encoded if len(ids) + max_new_tokens <= max_model_len]
+        metrics = {"eval/prompts": float(len(kept)), "eval/skipped_too_long": float(len(samples) - len(kept))}
+        if not kept:
+            return metrics, []
+        groups = engine.generate([ids for _, ids in kept], 1,
+                                 SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens))
+    finally:
+        engine.close()
+    completions = [g[0] for g in groups]
+    texts = [c.text for c in completions]
+    kept_samples = [s for s, _ in kept]
+    if bfcl:
+        metrics.update(bfcl_accuracy(kept_samples, texts))
+    if rewards:
+        with RewardStage(rewards, num_workers=num_workers) as stage:
+            values, stage_metrics = stage.score(texts, [len(c.token_ids) for c in completions],
+                                                [{**s.ground_truth, **s.metadata} for s in kept_samples])
+        for k, spec in enumerate(rewards):
+            metrics[f"eval/{spec.name}/mean"] = values[:, k].mean().item()
+            metrics[f"eval/{spec.name}/failures"] = stage_metrics[f"reward/{spec.name}/failures"]
+    return metrics, texts
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``gdpo-eval --model DIR (--bfcl | --data FILE --family F) [--rewards a,b] [--limit N]``."""
+    parser = argparse.ArgumentParser(prog="gdpo-eval", description="Evaluate a Hugging Face checkpoint.")
+    parser.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--bfcl", action="store_true", help="the BFCL single-turn categories")
+    source.add_argument("--data", help="a JSONL prompt file (see gdpo_megatron.data.samples)")
+    parser.add_argument("--family", choices=("tool", "math", "code"), help="with --data")
+    parser.add_argument("--system-prompt", default=None, help="with --data: instructions ('' for none)")
+    parser.add_argument("--rewards", default="", help="comma-separated reward names to report")
+    parser.add_argument("--limit", type=int, default=None, help="at most this many prompts (per BFCL category)")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--out", default=None, help="also write the metrics to this JSON file")
+    args = parser.parse_args(argv)
+
+    from gdpo_megatron.cli import quiet_defaults
+
+    quiet_defaults()
+    if args.bfcl:
+        from gdpo_megatron.data.bfcl import load_bfcl
+
+        samples = load_bfcl(limit=args.limit)
+    else:
+        if args.family is None:
+            parser.error("--data needs --family")
+        from gdpo_megatron.data.samples import load_jsonl
+
+        samples = load_jsonl(args.data, args.family, args.system_prompt)[: args.limit]
+    rewards = [RewardSpec(name) for name in args.rewards.split(",") if name]
+    metrics, _ = evaluate(args.model, samples, rewards, bfcl=args.bfcl, max_new_tokens=args.max_new_tokens,
+                          max_model_len=args.max_model_len)
+    text = json.dumps(metrics, indent=2, sort_keys=True)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0

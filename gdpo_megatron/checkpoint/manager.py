@@ -157,7 +157,7 @@ class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
         )
 
 
-def _sharded_state_dict(model, optimizer, scheduler, optimizer_sharding: str, is_loading: bool) -> dict:
+def _sharded_state_dict(model, optimizer, optimizer_sharding: str, is_loading: bool) -> dict:
     model_sd = unwrap(model).sharded_state_dict()
     state = {"model": model_sd}
     if optimizer is not None:
@@ -171,8 +171,6 @@ def _sharded_state_dict(model, optimizer, scheduler, optimizer_sharding: str, is
                 "a checkpoint before its first step (it reads the Adam step from its own state); "
                 "use optim.use_distributed_optimizer=false on such machines"
             ) from e
-    if scheduler is not None:
-        state["scheduler"] = scheduler.state_dict()
     return state
 
 
@@ -232,7 +230,9 @@ class CheckpointManager:
         _barrier()
 
         with cpu_compat.device_scope():
-            sharded = _sharded_state_dict(model, optimizer, scheduler, self.optimizer_sharding, is_loading=False)
+            sharded = _sharded_state_dict(model, optimizer, self.optimizer_sharding, is_loading=False)
+            if scheduler is not None:
+                sharded["scheduler"] = scheduler.state_dict()
             dist_checkpointing.save(sharded, str(tmp / DIST_DIR), sharded_strategy=InProcessTorchDistSave())
         torch.save(rng_state(), tmp / RNG_DIR / f"rank_{_rank()}.pt")
         if _rank() == 0:
@@ -277,22 +277,19 @@ class CheckpointManager:
         state = read_training_state(directory)
 
         with cpu_compat.device_scope():
-            sharded = _sharded_state_dict(model, optimizer, scheduler, self.optimizer_sharding, is_loading=True)
-        scheduler_state = sharded.pop("scheduler", None)
-        try:
-            with cpu_compat.device_scope():
+            sharded = _sharded_state_dict(model, optimizer, self.optimizer_sharding, is_loading=True)
+            try:
                 loaded = dist_checkpointing.load(sharded, str(directory / DIST_DIR))
-        except Exception as e:
-            raise CheckpointError(f"{directory / DIST_DIR}: cannot load the distributed checkpoint: {e}") from e
-        unwrap(model).load_state_dict(loaded["model"])
-        if optimizer is not None:
-            with torch.no_grad(), cpu_compat.device_scope():  # fp32 optimizers copy into leaf parameters
-                optimizer.load_state_dict(loaded["optimizer"])
-        if scheduler_state is not None:
-            common = dist_checkpointing.load_common_state_dict(str(directory / DIST_DIR))
-            if "scheduler" not in common:
+            except Exception as e:
+                raise CheckpointError(f"{directory / DIST_DIR}: cannot load the distributed checkpoint: {e}") from e
+            unwrap(model).load_state_dict(loaded["model"])
+            if optimizer is not None:
+                with torch.no_grad():  # fp32 optimizers copy into leaf parameters
+                    optimizer.load_state_dict(loaded["optimizer"])
+        if scheduler is not None:  # saved in the common (replicated) state, returned with it
+            if "scheduler" not in loaded:
                 raise CheckpointError(f"{directory / DIST_DIR}: saved without a scheduler state")
-            scheduler.load_state_dict(common["scheduler"])
+            scheduler.load_state_dict(loaded["scheduler"])
         if restore_rng:
             self._restore_rng(directory, state.world_size)
         return state

@@ -29,11 +29,16 @@ def test_presets_have_the_published_shapes():
 
 
 @pytest.mark.parametrize("vocab,divisor,tp,expected", [
-    (512, 128, 1, 512), (512, 128, 2, 512), (500, 128, 2, 512), (32000, 128, 8, 32768), (151936, 1, 3, 151938)])
+    (512, 128, 1, 512), (512, 128, 2, 512), (500, 128, 2, 512), (32000, 128, 8, 32000), (151936, 1, 3, 151938)])
 def test_padded_vocab_splits_evenly_over_tensor_parallel_ranks(vocab, divisor, tp, expected):
     model = ModelConfig.preset("tiny", vocab_size=vocab, make_vocab_size_divisible_by=divisor)
     padded = model.padded_vocab_size(tp)
     assert padded == expected and padded % tp == 0 and padded >= vocab
+
+
+def test_padded_vocab_is_the_same_at_every_tp_size_dividing_the_multiple():
+    model = ModelConfig.preset("tiny", vocab_size=151_646, make_vocab_size_divisible_by=128)
+    assert {model.padded_vocab_size(tp) for tp in (1, 2, 4, 8)} == {151_680}
 
 
 @pytest.mark.parametrize("model_overrides,parallel,field", [

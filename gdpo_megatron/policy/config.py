@@ -52,8 +52,9 @@ class ModelConfig:
     norm_epsilon: float = 1e-5
     tie_word_embeddings: bool = False
     add_qkv_bias: bool = False  # True for Qwen2
-    # Embedding rows are padded to a multiple of this times the TP size (Megatron-LM's
-    # convention); logits of the padding rows are masked out of every log-softmax.
+    # Embedding rows are padded to a multiple of this and of the TP size; logits of the padding
+    # rows are masked out of every log-softmax. Unlike Megatron-LM's multiple of (this x TP), the
+    # padded size is the same at every TP size dividing this, so checkpoints move between them.
     make_vocab_size_divisible_by: int = 128
     init_method_std: float = 0.02
 
@@ -75,7 +76,7 @@ class ModelConfig:
 
     def padded_vocab_size(self, tensor_model_parallel_size: int = 1) -> int:
         """Rows of the embedding and output layer at this TP size."""
-        multiple = self.make_vocab_size_divisible_by * tensor_model_parallel_size
+        multiple = math.lcm(self.make_vocab_size_divisible_by, tensor_model_parallel_size)
         return math.ceil(self.vocab_size / multiple) * multiple
 
     @classmethod

@@ -21,8 +21,6 @@ set -uo pipefail
 
 # Several processes share few cores: one OpenMP thread each (the default is ~100x slower).
 export OMP_NUM_THREADS=1
-export WANDB_MODE=${WANDB_MODE:-offline}
-export PYTHONUNBUFFERED=1
 
 source slurm/launch.sh
 launch_training configs/tiny_cpu.yaml "$@"

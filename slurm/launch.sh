@@ -18,6 +18,9 @@
 
 # gdpo_megatron.cli.EXIT_INTERRUPTED ("try again later"): stopped by a signal, checkpoint saved.
 EXIT_INTERRUPTED=75
+export PYTHONUNBUFFERED=1                     # log lines reach the job's output file as written
+export WANDB_MODE=${WANDB_MODE:-offline}      # compute nodes are often offline; wandb sync later
+
 # After the first task ends the others get this long to end too (a crashed rank would otherwise
 # leave the rest blocked in a collective until its timeout).
 TASK_EXIT_GRACE_S=${TASK_EXIT_GRACE_S:-180}

@@ -30,7 +30,8 @@ DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "sinfo", "scancel", "srun")
 SBIN = "/usr/sbin:/sbin"
 NODE = "localhost"  # the node's name is also its address: the tasks rendezvous on it
-# A requeued job may start again once its credentials expire (default 120 s).
+# A requeued job may start again once its credentials expire (default 120 s) and the next
+# scheduling pass (sched_interval, default 60 s) sees it.
 CRED_EXPIRE_S = 5
 START_TIMEOUT_S = 30
 FIRST_STEP_TIMEOUT_S = 150
@@ -71,6 +72,7 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 MpiDefault=none

@@ -80,7 +80,7 @@ CONFIG = {
     "name": "gdpo",
     "implementation": "gdpo_megatron",
     "reward_weights": WEIGHTS,
-    "conditions": [{"target": "length", "on": "correctness", "threshold": 1.0}],
+    "conditions": [{"target": "length", "gate": "correctness", "threshold": 1.0}],
     "use_leave_one_out_baseline": True,  # NeMo-RL's default for its own estimator; not read
 }
 SHUFFLED = [5, 0, 11, 3, 8, 1, 10, 6, 2, 9, 4, 7]
@@ -174,8 +174,8 @@ def test_nonfinite_reward_is_masked_when_asked():
     [
         ({"reward_weights": "1,2"}, r"reward_weights: expected a list"),
         ({"reward_weights": [1.0, "x"]}, r"reward_weights\[1\]"),
-        ({"conditions": [{"target": "length", "on": "correctness"}]}, r"conditions\[0\].*missing \['threshold'\]"),
-        ({"conditions": [{"target": "a", "on": "b", "threshold": 1, "when": 2}]}, r"unknown \['when'\]"),
+        ({"conditions": [{"target": "length", "gate": "correctness"}]}, r"conditions\[0\].*missing \['threshold'\]"),
+        ({"conditions": [{"target": "a", "gate": "b", "threshold": 1, "when": 2}]}, r"unknown \['when'\]"),
         ({"eps": -1.0}, r"eps: expected a value >= 0"),
         ({"batch_norm": "yes"}, r"batch_norm"),
         ({"nonfinite": "drop"}, r"nonfinite"),
@@ -202,7 +202,7 @@ def _call(config, batch_edit=None, prompt_rows=None, mask_1d=False):
          r"no reward components.*total_reward"),
         ({"config": {"reward_weights": {"correctness": 1.0, "format": 1.0}}}, r"missing \['length'\]"),
         ({"config": {"reward_weights": [1.0, 2.0]}}, r"2 weights for 3 rewards"),
-        ({"config": {"conditions": [{"target": "len", "on": "correctness", "threshold": 1}]}},
+        ({"config": {"conditions": [{"target": "len", "gate": "correctness", "threshold": 1}]}},
          r"conditions\[0\]\.target: 'len' is not a reward"),
         ({"config": {}, "batch_edit": lambda b: b.update({"reward/format": torch.ones(5)})},
          r"repeated_batch\['reward/format'\]: expected one value per rollout, shape \[12\]"),

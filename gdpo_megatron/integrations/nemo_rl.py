@@ -34,7 +34,7 @@ from gdpo_megatron.advantages import NONFINITE_POLICIES, AdvantageResult, Condit
 IMPLEMENTATION = "gdpo_megatron"
 REWARD_PREFIX = "reward/"
 CONFIG_PATH = "grpo.adv_estimator"
-_CONDITION_FIELDS = ("target", "on", "threshold", "fill")
+_CONDITION_FIELDS = ("target", "gate", "threshold", "fill")  # not "on": YAML 1.1 reads it as true
 
 
 class GDPOMegatronEstimator:
@@ -44,8 +44,8 @@ class GDPOMegatronEstimator:
 
     * ``reward_weights``: a mapping ``name -> weight``, or a list in the order of the
       sorted reward names (NeMo-RL's convention); default 1 for every reward.
-    * ``conditions``: list of ``{target, on, threshold, fill}`` with reward names: reward
-      ``target`` counts only where reward ``on`` >= ``threshold``, else it is ``fill`` (0).
+    * ``conditions``: list of ``{target, gate, threshold, fill}`` with reward names: reward
+      ``target`` counts only where reward ``gate`` >= ``threshold``, else it is ``fill`` (0).
     * ``eps`` (1e-4): added to every std. ``batch_norm`` (true): normalize the weighted sum
       over the valid rollouts of the step. ``nonfinite`` ("raise" or "mask"): what a NaN/inf
       reward does.
@@ -129,12 +129,12 @@ class GDPOMegatronEstimator:
         column = {n: k for k, n in enumerate(names)}
         out = []
         for i, c in enumerate(self.conditions):
-            for field in ("target", "on"):
+            for field in ("target", "gate"):
                 if c[field] not in column:
                     raise ValueError(
                         f"{CONFIG_PATH}.conditions[{i}].{field}: {c[field]!r} is not a reward of the batch {names}"
                     )
-            out.append(Condition(column[c["target"]], column[c["on"]], c["threshold"], c["fill"]))
+            out.append(Condition(column[c["target"]], column[c["gate"]], c["threshold"], c["fill"]))
         return out
 
 
@@ -230,7 +230,7 @@ def _parse_conditions(conditions) -> list[dict]:
         return []
     if not isinstance(conditions, Sequence) or isinstance(conditions, str):
         raise ValueError(
-            f"{CONFIG_PATH}.conditions: expected a list of {{target, on, threshold, fill}}, got {conditions!r}"
+            f"{CONFIG_PATH}.conditions: expected a list of {{target, gate, threshold, fill}}, got {conditions!r}"
         )
     parsed = []
     for i, c in enumerate(conditions):
@@ -238,13 +238,13 @@ def _parse_conditions(conditions) -> list[dict]:
         if not isinstance(c, Mapping):
             raise ValueError(f"{where}: expected a mapping with keys {_CONDITION_FIELDS}, got {c!r}")
         unknown = sorted(set(c) - set(_CONDITION_FIELDS))
-        missing = [k for k in ("target", "on", "threshold") if k not in c]
+        missing = [k for k in ("target", "gate", "threshold") if k not in c]
         if unknown or missing:
             raise ValueError(f"{where}: keys {_CONDITION_FIELDS} (fill optional); missing {missing}, unknown {unknown}")
         parsed.append(
             {
                 "target": str(c["target"]),
-                "on": str(c["on"]),
+                "gate": str(c["gate"]),
                 "threshold": _number(c["threshold"], f"{where}.threshold"),
                 "fill": _number(c.get("fill", 0.0), f"{where}.fill"),
             }

@@ -40,7 +40,7 @@ CLI = ["--gpus-per-node", "8", "--gpu-memory", str(GPU_GIB), "--overhead", str(O
 # One layer, unsharded: QKV 64 x (64 + 2 * 32) = 8192 + bias 128, projection 64 x 64 = 4096,
 # fc1 64 x 2 * 96 = 12288, fc2 96 x 64 = 6144 -> 30848; norms 2 x 64 = 128 (replicated).
 LAYER_TP2 = 30848 // 2 + 128  # 15552
-VOCAB_SHARD = 512  # 1000 padded to a multiple of 128 x TP = 256 -> 1024, half per rank
+VOCAB_SHARD = 512  # 1000 padded to a multiple of lcm(128, TP 2) = 128 -> 1024, half per rank
 STAGE0 = 2 * LAYER_TP2 + VOCAB_SHARD * 64  # 2 layers + embedding = 63872
 STAGE1 = 2 * LAYER_TP2 + 64 + VOCAB_SHARD * 64  # 2 layers + final norm + output layer = 63936
 # Stage 1 peaks (logits): bf16 weights 2 B, fp32 grads 4 B, Adam 12 B (/ DP 2), reference 2 B.
@@ -90,7 +90,7 @@ def test_first_stage_holds_one_micro_batch_per_stage(tmp_path):
     config = load_config(TrainConfig, write(tmp_path, SMALL),
                          ["policy.model.vocab_size=100", "rollout.gpu_memory_utilization=0.1"])
     s = plan_memory(config, CLUSTER).stage
-    stage0 = 2 * LAYER_TP2 + 128 * 64  # vocab 100 -> 256 rows, 128 per rank
+    stage0 = 2 * LAYER_TP2 + 64 * 64  # vocab 100 -> 128 rows, 64 per rank
     assert s.stage == 0 and s.params == stage0
     assert s.activations == 2 * 2 * 496 * 2 * TOKENS and s.logits == 0
 

@@ -5,6 +5,7 @@ a generated one-node configuration (2 CPUs, no cgroups, everything under a tempo
 directory), submits the real job script with 2 tasks and checks what the run left behind.
 Every daemon and job is stopped at the end, also when a test fails. Skipped where the daemons
 are not installed (``apt-get install slurm-wlm munge``); needs root (SlurmUser=root).
+Without Slurm: the job scripts' headers agree with the trainer's exit status and the memory plan.
 """
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from gdpo_megatron import plan
+from gdpo_megatron.cli import EXIT_INTERRUPTED
 from gdpo_megatron.distributed.local_world import free_port
-
-pytestmark = pytest.mark.slurm
 
 REPO = Path(__file__).resolve().parents[1]
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -227,6 +228,7 @@ def _logged_steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in complete]
 
 
+@pytest.mark.slurm
 def test_tiny_cpu_job_trains_requeues_on_usr1_and_resumes(slurm, base_model, tmp_path):
     """Two tasks train; SIGUSR1 (what ``--signal`` sends before the time limit) makes the
     trainer save and exit, the script requeues the job, and the rerun resumes to the end."""
@@ -261,3 +263,24 @@ def test_tiny_cpu_job_trains_requeues_on_usr1_and_resumes(slurm, base_model, tmp
         state = json.loads((checkpoints / f"step_{step}" / "trainer_state.json").read_text())
         assert state["world_size"] == 2 and state["step"] == step
         assert sorted(p.name for p in (checkpoints / f"step_{step}" / "rng").iterdir()) == ["rank_0.pt", "rank_1.pt"]
+
+
+def _sbatch_options(script: str) -> dict[str, str]:
+    """``#SBATCH --name=value`` lines of a job script (``""`` for flags)."""
+    return dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(\S+))?$", (REPO / script).read_text(), re.MULTILINE))
+
+
+def test_job_scripts_agree_with_the_trainer_and_the_plan(capsys):
+    launch = (REPO / "slurm" / "launch.sh").read_text()
+    assert int(re.search(r"^EXIT_INTERRUPTED=(\d+)$", launch, re.MULTILINE).group(1)) == EXIT_INTERRUPTED
+    for script, config in (("slurm/gdpo_7b.sh", "configs/gdpo_7b.yaml"), ("slurm/gdpo_tiny_cpu.sh",
+                                                                          "configs/tiny_cpu.yaml")):
+        options = _sbatch_options(script)
+        assert options["requeue"] == "" and options["open-mode"] == "append", script
+        assert re.fullmatch(r"USR1@\d+", options["signal"]), script
+        assert f"launch_training {config} " in (REPO / script).read_text()
+    gpu = _sbatch_options("slurm/gdpo_7b.sh")
+    assert gpu["ntasks-per-node"] == gpu["gpus-per-node"]  # one task per GPU
+    assert plan.main(["--config", "configs/gdpo_7b.yaml", "--nodes", gpu["nodes"],
+                      "--gpus-per-node", gpu["gpus-per-node"], "--gpu-memory", "80"]) == 0
+    assert "fits" in capsys.readouterr().out

@@ -334,10 +334,12 @@ def load_for_gpu(path: str | Path, overrides: list[str]) -> TrainConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gdpo-plan", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="gdpo-plan", description="Per-GPU memory of a training config, and whether it fits, before submitting.")
     parser.add_argument("--config", required=True, help="training YAML (see configs/)")
     parser.add_argument("--gpus-per-node", type=int, required=True)
-    parser.add_argument("--gpu-memory", type=float, required=True, metavar="GIB", help="memory of one GPU, GiB")
+    parser.add_argument("--gpu-memory", type=float, required=True, metavar="GIB",
+                        help="memory of one GPU in GiB (an '80 GB' A100/H100 reports 79.6)")
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--overhead", type=float, default=DEFAULT_OVERHEAD_GIB, metavar="GIB",
                         help="per-GPU allowance for the CUDA context, NCCL and fragmentation")

@@ -22,7 +22,8 @@ What is counted, per GPU (the assumptions are printed with the table):
 * vLLM, colocated: while generating it holds ``gpu_memory_utilization`` of the GPU (weights in
   bf16, or FP8 linear layers with ``rollout.quantization: fp8``, split over the rollout TP size,
   and the KV cache in the rest; ``rollout.kv_cache_gib`` replaces the fraction); while the
-  policy trains it sleeps (level 1: weights on the host, KV cache freed) and holds nothing;
+  policy trains it sleeps (level 1: weights on the host, KV cache freed) and holds nothing,
+  and the update's activations go back to the driver before it wakes (``empty_cache``);
 * a fixed allowance for the CUDA context, NCCL buffers and allocator fragmentation.
 """
 from __future__ import annotations

@@ -41,6 +41,17 @@ def update_weights(model_path: str) -> None:
     _ENGINE["engine"].update_weights(model.state_dict().items())
 
 
+def shm_segment_left() -> bool:
+    """Whether this rank's shared-memory segment of vLLM's CPU TP communicator still has a name."""
+    from pathlib import Path
+
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    name = group.device_communicator.dist_module.group_name
+    return (Path("/dev/shm") / f"{name.lstrip('/')}_{group.rank_in_group}").exists()
+
+
 def policy_consistency(base_path: str, training_tp: int, temperature: float):
     """Sync a randomly initialized Megatron policy (training TP ``training_tp``) into this
     rank's engine, sample, and return (engine, policy) logprobs of the sampled tokens."""
@@ -134,6 +145,9 @@ class TestOneReplicaOverTwoRanks:
         rank0, rank1 = tp2_world.run(generate, [PROMPTS, PROMPTS], 1, [SEEDED] * 2)
         assert rank0 == rank1 != before
         assert_logprobs_match(models["other"], PROMPTS, rank0)
+
+    def test_no_shared_memory_name_outlives_a_killed_job(self, tp2_world):
+        assert tp2_world.run(shm_segment_left) == [False, False]
 
 
 class TestOneReplicaPerRank:

@@ -127,6 +127,8 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             seed=config.seed,
         )
+        if not on_gpu and config.tensor_parallel_size > 1:
+            self._llm.collective_rpc(_unlink_cpu_shm_name)
         self._asleep = False
         self._weights_awake = False
 
@@ -242,6 +244,20 @@ def _end_interrupted_reload(worker) -> None:
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
     finalize_layerwise_reload(worker.model_runner.get_model(), worker.vllm_config.model_config)
+
+
+def _unlink_cpu_shm_name(worker) -> None:
+    """Runs in each vLLM worker on CPU with TP > 1: drop the name of this rank's shared-memory
+    segment of vLLM's TP communicator once every rank has mapped it (true when the engine is
+    built). vLLM names it without a per-job part under external_launcher and unlinks it only at
+    a clean process exit, so a killed job would leave it behind and every later TP > 1 engine
+    on the machine would fail with "create shm in SHMManager failed. errno: 17"."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    name = getattr(getattr(group.device_communicator, "dist_module", None), "group_name", None)
+    if name is not None:  # the shared-memory communicator is in use
+        (Path("/dev/shm") / f"{name.lstrip('/')}_{group.rank_in_group}").unlink(missing_ok=True)
 
 
 def _derived_seed(seed: int, prompt_index: int, sample_index: int) -> int:

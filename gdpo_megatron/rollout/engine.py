@@ -1,7 +1,7 @@
 """The rollout engine interface: sampling settings in, completions with logprobs out."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Literal, Protocol, Sequence
 
 import torch
@@ -48,7 +48,7 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
-    text: str = field(default="")
+    text: str = ""
 
 
 class RolloutEngine(Protocol):

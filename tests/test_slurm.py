@@ -229,6 +229,7 @@ def _logged_steps(run_dir: Path) -> list[int]:
 
 
 @pytest.mark.slurm
+@pytest.mark.slow
 def test_tiny_cpu_job_trains_requeues_on_usr1_and_resumes(slurm, base_model, tmp_path):
     """Two tasks train; SIGUSR1 (what ``--signal`` sends before the time limit) makes the
     trainer save and exit, the script requeues the job, and the rerun resumes to the end."""

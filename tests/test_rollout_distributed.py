@@ -2,8 +2,10 @@
 
 The same two processes host, one class after the other, one engine per rank:
 - vLLM TP=2: one engine replica sharded over both ranks (weights split by vLLM's loaders);
-- vLLM TP=1: two independent replicas, one per rank, sampling different prompts.
-Expected values come from the transformers model in the test process.
+- vLLM TP=1: two independent replicas, one per rank, sampling different prompts; there the
+  engine also takes the weights of a Megatron policy (training TP=1 and TP=2) through the
+  Hugging Face weight stream, and its logprobs must equal the policy's recomputed ones.
+Other expected values come from the transformers model in the test process.
 """
 import pytest
 import torch

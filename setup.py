@@ -42,6 +42,7 @@ setup(
             "gdpo-plot = gdpo_megatron.cli:plot_main",
             "gdpo-convert = gdpo_megatron.checkpoint.convert_cli:main",
             "gdpo-eval = gdpo_megatron.evaluate:main",
+            "gdpo-plan = gdpo_megatron.plan:main",
         ]
     },
 )

@@ -201,20 +201,10 @@ def plan_memory(config: TrainConfig, cluster: Cluster) -> MemoryPlan:
     model, parallel = policy.model, policy.parallel
     try:
         check_model_parallel(model, parallel)
-        dp = parallel.data_parallel_size(cluster.world_size)
     except ValueError as e:
         raise ConfigError(f"policy.{e}") from None
+    dp, rollouts_per_replica = config.layout(cluster.world_size)
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    if tp % rollout.tensor_parallel_size:
-        raise ConfigError(f"rollout.tensor_parallel_size: {rollout.tensor_parallel_size} must divide "
-                          f"policy.parallel.tensor_model_parallel_size={tp}")
-    if data.prompts_per_step % dp:
-        raise ConfigError(f"data.prompts_per_step: {data.prompts_per_step} is not divisible by the "
-                          f"data-parallel size {dp}")
-    rollouts_per_replica = data.prompts_per_step // dp * rollout.group_size
-    if rollouts_per_replica % policy.micro_batch_size:
-        raise ConfigError(f"policy.micro_batch_size: {policy.micro_batch_size} does not divide the "
-                          f"{rollouts_per_replica} rollouts of a data-parallel replica")
     micro_batches = rollouts_per_replica // policy.micro_batch_size
 
     param_bytes = PARAM_BYTES[policy.precision.dtype]

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import signal
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -44,6 +45,7 @@ from gdpo_megatron.rewards.stage import RewardStage
 from gdpo_megatron.rollout.engine import SamplingConfig
 from gdpo_megatron.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)  # Slurm's time-limit warning, preemption / scancel
 CHECKPOINT_DIR = "checkpoints"
 HF_EXPORT_DIR = "hf"
 
@@ -54,15 +56,19 @@ class Trainer:
     def __init__(self, config: TrainConfig):
         if not dist.is_initialized():
             raise RuntimeError("Trainer: torch.distributed is not initialized")
+        # From here on a stop request is remembered, also one that arrives during start-up.
+        self._stop_requested = False
+        self._previous_handlers = {s: signal.signal(s, self._request_stop) for s in STOP_SIGNALS}
         self.config = config
         self.run_dir = Path(config.run_dir)
         self.is_rank0 = dist.get_rank() == 0
         hf_config = read_hf_config(config.base_model)
         model = model_config_from_hf(
             hf_config, make_vocab_size_divisible_by=config.policy.model.make_vocab_size_divisible_by)
+        _warn_on_shape_drift(config.policy.model, model, config.base_model)
         self.policy_config = dataclasses.replace(config.policy, model=model, seed=config.seed,
                                                  temperature=config.rollout.temperature)
-        self._check_layout(self.policy_config.parallel.data_parallel_size(dist.get_world_size()))
+        config.layout(dist.get_world_size())  # before anything is built
         self.worker = PolicyWorker(self.policy_config,
                                    init_weights=lambda m: load_hf_weights(m, model, config.base_model))
         self.device = self.worker.device
@@ -98,32 +104,18 @@ class Trainer:
         self.reward_names = rewards.names
         self.reward_weights = [r.weight for r in rewards.rewards]
         self.conditions = config.advantage.resolve_conditions(self.reward_names)
-        self.reward_stage = RewardStage(rewards.rewards, rewards.num_workers, rewards.timeout_s,
-                                        rewards.reward_files) if self.is_leader else None
+        self.reward_stage = None
+        if self.is_leader:
+            with _children_ignore(STOP_SIGNALS):  # Slurm signals every process of the step
+                self.reward_stage = RewardStage(rewards.rewards, rewards.num_workers, rewards.timeout_s,
+                                                rewards.reward_files)
         self.logger = MetricsLogger(self.run_dir, to_dict(config), config.logging.wandb_project,
                                     self.run_dir.name) if self.is_rank0 else None
-        self._stop_requested = False
-
-    def _check_layout(self, dp_size: int) -> None:
-        """Errors that depend on the world size, raised before anything is built."""
-        cfg = self.config
-        if cfg.data.prompts_per_step % dp_size:
-            raise ConfigError(f"data.prompts_per_step: {cfg.data.prompts_per_step} is not divisible by the "
-                              f"data-parallel size {dp_size}")
-        per_replica = cfg.data.prompts_per_step // dp_size * cfg.rollout.group_size
-        if per_replica % self.policy_config.micro_batch_size:
-            raise ConfigError(f"policy.micro_batch_size: {self.policy_config.micro_batch_size} does not divide the "
-                              f"{per_replica} rollouts of a data-parallel replica")
-        tp = self.policy_config.parallel.tensor_model_parallel_size
-        if tp % cfg.rollout.tensor_parallel_size:
-            raise ConfigError(f"rollout.tensor_parallel_size: {cfg.rollout.tensor_parallel_size} must divide "
-                              f"policy.parallel.tensor_model_parallel_size={tp} (vLLM groups consecutive ranks)")
 
     # ---- the loop ---------------------------------------------------------------------
 
     def train(self) -> str:
         """Run from the resumed step to ``config.steps``; return ``"done"`` or ``"interrupted"``."""
-        previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGUSR1, signal.SIGTERM)}
         steps = range(self.start_step, self.config.steps)
         bar = tqdm(steps, desc="gdpo", initial=self.start_step, total=self.config.steps,
                    disable=not (self.is_rank0 and self.config.logging.progress_bar))
@@ -146,8 +138,6 @@ class Trainer:
                 self.export_hf(self.run_dir / HF_EXPORT_DIR)
         finally:
             bar.close()
-            for s, handler in previous.items():
-                signal.signal(s, handler)
         return outcome
 
     def step(self, step: int) -> dict[str, float]:
@@ -189,6 +179,8 @@ class Trainer:
             train_metrics = self.worker.train_step(batch) if result.group_count.sum() > 0 else {"skipped": 1.0}
         with _timed(times, "sync"):
             self._sync_weights()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # the update's cached blocks go back before vLLM's KV cache returns
             self.engine.wake_up()
         times["step"] = time.perf_counter() - started
 
@@ -305,6 +297,32 @@ class Trainer:
             self.logger.close()
         self.worker.close()
         self.engine.close()
+        for s, handler in self._previous_handlers.items():
+            signal.signal(s, handler)
+
+
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads",
+                "num_query_groups")
+
+
+def _warn_on_shape_drift(planned, actual, base_model: str) -> None:
+    """The config's policy.model (what gdpo-plan planned with) should be base_model's shape."""
+    differ = [f"{f}={getattr(planned, f)} (base_model: {getattr(actual, f)})" for f in SHAPE_FIELDS
+              if getattr(planned, f) != getattr(actual, f)]
+    if differ:
+        warnings.warn(f"policy.model differs from {base_model}/config.json, which the policy uses: "
+                      f"{', '.join(differ)}")
+
+
+@contextlib.contextmanager
+def _children_ignore(signals):
+    """Processes started inside inherit "ignore" for ``signals``; only this process acts on them."""
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in signals}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 @contextlib.contextmanager

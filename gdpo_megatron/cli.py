@@ -22,16 +22,9 @@ def train_main(argv: list[str] | None = None) -> int:
 
     config = load_config(TrainConfig, args.config, args.overrides)  # config errors before any start-up cost
 
-    from gdpo_megatron.distributed.launch import init_distributed
-    from gdpo_megatron.trainer import Trainer
+    from gdpo_megatron.trainer import run
 
-    init_distributed()
-    trainer = Trainer(config)
-    try:
-        outcome = trainer.train()
-    finally:
-        trainer.close()
-    return EXIT_INTERRUPTED if outcome == "interrupted" else 0
+    return EXIT_INTERRUPTED if run(config) == "interrupted" else 0
 
 
 def quiet_defaults() -> None:

@@ -301,6 +301,18 @@ class Trainer:
             signal.signal(s, handler)
 
 
+def run(config: TrainConfig) -> str:
+    """Join the launcher's process group (torchrun, srun, or a single process), train, clean up."""
+    from gdpo_megatron.distributed.launch import init_distributed
+
+    init_distributed()
+    trainer = Trainer(config)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads",
                 "num_query_groups")
 

@@ -34,17 +34,11 @@ def main(argv: list[str]) -> int:
         print(f"writing the base model to {config.base_model} (supervised warm-up on noisy demonstrations)")
         make_base_model(config.base_model)
 
-    from gdpo_megatron.distributed.launch import init_distributed
     from gdpo_megatron.metrics import read_metrics
     from gdpo_megatron.plot import plot_runs
-    from gdpo_megatron.trainer import HF_EXPORT_DIR, Trainer
+    from gdpo_megatron.trainer import HF_EXPORT_DIR, run
 
-    init_distributed()
-    trainer = Trainer(config)
-    try:
-        outcome = trainer.train()
-    finally:
-        trainer.close()
+    outcome = run(config)
     records = read_metrics(config.run_dir)
     print(f"\n{outcome} after {records[-1]['step']} steps; reward means (first 3 steps -> last 3 steps):")
     for name in config.rewards.names:

@@ -35,8 +35,11 @@ demo: install
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# CPU benchmarks; benchmarks/gdpo_vs_grpo.py (about 20 minutes) runs separately.
 bench: install
 	$(BIN)/python benchmarks/advantages.py
+	$(BIN)/python benchmarks/policy_step.py
+	$(BIN)/python benchmarks/rollout.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

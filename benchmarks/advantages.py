@@ -21,6 +21,7 @@ import torch.distributed as dist
 from gdpo_megatron.advantages import compute_advantages
 from gdpo_megatron.distributed.advantages import AllReduce
 from gdpo_megatron.distributed.local_world import LocalWorld
+from timing import median_time
 
 K, G = 3, 8
 
@@ -46,16 +47,6 @@ def per_group_loop(rewards, groups, eps=1e-4):
         z[:, std == 0] = 0.0
         adv[idx] = z.sum(dim=1)
     return (adv - adv.mean()) / (adv.std() + eps)
-
-
-def median_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def bench_single_process(repeats: int) -> list[str]:

@@ -27,6 +27,7 @@ import torch
 
 from gdpo_megatron.rollout import SamplingConfig, VLLMEngine, VLLMEngineConfig
 from gdpo_megatron.rollout.tiny_model import TinyLlamaSpec, save_tiny_llama
+from timing import median_time
 
 PROMPTS, SAMPLES, NEW_TOKENS, PROMPT_LEN = 8, 8, 32, 16
 SYNC_SIZES = {
@@ -39,16 +40,6 @@ GPU_1B = TinyLlamaSpec(
     hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, num_hidden_layers=22,
     intermediate_size=5632, vocab_size=32000, max_position_embeddings=2048,
 )
-
-
-def median_time(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def prompts(vocab_size: int) -> list[list[int]]:

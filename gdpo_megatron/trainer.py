@@ -33,7 +33,7 @@ from gdpo_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_con
 from gdpo_megatron.checkpoint.hf_io import load_hf_weights, save_hf_checkpoint
 from gdpo_megatron.checkpoint.manager import CheckpointManager
 from gdpo_megatron.checkpoint.weight_stream import iter_hf_weights
-from gdpo_megatron.config import ConfigError, TrainConfig, to_dict
+from gdpo_megatron.config import TrainConfig, to_dict
 from gdpo_megatron.data.chat import encode_prompt
 from gdpo_megatron.data.samples import load_jsonl
 from gdpo_megatron.distributed import compute_advantages

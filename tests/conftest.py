@@ -42,3 +42,17 @@ def demo_base_model(tmp_path_factory):
 
     # Long enough a warm-up that completions differ in their rewards (else every advantage is 0).
     return str(make_base_model(tmp_path_factory.mktemp("base") / "model", steps=60))
+
+
+@pytest.fixture(scope="session")
+def tiny_llamas(tmp_path_factory):
+    """Two tiny random Llama checkpoints (seeds 0 and 1) with a local tokenizer: paths and models."""
+    from gdpo_megatron.rollout.tiny_model import TinyLlamaSpec, save_tiny_llama
+
+    root = tmp_path_factory.mktemp("tiny_llama")
+    paths = {name: str(root / name) for name in ("base", "other")}
+    return {
+        "paths": paths,
+        "base": save_tiny_llama(paths["base"], TinyLlamaSpec(seed=0)),
+        "other": save_tiny_llama(paths["other"], TinyLlamaSpec(seed=1)),
+    }

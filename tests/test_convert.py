@@ -6,7 +6,6 @@ element by element in this file.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

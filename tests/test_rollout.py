@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from gdpo_megatron.rollout import SamplingConfig, VLLMEngine, VLLMEngineConfig
-from gdpo_megatron.rollout.tiny_model import TinyLlamaSpec, save_tiny_llama
 
 # Longer than a KV-cache block, so a stale prefix cache after a weight update would be hit.
 LONG_PROMPT = [(7 * i) % 500 + 1 for i in range(300)]
@@ -16,16 +15,13 @@ PROMPTS = [[5, 17, 42, 99, 3], [250, 251, 252], LONG_PROMPT]
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny_llama")
-    base = save_tiny_llama(root / "base", TinyLlamaSpec(seed=0))
-    other = save_tiny_llama(root / "other", TinyLlamaSpec(seed=1))
-    return {"path": str(root / "base"), "base": base, "other": other}
+def models(tiny_llamas):
+    return tiny_llamas
 
 
 @pytest.fixture(scope="module")
 def engine(models):
-    eng = VLLMEngine(VLLMEngineConfig(models["path"], dtype="float32", max_model_len=512, kv_cache_gib=0.25))
+    eng = VLLMEngine(VLLMEngineConfig(models["paths"]["base"], dtype="float32", max_model_len=512, kv_cache_gib=0.25))
     yield eng
     eng.close()
 

@@ -12,7 +12,6 @@ import torch
 
 from gdpo_megatron.distributed.local_world import free_port
 from gdpo_megatron.rollout import SamplingConfig
-from gdpo_megatron.rollout.tiny_model import TinyLlamaSpec, save_tiny_llama
 
 PROMPTS = [[5, 17, 42, 99, 3], [250, 251, 252], [(7 * i) % 500 + 1 for i in range(40)]]
 pytestmark = pytest.mark.slow  # importing vLLM in two processes and starting engines: ~40-60 s
@@ -93,14 +92,8 @@ def close_engine(port: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny_llama")
-    paths = {name: str(root / name) for name in ("base", "other")}
-    return {
-        "paths": paths,
-        "base": save_tiny_llama(paths["base"], TinyLlamaSpec(seed=0)),
-        "other": save_tiny_llama(paths["other"], TinyLlamaSpec(seed=1)),
-    }
+def models(tiny_llamas):
+    return tiny_llamas
 
 
 def engines(world, models, tensor_parallel_size):

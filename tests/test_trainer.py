@@ -81,11 +81,13 @@ def test_data_parallel_run_resumes_and_exports(base_model, tmp_path):
     first_export = _hf_logits(run_dir / "hf", ids)
     assert not torch.allclose(first_export, _hf_logits(base_model, ids)), "training did not change the weights"
 
-    # A rerun with more steps starts from the checkpoint and appends to the same metrics.
-    (run_dir / "hf").rename(run_dir / "hf_step2")
+    # A rerun with more steps starts from the checkpoint, appends to the same metrics and
+    # replaces the export.
     results = run_local(_train, 2, _overrides(base_model, run_dir, 3))
     assert results == [(2, "done"), (2, "done")]
     _check_run(run_dir, 3, world_size=2)
+    assert not torch.allclose(_hf_logits(run_dir / "hf", ids), first_export)
+    assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith("hf")) == ["hf"]
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_2", "step_3"]
 
 

@@ -10,7 +10,9 @@
 """
 from __future__ import annotations
 
+import os
 import sys
+import warnings
 from pathlib import Path
 
 CONFIG = "configs/tiny_cpu.yaml"
@@ -21,6 +23,8 @@ def main(argv: list[str]) -> int:
     from gdpo_megatron.config import TrainConfig, load_config
     from gdpo_megatron.demo.worked_example import worked_example
 
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM warns on every in-place reload
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")  # CPU: expected
     quiet_defaults()
     print(worked_example(), end="\n\n")
     config = load_config(TrainConfig, CONFIG, argv)

@@ -108,6 +108,8 @@ class AdvantageResult:
     zero_spread_fraction: torch.Tensor  # [K] share of non-empty groups with no spread
     variance_share: torch.Tensor  # [K] share of the summed advantage's variance; sums to 1
     distinct_per_group: float  # distinct advantages per non-empty group, averaged
+    mean: float  # of the final advantages over all valid rollouts (every holder's)
+    abs_mean: float
 
     def metrics(self, reward_names: Sequence[str]) -> dict[str, float]:
         """Flat scalar metrics for logging, per reward under ``reward/<name>/``."""
@@ -121,11 +123,9 @@ class AdvantageResult:
             "advantage/batch_mean": self.batch_mean,
             "advantage/batch_std": self.batch_std,
             "advantage/nonfinite_rollouts": float(self.num_nonfinite),
+            "advantage/mean": self.mean,
+            "advantage/abs_mean": self.abs_mean,
         }
-        valid = self.advantages[self.mask]
-        if valid.numel():
-            out["advantage/mean"] = valid.mean().item()
-            out["advantage/abs_mean"] = valid.abs().mean().item()
         for k, name in enumerate(reward_names):
             out[f"reward/{name}/zero_spread_frac"] = self.zero_spread_fraction[k].item()
             out[f"reward/{name}/advantage_var_share"] = self.variance_share[k].item()
@@ -213,6 +213,8 @@ def compute_advantages(
             summed.unsqueeze(1), batch.mean[single], batch.std[single], batch.zero_spread[single], eps
         ).squeeze(1)
     advantages = torch.where(mask, advantages, 0.0)
+    totals = reduction.sum(torch.stack([advantages.sum(), advantages.abs().sum(), mask.sum().to(advantages.dtype)]))
+    valid = max(totals[2].item(), 1.0)
 
     return AdvantageResult(
         advantages=advantages.to(out_dtype),
@@ -231,6 +233,8 @@ def compute_advantages(
         distinct_per_group=(
             _distinct_per_group(advantages, index, mask, ids.numel(), reduction) if count_distinct else math.nan
         ),
+        mean=totals[0].item() / valid,
+        abs_mean=totals[1].item() / valid,
     )
 
 

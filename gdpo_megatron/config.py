@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 import types
 import typing
 from pathlib import Path
@@ -92,6 +93,11 @@ class RolloutConfig:
 
     def __post_init__(self):
         _check(self.group_size >= 1, "rollout.group_size", ">= 1", self.group_size)
+        _check(self.temperature > 0, "rollout.temperature", "> 0 (training samples; gdpo-eval is greedy)",
+               self.temperature)
+        if self.top_p < 1 or self.top_k > 0:
+            warnings.warn("rollout.top_p / rollout.top_k: the policy's logprobs do not truncate the "
+                          "distribution, so the importance ratio of the first update is biased")
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", self.max_new_tokens)
         _check(self.max_model_len > self.max_new_tokens, "rollout.max_model_len",
                f"> max_new_tokens={self.max_new_tokens}", self.max_model_len)
@@ -126,14 +132,11 @@ class DataConfig:
     # tool schemas); "" none (the data already has them).
     system_prompt: Optional[str] = None
     prompts_per_step: int = 8  # over all data-parallel ranks
-    eval_path: Optional[str] = None
-    eval_every: int = 0  # steps; 0: only at the end when eval_path is set
     max_prompt_tokens: int = 512
     shuffle_seed: int = 0
 
     def __post_init__(self):
         _check(self.prompts_per_step >= 1, "data.prompts_per_step", ">= 1", self.prompts_per_step)
-        _check(self.eval_every >= 0, "data.eval_every", ">= 0", self.eval_every)
 
 
 @dataclasses.dataclass
@@ -158,7 +161,12 @@ class LoggingConfig:
 
 @dataclasses.dataclass
 class TrainConfig:
-    """Everything ``gdpo-train`` reads."""
+    """Everything ``gdpo-train`` reads.
+
+    The policy trains the shape of ``base_model/config.json`` (``policy.model`` is what
+    ``gdpo-plan`` plans with), seeded with ``seed`` and at ``rollout.temperature``, so that
+    its logprobs are those of the distribution the rollouts were sampled from.
+    """
 
     run_dir: str
     base_model: str  # a Hugging Face directory; the policy's shape comes from its config.json
@@ -166,7 +174,7 @@ class TrainConfig:
     rewards: RewardsConfig
     steps: int = 100
     seed: int = 1234
-    dynamic_sampling: bool = False  # drop groups in which no reward has any spread
+    dynamic_sampling: bool = False  # drop (not refill) prompt groups in which no reward has any spread
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
@@ -176,6 +184,9 @@ class TrainConfig:
     def __post_init__(self):
         _check(self.steps >= 1, "steps", ">= 1", self.steps)
         self.advantage.resolve_conditions(self.rewards.names)
+        longest = self.data.max_prompt_tokens + self.rollout.max_new_tokens
+        _check(longest <= self.rollout.max_model_len, "rollout.max_model_len",
+               f">= data.max_prompt_tokens + rollout.max_new_tokens = {longest}", self.rollout.max_model_len)
 
     def layout(self, world_size: int) -> tuple[int, int]:
         """(data-parallel size, rollouts per data-parallel replica) on ``world_size`` ranks.

@@ -7,7 +7,6 @@ which makes the batches identical by construction. Every rank still calls the ro
 """
 from __future__ import annotations
 
-import hashlib
 import random
 from dataclasses import dataclass
 from typing import Sequence
@@ -17,7 +16,7 @@ import torch.distributed as dist
 
 from gdpo_megatron.data.samples import Sample
 from gdpo_megatron.policy.batch import PolicyBatch
-from gdpo_megatron.rollout.engine import Completion
+from gdpo_megatron.rollout.engine import Completion, derive_seed
 
 
 class PromptSchedule:
@@ -64,8 +63,7 @@ class Rollouts:
 
 def sampling_seed(seed: int, step: int, replica: int) -> int:
     """A seed for one replica's sampling at one step (reproducible on resume)."""
-    digest = hashlib.blake2b(f"{seed}:{step}:{replica}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+    return derive_seed(seed, step, replica)
 
 
 def leader_broadcast(obj, group: dist.ProcessGroup | None):
@@ -77,14 +75,41 @@ def leader_broadcast(obj, group: dist.ProcessGroup | None):
     return holder[0]
 
 
+class LeaderError(RuntimeError):
+    """The replica's leader failed in work the other ranks of the replica were waiting for."""
+
+
+def leader_call(fn, group: dist.ProcessGroup | None):
+    """Run ``fn()`` on the first rank of ``group`` and broadcast its result to the group.
+
+    If it raises, the leader re-raises and the others raise :class:`LeaderError`, instead of
+    waiting in the broadcast forever.
+    """
+    is_leader = group is None or dist.get_rank(group) == 0
+    outcome = None
+    if is_leader:
+        try:
+            outcome = (True, fn())
+        except Exception as e:
+            if group is None:
+                raise
+            leader_broadcast((False, f"{type(e).__name__}: {e}"), group)
+            raise
+    ok, value = leader_broadcast(outcome, group)
+    if not ok:
+        raise LeaderError(f"the replica's first rank failed: {value}")
+    return value
+
+
 def to_policy_batch(rollouts: Rollouts, group_size: int, advantages: torch.Tensor, keep: torch.Tensor,
-                    pad_id: int) -> PolicyBatch:
-    """Prompt + completion rows, right-padded; the loss covers completion tokens of kept rollouts.
+                    pad_id: int, pad_multiple: int = 1) -> PolicyBatch:
+    """Prompt + completion rows, right-padded to a multiple of ``pad_multiple`` tokens; the loss
+    covers the completion tokens of kept rollouts.
 
     ``old_logprobs`` are the engine's sampling logprobs placed at their targets' positions.
     """
     rows = [(rollouts.prompt_ids[i // group_size], c) for i, c in enumerate(rollouts.completions)]
-    width = max(len(p) + len(c.token_ids) for p, c in rows)
+    width = -(-max(len(p) + len(c.token_ids) for p, c in rows) // pad_multiple) * pad_multiple
     n = len(rows)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
     loss_mask = torch.zeros(n, width, dtype=torch.bool)

@@ -6,6 +6,7 @@ as soon as the step ends, so a crash loses at most the step in flight. A resumed
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -26,13 +27,15 @@ class MetricsLogger:
         if wandb_project:
             import wandb  # the `wandb` extra; offline unless WANDB_MODE says otherwise
 
+            # One wandb run per run directory: a resumed or requeued job continues it.
+            run_id = hashlib.sha1(str(self.path.parent.resolve()).encode()).hexdigest()[:16]
             self._wandb = wandb.init(project=wandb_project, name=run_name, config=config,
-                                     dir=str(self.path.parent), resume="allow")
+                                     dir=str(self.path.parent), id=run_id, resume="allow")
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, "time": time.time()}
         record.update({k: _plain(v) for k, v in metrics.items()})
-        self._file.write(json.dumps(record, allow_nan=True) + "\n")
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
         if self._wandb is not None:
             self._wandb.log(record, step=step)
@@ -69,6 +72,6 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 def _plain(value: Any) -> Any:
     if hasattr(value, "item"):
         value = value.item()
-    if isinstance(value, float) and math.isinf(value):
-        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN or infinity
     return value

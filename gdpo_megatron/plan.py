@@ -303,9 +303,6 @@ def format_plan(plan: MemoryPlan) -> str:
         f"KV cache: {plan.kv_cache_tokens:,} tokens per vLLM engine, {plan.kv_cache_tokens // plan.sequence_length} "
         f"full sequences at once (rollout.max_model_len {rollout.max_model_len} must fit)",
     ]
-    if rollout.max_model_len < plan.sequence_length:
-        lines.append(f"note: rollout.max_model_len={rollout.max_model_len} is below prompt + new tokens "
-                     f"({plan.sequence_length}); long prompts will be cut short")
     return "\n".join(lines)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import shutil
 import signal
@@ -35,14 +36,15 @@ from gdpo_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_con
 from gdpo_megatron.checkpoint.hf_io import load_hf_weights, save_hf_checkpoint
 from gdpo_megatron.checkpoint.manager import CheckpointManager
 from gdpo_megatron.checkpoint.weight_stream import iter_hf_weights
-from gdpo_megatron.config import TrainConfig, to_dict
+from gdpo_megatron.config import ConfigError, TrainConfig, to_dict
 from gdpo_megatron.data.chat import encode_prompt
 from gdpo_megatron.data.samples import load_jsonl
 from gdpo_megatron.distributed import compute_advantages
-from gdpo_megatron.experience import (PromptSchedule, Rollouts, leader_broadcast, reward_inputs, sampling_seed,
-                                      to_policy_batch)
+from gdpo_megatron.experience import (PromptSchedule, Rollouts, leader_broadcast, leader_call, reward_inputs,
+                                      sampling_seed, to_policy_batch)
 from gdpo_megatron.metrics import MetricsLogger
 from gdpo_megatron.policy.worker import PolicyWorker
+from gdpo_megatron.rewards.registry import load_reward_file, validate_specs
 from gdpo_megatron.rewards.stage import RewardStage
 from gdpo_megatron.rollout.engine import SamplingConfig
 from gdpo_megatron.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
@@ -58,19 +60,44 @@ class Trainer:
     def __init__(self, config: TrainConfig):
         if not dist.is_initialized():
             raise RuntimeError("Trainer: torch.distributed is not initialized")
-        # From here on a stop request is remembered, also one that arrives during start-up.
-        self._stop_requested = False
-        self._previous_handlers = {s: signal.signal(s, self._request_stop) for s in STOP_SIGNALS}
         self.config = config
         self.run_dir = Path(config.run_dir)
         self.is_rank0 = dist.get_rank() == 0
-        hf_config = read_hf_config(config.base_model)
+        # From here on a stop request is remembered, also one that arrives during start-up.
+        self._stop_requested = False
+        self._previous_handlers = {s: signal.signal(s, self._request_stop) for s in STOP_SIGNALS}
+        self.worker = self.engine = self.reward_stage = self.logger = None
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        config = self.config
+        # What can be checked without building anything is checked first, on every rank.
+        config.layout(dist.get_world_size())
+        rewards = config.rewards
+        for path in rewards.reward_files:
+            load_reward_file(path)
+        validate_specs(rewards.rewards)
+        self.reward_names = rewards.names
+        self.reward_weights = [r.weight for r in rewards.rewards]
+        self.conditions = config.advantage.resolve_conditions(self.reward_names)
+        self.samples = load_jsonl(config.data.train_path, config.data.family, config.data.system_prompt)
+        self.schedule = PromptSchedule(len(self.samples), config.data.prompts_per_step, config.data.shuffle_seed)
+        self.hf_config = read_hf_config(config.base_model)
         model = model_config_from_hf(
-            hf_config, make_vocab_size_divisible_by=config.policy.model.make_vocab_size_divisible_by)
+            self.hf_config, make_vocab_size_divisible_by=config.policy.model.make_vocab_size_divisible_by)
         _warn_on_shape_drift(config.policy.model, model, config.base_model)
         self.policy_config = dataclasses.replace(config.policy, model=model, seed=config.seed,
                                                  temperature=config.rollout.temperature)
-        config.layout(dist.get_world_size())  # before anything is built
+        self.checkpoints = CheckpointManager(self.run_dir / CHECKPOINT_DIR, keep_last=config.checkpoint.keep_last)
+        latest = self.checkpoints.latest_step()
+        if latest is not None and not config.checkpoint.resume:
+            raise ConfigError(f"checkpoint.resume: false, but {self.checkpoints.root} holds step_{latest}; "
+                              "choose another run_dir or remove its checkpoints")
+
         self.worker = PolicyWorker(self.policy_config,
                                    init_weights=lambda m: load_hf_weights(m, model, config.base_model))
         self.device = self.worker.device
@@ -79,15 +106,20 @@ class Trainer:
         mp_group = parallel_state.get_model_parallel_group()
         self.mp_group = mp_group if dist.get_world_size(mp_group) > 1 else None
         self.is_leader = self.mp_group is None or dist.get_rank(mp_group) == 0
+        tp = self.policy_config.parallel.tensor_model_parallel_size
+        # Sequence parallelism splits the sequence over TP ranks; FP8 GEMMs want multiples of 16.
+        self.pad_multiple = math.lcm(tp if self.policy_config.parallel.sequence_parallel else 1,
+                                     16 if self.policy_config.precision.fp8 else 1)
 
-        self.checkpoints = CheckpointManager(self.run_dir / CHECKPOINT_DIR, keep_last=config.checkpoint.keep_last)
         self.start_step = 0
-        if config.checkpoint.resume and self.checkpoints.latest_step() is not None:
+        if latest is not None:
             state = self.checkpoints.load(self.worker.model, self.worker.optimizer, self.worker.scheduler)
+            expected = state.step * config.data.prompts_per_step
+            if state.data_position != expected:
+                raise ConfigError(f"data.prompts_per_step: the checkpoint of step {state.step} was taken after "
+                                  f"{state.data_position} prompts, this config would resume after {expected}")
             self.start_step = state.step
 
-        self.samples = load_jsonl(config.data.train_path, config.data.family, config.data.system_prompt)
-        self.schedule = PromptSchedule(len(self.samples), config.data.prompts_per_step, config.data.shuffle_seed)
         self.engine = VLLMEngine(VLLMEngineConfig(
             model_path=config.base_model,
             tensor_parallel_size=config.rollout.tensor_parallel_size,
@@ -102,17 +134,13 @@ class Trainer:
         self.tokenizer = self.engine.tokenizer
         if self.start_step:
             self._sync_weights()  # the engine started from base_model
-        rewards = config.rewards
-        self.reward_names = rewards.names
-        self.reward_weights = [r.weight for r in rewards.rewards]
-        self.conditions = config.advantage.resolve_conditions(self.reward_names)
-        self.reward_stage = None
         if self.is_leader:
             with _children_ignore(STOP_SIGNALS):  # Slurm signals every process of the step
                 self.reward_stage = RewardStage(rewards.rewards, rewards.num_workers, rewards.timeout_s,
                                                 rewards.reward_files)
-        self.logger = MetricsLogger(self.run_dir, to_dict(config), config.logging.wandb_project,
-                                    self.run_dir.name) if self.is_rank0 else None
+        if self.is_rank0:
+            self.logger = MetricsLogger(self.run_dir, to_dict(config), config.logging.wandb_project,
+                                        self.run_dir.name)
 
     # ---- the loop ---------------------------------------------------------------------
 
@@ -152,7 +180,7 @@ class Trainer:
             indices = self.schedule.indices(step)[self.dp_rank :: self.dp_size]
             samples = [self.samples[i] for i in indices]
             global_ids = list(range(self.dp_rank, cfg.data.prompts_per_step, self.dp_size))
-            prompt_ids = [self._encode(s) for s in samples]
+            prompt_ids = self._on_every_rank(lambda: self._encode(samples))
             sampling = SamplingConfig(
                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                 max_new_tokens=cfg.rollout.max_new_tokens, stop=tuple(cfg.rollout.stop),
@@ -163,19 +191,17 @@ class Trainer:
             rollouts = Rollouts(prompt_ids, group_ids, completions)
 
         with _timed(times, "reward"):
-            scored = None
-            if self.reward_stage is not None:
-                scored = self.reward_stage.score(*reward_inputs(rollouts, samples, G))
-            rewards, stage_metrics = leader_broadcast(scored, self.mp_group)
+            rewards, stage_metrics = self._on_every_rank(lambda: leader_call(
+                lambda: self.reward_stage.score(*reward_inputs(rollouts, samples, G)), self.mp_group))
             rewards = rewards.to(self.device)
 
         with _timed(times, "advantage"):
-            result = self._advantages(rewards, rollouts.group_ids)
+            result, kept_fraction = self._advantages(rewards, rollouts.group_ids)
 
         self.engine.sleep()
         with _timed(times, "train"):
             batch = to_policy_batch(rollouts, G, result.advantages.cpu(), result.mask.cpu(),
-                                    self.tokenizer.pad_token_id or 0)
+                                    self.tokenizer.pad_token_id or 0, self.pad_multiple)
             mismatch = self._logprob_mismatch(batch)
             # Every rollout of the step can be out (dynamic sampling, NaN rewards): no update then.
             train_metrics = self.worker.train_step(batch) if result.group_count.sum() > 0 else {"skipped": 1.0}
@@ -189,8 +215,10 @@ class Trainer:
         metrics = self._reward_metrics(rewards, stage_metrics)
         for c in self.conditions:  # what the advantages saw for a gated reward
             name = self.reward_names[c.target]
-            metrics[f"reward/{name}/gated_mean"] = self._global_mean(result.rewards[:, c.target])
+            metrics[f"reward/{name}/gated_mean"] = self._global_mean(result.rewards[result.mask, c.target])
         metrics.update(result.metrics(self.reward_names))
+        if kept_fraction is not None:
+            metrics["advantage/kept_group_frac"] = kept_fraction
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
         metrics.update(self._rollout_metrics(rollouts, times["step"]))
         metrics["rollout/logprob_mismatch"] = mismatch
@@ -199,26 +227,43 @@ class Trainer:
 
     # ---- pieces of a step ---------------------------------------------------------------
 
-    def _encode(self, sample) -> list[int]:
-        ids = encode_prompt(self.tokenizer, sample.messages)
+    def _on_every_rank(self, fn):
+        """``fn()``; if it raises on any rank, every rank raises, none is left waiting in a collective."""
+        try:
+            value, error = fn(), None
+        except Exception as e:
+            value, error = None, e
+        flag = torch.tensor([float(error is not None)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if error is not None:
+            raise error
+        if flag.item():
+            raise RuntimeError("another rank failed in this step (its error is in its log)")
+        return value
+
+    def _encode(self, samples) -> list[list[int]]:
+        ids = [encode_prompt(self.tokenizer, s.messages) for s in samples]
         limit = self.config.data.max_prompt_tokens
-        if len(ids) > limit:
-            raise ValueError(f"data: prompt {sample.id!r} has {len(ids)} tokens, more than "
-                             f"data.max_prompt_tokens={limit}")
+        too_long = [f"{s.id!r} ({len(i)} tokens)" for s, i in zip(samples, ids) if len(i) > limit]
+        if too_long:
+            raise ValueError(f"data.max_prompt_tokens={limit}: longer prompts: {', '.join(too_long[:3])}")
         return ids
 
     def _advantages(self, rewards: torch.Tensor, group_ids: torch.Tensor):
+        """The step's advantages, and with dynamic sampling the share of prompt groups kept."""
         adv = self.config.advantage
         kwargs = dict(weights=self.reward_weights, mode=adv.mode, batch_norm=adv.batch_norm, eps=adv.eps,
                       conditions=self.conditions, nonfinite=adv.nonfinite, group=self.dp_group)
         result = compute_advantages(rewards, group_ids, **kwargs)
-        if self.config.dynamic_sampling:
-            # A group carries signal if ANY reward varies inside it: under GDPO each reward is
-            # normalized on its own, so a group whose summed reward is flat can still teach.
-            informative = ~result.group_zero_spread.all(dim=1)
-            position = torch.searchsorted(result.group_ids, group_ids)
-            result = compute_advantages(rewards, group_ids, informative[position], **kwargs)
-        return result
+        if not self.config.dynamic_sampling:
+            return result, None
+        # A group carries signal if ANY reward varies inside it: under GDPO each reward is
+        # normalized on its own, so a group whose summed reward is flat can still teach.
+        present = result.group_count > 0
+        informative = ~result.group_zero_spread.all(dim=1) & present
+        position = torch.searchsorted(result.group_ids, group_ids)
+        kept = informative.sum().item() / max(present.sum().item(), 1)
+        return compute_advantages(rewards, group_ids, result.mask & informative[position], **kwargs), kept
 
     def _sync_weights(self) -> None:
         self.engine.update_weights(iter_hf_weights(self.worker.gpt_model, self.policy_config.model))
@@ -281,9 +326,11 @@ class Trainer:
         return bool(flag.item())
 
     def save(self, step: int) -> Path:
+        """A training checkpoint; its config holds the model actually trained and where it came from."""
+        config = {**to_dict(dataclasses.replace(self.config, policy=self.policy_config)),
+                  "hf_config": self.hf_config, "hf_dir": str(Path(self.config.base_model).resolve())}
         return self.checkpoints.save(step, self.worker.model, self.worker.optimizer, self.worker.scheduler,
-                                     data_position=step * self.config.data.prompts_per_step,
-                                     config=to_dict(self.config))
+                                     data_position=step * self.config.data.prompts_per_step, config=config)
 
     def export_hf(self, out_dir: Path) -> Path:
         """The current policy as a Hugging Face directory with the base model's tokenizer.
@@ -296,7 +343,7 @@ class Trainer:
             shutil.rmtree(new, ignore_errors=True)  # left by a crash during an export
         dist.barrier()
         save_hf_checkpoint(self.worker.gpt_model, self.policy_config.model, new,
-                           base_hf_config=read_hf_config(self.config.base_model),
+                           base_hf_config=self.hf_config,
                            tokenizer_dir=self.config.base_model)
         if self.is_rank0:
             old = out_dir.with_name(f"{out_dir.name}.old")
@@ -308,13 +355,10 @@ class Trainer:
         return out_dir
 
     def close(self) -> None:
-        """Release everything; vLLM's shutdown also destroys the default process group, so it goes last."""
-        if self.reward_stage is not None:
-            self.reward_stage.close()
-        if self.logger is not None:
-            self.logger.close()
-        self.worker.close()
-        self.engine.close()
+        """Release whatever was built; vLLM's shutdown also ends the default process group, so it goes last."""
+        for part in (self.reward_stage, self.logger, self.worker, self.engine):
+            if part is not None:
+                part.close()
         for s, handler in self._previous_handlers.items():
             signal.signal(s, handler)
 

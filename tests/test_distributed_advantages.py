@@ -21,6 +21,7 @@ def _on_rank(rewards, groups, mask, owner, kwargs):
         "batch": (res.batch_mean, res.batch_std),
         "num_nonfinite": res.num_nonfinite,
         "group_count": res.group_count,
+        "moments": (res.mean, res.abs_mean),
     }
 
 
@@ -57,6 +58,8 @@ def _check_equal(results, rewards, groups, mask, kwargs):
         assert r["distinct_per_group"] == pytest.approx(want.distinct_per_group)
         assert r["batch"] == pytest.approx((want.batch_mean, want.batch_std), abs=1e-9)
         assert r["num_nonfinite"] == want.num_nonfinite
+        valid = want.advantages[want.mask]
+        assert r["moments"] == pytest.approx((valid.mean().item(), valid.abs().mean().item()), abs=1e-9)
         # ranks see every prompt id 0..P-1; the local result only the ones present
         assert torch.equal(r["group_count"][want.group_ids], want.group_count)
     return got

@@ -77,7 +77,6 @@ SRUN = {
         (_without(SRUN, "SLURM_STEP_NODELIST", "SLURM_NODELIST"), LaunchEnv(6, 16, 6, "big001", 14817, "slurm")),
         ({**SRUN, "MASTER_ADDR": "head", "MASTER_PORT": "23456"}, LaunchEnv(6, 16, 6, "head", 23456, "slurm")),
         ({**SRUN, **TORCHRUN}, LaunchEnv(5, 8, 1, "10.0.0.4", 29400, "torchrun")),  # torchrun inside srun
-        ({}, LaunchEnv(0, 1, 0, "127.0.0.1", 29500, "single")),
         ({"MASTER_PORT": "31000"}, LaunchEnv(0, 1, 0, "127.0.0.1", 31000, "single")),
     ],
 )
@@ -194,3 +193,12 @@ def test_one_srun_task_starts_nccl_on_its_gpu():
     out = subprocess.run([sys.executable, "-c", GPU_WORKER], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"backend": "nccl", "device": 0, "sum": 2.0}
+
+
+def test_single_process_takes_a_free_port():
+    from gdpo_megatron.distributed.launch import resolve_launch_env
+
+    env = resolve_launch_env({})
+    assert (env.rank, env.world_size, env.launcher, env.master_addr) == (0, 1, "single", "127.0.0.1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", env.master_port))  # nothing listens there

@@ -119,6 +119,9 @@ def test_model_parallel_runs_export_loadable_checkpoints(base_model, tmp_path, l
         ("advantage.conditions.0.gate=speed", r"advantage.conditions.0.gate: 'speed' is not a configured reward"),
         ("policy.optim.lr=fast", r"policy.optim.lr: expected a number, got 'fast'"),
         ("trainer.steps=3", r"trainer: unknown key"),
+        ("rollout.max_model_len=150", r"rollout.max_model_len: expected >= data.max_prompt_tokens \+ "
+                                      r"rollout.max_new_tokens = 208"),
+        ("rollout.temperature=0", r"rollout.temperature: expected > 0"),
     ],
 )
 def test_config_errors_name_the_key(override, message):
@@ -131,3 +134,17 @@ def test_layout_errors_are_caught_before_training(base_model, tmp_path):
 
     with pytest.raises(WorkerError, match=r"data.prompts_per_step: 3 is not divisible by the data-parallel size 2"):
         run_local(_train, 2, _overrides(base_model, tmp_path / "bad", 1, "data.prompts_per_step=3"))
+
+
+def _build_only(overrides):
+    from gdpo_megatron.trainer import Trainer
+
+    Trainer(load_config(TrainConfig, CONFIG, overrides)).close()
+
+
+def test_a_fresh_start_refuses_a_run_directory_with_checkpoints(base_model, tmp_path):
+    from gdpo_megatron.distributed.local_world import WorkerError
+
+    (tmp_path / "old" / "checkpoints" / "step_3").mkdir(parents=True)
+    with pytest.raises(WorkerError, match=r"checkpoint.resume: false, but .* holds step_3"):
+        run_local(_build_only, 1, _overrides(base_model, tmp_path / "old", 1, "checkpoint.resume=false"))

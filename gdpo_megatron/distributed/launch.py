@@ -24,13 +24,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from gdpo_megatron.distributed.local_world import free_port
+
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 SLURM_TASK_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
 # The step's own list first: task 0 of a step runs on the step's first node.
 SLURM_NODELIST_VARS = ("SLURM_STEP_NODELIST", "SLURM_NODELIST", "SLURM_JOB_NODELIST")
 # Ports derived from the job id stay below Linux's ephemeral range (32768 and up).
 SLURM_PORT_BASE, SLURM_PORT_SPAN = 12000, 20000
-SINGLE_PROCESS_PORT = 29500
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,8 @@ def resolve_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
             world_size=1,
             local_rank=0,
             master_addr=env.get("MASTER_ADDR") or "127.0.0.1",
-            master_port=_int(env, "MASTER_PORT") if env.get("MASTER_PORT") else SINGLE_PROCESS_PORT,
+            # any free port: two single-process runs on one machine must not meet
+            master_port=_int(env, "MASTER_PORT") if env.get("MASTER_PORT") else free_port(),
             launcher="single",
         )
     _check(launch)

@@ -1,6 +1,7 @@
 """The rollout engine interface: sampling settings in, completions with logprobs out."""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Iterable, Literal, Protocol, Sequence
 
@@ -67,3 +68,9 @@ class RolloutEngine(Protocol):
 
     def wake_up(self) -> None:
         """Reacquire what ``sleep`` released."""
+
+
+def derive_seed(*parts) -> int:
+    """A 63-bit seed that depends only on ``parts`` (e.g. seed, prompt, sample), not on a batch."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1

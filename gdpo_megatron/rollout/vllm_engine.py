@@ -47,7 +47,6 @@ also destroys the default torch.distributed process group.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +54,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from gdpo_megatron.rollout.engine import Completion, SamplingConfig
+from gdpo_megatron.rollout.engine import Completion, SamplingConfig, derive_seed
 
 _GIB = 1 << 30
 
@@ -211,7 +210,7 @@ class VLLMEngine:
     def _sampling_params(self, sampling: SamplingConfig, prompt_index: int, sample_index: int):
         from vllm import SamplingParams
 
-        seed = None if sampling.seed is None else _derived_seed(sampling.seed, prompt_index, sample_index)
+        seed = None if sampling.seed is None else derive_seed(sampling.seed, prompt_index, sample_index)
         return SamplingParams(
             n=1,
             temperature=sampling.temperature,
@@ -258,12 +257,6 @@ def _unlink_cpu_shm_name(worker) -> None:
     name = getattr(getattr(group.device_communicator, "dist_module", None), "group_name", None)
     if name is not None:  # the shared-memory communicator is in use
         (Path("/dev/shm") / f"{name.lstrip('/')}_{group.rank_in_group}").unlink(missing_ok=True)
-
-
-def _derived_seed(seed: int, prompt_index: int, sample_index: int) -> int:
-    """A 63-bit seed that depends only on (seed, prompt, sample), not on the batch."""
-    digest = hashlib.blake2b(f"{seed}:{prompt_index}:{sample_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 def _completion(output) -> Completion:

@@ -108,6 +108,16 @@ def _checksums(directory: Path, names: list[str]) -> dict[str, dict[str, int]]:
     return {k: v for part in parts for k, v in part.items()}
 
 
+def _read_json(path: Path, missing: str = "missing") -> Any:
+    """A JSON file of a checkpoint; CheckpointError naming it when it is missing or corrupted."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: {missing}") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: corrupted ({e})") from None
+
+
 def _write_json_atomic(path: Path, value: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
@@ -307,13 +317,7 @@ class CheckpointManager:
 
     def verify(self, directory: Path) -> None:
         """Raise :class:`CheckpointError` naming the first missing, extra-short or corrupted file."""
-        manifest_path = directory / MANIFEST
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except FileNotFoundError:
-            raise CheckpointError(f"{manifest_path}: missing (the checkpoint is incomplete)") from None
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{manifest_path}: corrupted ({e})") from None
+        manifest = _read_json(directory / MANIFEST, missing="missing (the checkpoint is incomplete)")
         missing = [n for n in manifest if not (directory / n).is_file()]
         if missing:
             raise CheckpointError(f"{directory / missing[0]}: missing from the checkpoint")
@@ -329,12 +333,7 @@ class CheckpointManager:
 def read_training_state(directory: str | os.PathLike) -> TrainingState:
     """The step, data position, config and world size stored in a checkpoint directory."""
     path = Path(directory) / STATE_FILE
-    try:
-        state = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: corrupted ({e})") from None
+    state = _read_json(path)
     fields = ("step", "data_position", "config", "world_size")
     for key in fields:
         if key not in state:

@@ -202,9 +202,14 @@ class Trainer:
         with _timed(times, "train"):
             batch = to_policy_batch(rollouts, G, result.advantages.cpu(), result.mask.cpu(),
                                     self.tokenizer.pad_token_id or 0, self.pad_multiple)
-            mismatch = self._logprob_mismatch(batch)
+            # On-policy (one optimizer pass) the update itself measures the mismatch, before it
+            # changes the weights; with ppo_epochs > 1 it takes a separate forward pass.
+            on_policy = self.policy_config.ppo_epochs == 1
+            mismatch = math.nan if on_policy else self._logprob_mismatch(batch)
             # Every rollout of the step can be out (dynamic sampling, NaN rewards): no update then.
             train_metrics = self.worker.train_step(batch) if result.group_count.sum() > 0 else {"skipped": 1.0}
+            if on_policy:
+                mismatch = train_metrics.get("logprob_gap", math.nan)
         with _timed(times, "sync"):
             self._sync_weights()
             if torch.cuda.is_available():
@@ -293,7 +298,7 @@ class Trainer:
         return sums[0].item() / max(sums[1].item(), 1.0)
 
     def _logprob_mismatch(self, batch) -> float:
-        """Mean |engine - policy| logprob over all completion tokens of the step (before the update)."""
+        """Mean |engine - policy| logprob over the completion tokens that train (before the update)."""
         policy = self.worker.compute_logprobs(batch).cpu()
         mask = batch.target_mask
         return self._global_mean((policy - batch.old_logprobs).abs()[mask])

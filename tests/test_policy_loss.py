@@ -88,6 +88,7 @@ def test_clipping_happens_on_both_sides_and_metrics_match_direct_counts():
     assert metrics["ratio_max"] == pytest.approx(ratio.max().item())
     log_ratio = (logprobs - old)[mask]
     assert metrics["approx_kl"] == pytest.approx((ratio - 1 - log_ratio).mean().item())
+    assert metrics["logprob_gap"] == pytest.approx(log_ratio.abs().mean().item())
     d = (ref - logprobs)[mask]
     assert metrics["kl_ref"] == pytest.approx((d.exp() - d - 1).mean().item())
     assert metrics["entropy"] == pytest.approx(1.0)

@@ -21,7 +21,9 @@ import torch
 from gdpo_megatron.policy.config import LossConfig
 
 # Token-averaged diagnostics, carried as sums over valid tokens.
-TOKEN_METRICS = ("clip_fraction", "approx_kl", "entropy", "ratio_mean", "kl_ref")
+# logprob_gap: mean |current - old| logprob; in a batch's first optimizer pass with the rollout
+# engine's old logprobs, the rollout-vs-policy mismatch.
+TOKEN_METRICS = ("clip_fraction", "approx_kl", "entropy", "ratio_mean", "kl_ref", "logprob_gap")
 
 
 @dataclass
@@ -101,6 +103,7 @@ def policy_loss(
         "entropy": (entropy * weight).sum().detach() if entropy is not None else logprobs.new_zeros(()),
         "ratio_mean": (ratio * weight).sum().detach(),
         "kl_ref": logprobs.new_zeros(()),
+        "logprob_gap": (log_ratio.abs() * weight).sum().detach(),
     }
     if config.kl_coef > 0:
         ref_log_ratio = torch.where(mask, ref_logprobs - logprobs, 0.0)

@@ -76,3 +76,31 @@ def test_wandb_offline_run_gets_the_same_metrics(tmp_path, monkeypatch):
     assert json.loads((tmp_path / METRICS_FILE).read_text())["reward/format/mean"] == 0.25
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+def test_runs_sharing_a_label_are_drawn_as_mean_with_a_min_max_band(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from gdpo_megatron.plot import _draw
+
+    for name, slope, steps in [("s0", 0.1, 6), ("s1", 0.05, 6), ("s2", 0.02, 4)]:
+        _write_run(tmp_path / name, slope, steps=steps)
+    runs = [read_metrics(tmp_path / n) for n in ("s0", "s1", "s2")]
+    fig, ax = plt.subplots()
+    _draw(ax, "gdpo", runs, "reward/correct/mean", smooth=1)
+    (line,) = ax.lines
+    assert line.get_label() == "gdpo (mean of 3)"
+    assert list(line.get_xdata()) == [1, 2, 3, 4]  # the steps every run reached
+    assert list(line.get_ydata()) == pytest.approx([0.17 * s / 3 for s in range(1, 5)])
+    (band,) = ax.collections
+    ys = band.get_paths()[0].vertices[:, 1]
+    assert min(ys) == pytest.approx(0.02) and max(ys) == pytest.approx(0.4)  # s2 at step 1, s0 at step 4
+    ax.clear()
+    _draw(ax, "grpo", runs[:1], "reward/correct/mean", smooth=2)  # one run: a plain line, trailing mean
+    assert list(ax.lines[0].get_ydata()) == pytest.approx([0.1, 0.15, 0.25, 0.35, 0.45, 0.55])
+    assert not ax.collections
+    plt.close(fig)
+    paths = plot_runs([tmp_path / n for n in ("s0", "s1", "s2")], tmp_path / "plots", labels=["gdpo"] * 3, smooth=3)
+    assert all(p.read_bytes()[:8] == PNG_MAGIC for p in paths)
+    with pytest.raises(ValueError, match="smooth: expected a window of >= 1 steps, got 0"):
+        plot_runs([tmp_path / "s0"], tmp_path / "plots", smooth=0)

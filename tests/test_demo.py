@@ -1,8 +1,13 @@
-"""The bundled demo task: its committed prompt file and its noisy demonstrations."""
+"""The bundled tasks (the demo's, and the GDPO-vs-GRPO one): prompt files, demonstrations, rewards."""
 import random
+from collections import Counter
 
+import pytest
+
+from gdpo_megatron.config import TrainConfig, load_config
 from gdpo_megatron.data.samples import load_jsonl
-from gdpo_megatron.demo import task
+from gdpo_megatron.demo import exact_task, task
+from gdpo_megatron.rewards.registry import get_reward, load_reward_file
 from gdpo_megatron.rewards.tool_call import tool_correctness, tool_format
 
 
@@ -24,3 +29,53 @@ def test_demonstrations_earn_each_reward_only_part_of_the_time():
     # the rendered right answer scores full marks
     right = task.render_completion(records[0]["tool_calls"], "x")
     assert tool_format(right, 0, records[0]) == 1.0 and tool_correctness(right, 0, records[0]) == 3.0
+
+
+def _tool_exact():
+    load_reward_file("gdpo_megatron/demo/exact_rewards.py")  # as configs/tiny_cpu_exact.yaml loads it
+    return get_reward("tool_exact")
+
+
+def test_exact_task_prompt_file_is_what_the_generator_writes(tmp_path):
+    task.write_jsonl(tmp_path / "tool_exact.jsonl", 512, 11, exact_task.TOOLS)
+    assert (tmp_path / "tool_exact.jsonl").read_text() == open("examples/data/tool_exact.jsonl").read()
+    config = load_config(TrainConfig, "configs/tiny_cpu_exact.yaml")
+    assert config.data.train_path == "examples/data/tool_exact.jsonl"
+    assert config.rewards.names == list(exact_task.REWARDS)
+
+
+def test_exact_task_demonstrations_separate_format_from_correctness():
+    tool_exact = _tool_exact()
+    rng = random.Random(0)
+    records = task.make_examples(2000, 5, exact_task.TOOLS)
+    texts = [exact_task.demonstration(r, rng) for r in records]
+    exact = [tool_exact(t, 0, r) for t, r in zip(texts, records)]
+    formats = [tool_format(t, 0, r) for t, r in zip(texts, records)]
+    assert abs(1 - sum(exact) / 2000 - exact_task.WRONG) < 0.04
+    assert abs(1 - sum(formats) / 2000 - exact_task.BROKEN) < 0.04
+    pairs = Counter(zip(exact, formats))
+    # every combination is common: a correct call can be badly formatted and a wrong one well formatted
+    for combo in [(1.0, 0.0), (0.0, 1.0), (1.0, 1.0), (0.0, 0.0)]:
+        assert pairs[combo] / 2000 > 0.05, pairs
+
+
+@pytest.mark.parametrize("completion, expected", [
+    ('<think>x</think>\n<tool_call>\n[{"name": "get_time", "arguments": {"city": "Lima"}}]\n</tool_call>', 1.0),
+    ('<tool_call>[{"name": "get_time", "arguments": {"city": "Lima"}}]</tool_call> trailing text', 1.0),
+    ('<tool_call>{"name": "get_time", "arguments": {"city": "Lima"}}</tool_call>', 1.0),  # one object
+    ('<tool_call>[{"name": "get_time", "arguments": {"city": "lima"}}]</tool_call>', 0.0),  # case
+    ('<tool_call>[{"name": "get_weather", "arguments": {"city": "Lima"}}]</tool_call>', 0.0),  # tool
+    ('<tool_call>[{"name": "get_time", "arguments": {"city": "Lima", "unit": "c"}}]</tool_call>', 0.0),
+    ('<tool_call>[{"name": "get_time", "arguments": {}}]</tool_call>', 0.0),
+    ('<tool_call>[{"name": "get_time", "arguments": {"city": "Lima"}}, '
+     '{"name": "get_time", "arguments": {"city": "Lima"}}]</tool_call>', 0.0),  # the call twice
+    ('<tool_call>[{"name": "get_time", "arguments": {"city": "Lima"}}]</tool_call>'
+     '<tool_call>[{"name": "get_time", "arguments": {"city": "Oslo"}}]</tool_call>', 0.0),  # hedging
+    ('<tool_call>[{"name": "get_time", "arguments": {"city": ["Lima", "Oslo"]}}]</tool_call>', 0.0),
+    ('<tool_call>[{"name": "get_time", "arguments": {"city": "Lima"}}]', 0.0),  # unclosed
+    ('get_time Lima', 0.0),
+    ('<tool_call>not json</tool_call>', 0.0),
+])
+def test_tool_exact_pays_only_for_exactly_the_expected_call(completion, expected):
+    truth = {"tool_calls": [{"name": "get_time", "arguments": {"city": "Lima"}}]}
+    assert _tool_exact()(completion, 10, truth) == expected

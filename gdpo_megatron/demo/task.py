@@ -42,12 +42,12 @@ _SHORT_THOUGHT = {"get_weather": "weather", "get_time": "time", "convert_currenc
 _LONG_THOUGHT = "the user asks me something, so I look at the request and pick the {tool} tool for it"
 
 
-def make_examples(count: int, seed: int) -> list[dict]:
+def make_examples(count: int, seed: int, tools: tuple[str, ...] = tuple(sorted(_REQUESTS))) -> list[dict]:
     """``count`` records in the tool-family JSONL format (``messages``, ``tool_calls``)."""
     rng = random.Random(seed)
     out = []
     for _ in range(count):
-        tool = rng.choice(sorted(_REQUESTS))
+        tool = rng.choice(tools)
         if tool == "convert_currency":
             src, dst = rng.sample(CURRENCIES, 2)
             args = {"amount": rng.randint(2, 99), "from": src, "to": dst}
@@ -98,8 +98,8 @@ def tokenizer_corpus(seed: int = 0) -> list[str]:
     return corpus
 
 
-def write_jsonl(path, count: int, seed: int) -> None:
+def write_jsonl(path, count: int, seed: int, tools: tuple[str, ...] = tuple(sorted(_REQUESTS))) -> None:
     """The demo's prompt file (``examples/data/tool_demo.jsonl`` is ``write_jsonl(path, 512, 7)``)."""
     with open(path, "w", encoding="utf-8") as f:
-        for record in make_examples(count, seed):
+        for record in make_examples(count, seed, tools):
             f.write(json.dumps(record) + "\n")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -34,12 +35,13 @@ def build_tokenizer(vocab_size: int = 512, seed: int = 0):
     return out
 
 
-def sft_batches(tokenizer, examples: list[dict], batch_size: int, rng: random.Random):
+def sft_batches(tokenizer, examples: list[dict], batch_size: int, rng: random.Random,
+                demonstration: Callable[[dict, random.Random], str] = task.demonstration):
     """Endless shuffled batches of (input ids, loss mask over answer tokens) for the warm-up."""
     rows = []
     for ex in examples:
         prompt = tokenizer.apply_chat_template(ex["messages"], add_generation_prompt=True, tokenize=False)
-        answer = task.demonstration(ex, rng) + task.EOS
+        answer = demonstration(ex, rng) + task.EOS
         p, a = tokenizer(prompt)["input_ids"], tokenizer(answer)["input_ids"]
         rows.append((p + a, [0] * len(p) + [1] * len(a)))
     while True:
@@ -55,8 +57,14 @@ def sft_batches(tokenizer, examples: list[dict], batch_size: int, rng: random.Ra
             yield ids, mask
 
 
-def make_base_model(out_dir: str | Path, steps: int = 150, batch_size: int = 32, lr: float = 3e-3, seed: int = 0) -> Path:
-    """Fine-tune a tiny random Llama on noisy demonstrations; save it with its tokenizer."""
+def make_base_model(out_dir: str | Path, steps: int = 150, batch_size: int = 32, lr: float = 3e-3, seed: int = 0,
+                    demonstration: Callable[[dict, random.Random], str] = task.demonstration,
+                    tools: tuple[str, ...] = tuple(sorted(task._REQUESTS))) -> Path:
+    """Fine-tune a tiny random Llama on noisy demonstrations; save it with its tokenizer.
+
+    ``demonstration(example, rng)`` writes one answer (default: the demo task's noise) to
+    requests for ``tools``.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out_dir = Path(out_dir)
@@ -70,7 +78,7 @@ def make_base_model(out_dir: str | Path, steps: int = 150, batch_size: int = 32,
     )
     model = LlamaForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    batches = sft_batches(tokenizer, task.make_examples(2000, seed + 1), batch_size, random.Random(seed))
+    batches = sft_batches(tokenizer, task.make_examples(2000, seed + 1, tools), batch_size, random.Random(seed), demonstration)
     model.train()
     for _, (ids, mask) in zip(range(steps), batches):
         logits = model(input_ids=ids).logits[:, :-1]

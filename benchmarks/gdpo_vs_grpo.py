@@ -1,16 +1,19 @@
 """GDPO vs GRPO vs GRPO without std: the mechanism alone, then the trainer on a task built for it.
 
-    python benchmarks/gdpo_vs_grpo.py [--seeds 5] [--steps 100] [--jobs 2] [--out runs/gdpo_vs_grpo]
+    python benchmarks/gdpo_vs_grpo.py [--variant default_city] [--seeds 5] [--steps 100] [--jobs 2]
+                                      [--out runs/gdpo_vs_grpo]
 
 1. Mechanism: the softmax policy of ``gdpo_megatron/demo/bandit.py`` (one hard reward, two
    easy ones, plain policy gradient), ``--mechanism-seeds`` seeds per mode.
 2. Collapse census: the base model's rollouts for ``--census-prompts`` prompts, scored once;
    the advantages of every mode on those same rewards; per group the distinct advantage
    values, and the share of groups in which GRPO merges reward combinations GDPO keeps apart.
-3. Training: ``--config`` (default ``configs/tiny_cpu_exact.yaml``) once per mode and seed, each
-   run a ``gdpo_megatron.cli train`` process. Seed index s gives every mode the same base
-   model, budget, sampling seed and prompt order (``seed=s data.shuffle_seed=s``), so runs of
-   one seed index share their first step's rollouts and are compared in pairs.
+3. Training: ``configs/tiny_cpu_exact.yaml`` once per mode and seed, each run a
+   ``gdpo_megatron.cli train`` process, from the base model of the task's ``--variant``
+   (``gdpo_megatron/demo/exact_task.py``; written to ``runs/exact_base_<variant>`` once).
+   Seed index s gives every mode the same base model, budget, sampling seed and prompt order
+   (``seed=s data.shuffle_seed=s``), so runs of one seed index share their first step's
+   rollouts and are compared in pairs.
 4. Report: per reward the mean over the last ``--tail`` steps (mean over seeds with a 95%
    t interval), a paired t-test of GDPO against each other mode on those per-seed values,
    the steps until the correctness reward's trailing mean first reaches ``--threshold``, and
@@ -40,6 +43,7 @@ from scipy import stats
 
 from gdpo_megatron.advantages import MODES, compute_advantages
 from gdpo_megatron.config import TrainConfig, load_config
+from gdpo_megatron.demo.exact_task import DEFAULT_VARIANT, VARIANTS, make_exact_base_model
 from gdpo_megatron.metrics import read_metrics
 from gdpo_megatron.plot import plot_runs
 
@@ -154,10 +158,10 @@ def census(config: TrainConfig, prompts: int) -> tuple[list[str], dict]:
 
 # ---- 3. training runs ------------------------------------------------------------------------
 
-def train(config_path: str, mode: str, seed: int, steps: int, run_dir: Path, overrides: list[str]) -> Path:
+def train(mode: str, seed: int, steps: int, run_dir: Path, overrides: list[str]) -> Path:
     if (run_dir / "hf").is_dir():
         return run_dir  # finished earlier: reuse
-    cmd = [sys.executable, "-m", "gdpo_megatron.cli", "train", "--config", config_path, *overrides,
+    cmd = [sys.executable, "-m", "gdpo_megatron.cli", "train", "--config", CONFIG, *overrides,
            f"advantage.mode={mode}", f"seed={seed}", f"data.shuffle_seed={seed}", f"steps={steps}",
            f"run_dir={run_dir}", "logging.progress_bar=false", "checkpoint.save_every=0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
@@ -189,7 +193,7 @@ def report(config: TrainConfig, runs: dict[str, list[Path]], args) -> tuple[list
                   for n in names} for m in MODES}
     steps = len(records["gdpo"][0])
     seeds = len(runs["gdpo"])
-    lines = [f"Training ({args.config}, {steps} steps of {config.data.prompts_per_step} prompts x "
+    lines = [f"Training ({CONFIG}, variant {args.variant}, {steps} steps of {config.data.prompts_per_step} prompts x "
              f"{config.rollout.group_size}, {seeds} seeds per mode): each reward over the last {args.tail} steps "
              "(gated rewards as the advantages saw them), mean ± 95% interval over seeds", "",
              "| mode | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
@@ -233,7 +237,8 @@ def report(config: TrainConfig, runs: dict[str, list[Path]], args) -> tuple[list
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=CONFIG)
+    parser.add_argument("--variant", default=DEFAULT_VARIANT, choices=sorted(VARIANTS),
+                        help="the task's demonstration noise, i.e. its base model")
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--tail", type=int, default=10, help="final value: mean over the last TAIL steps")
@@ -247,19 +252,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides for every run")
     parser.add_argument("--out", default="runs/gdpo_vs_grpo")
     args = parser.parse_args(argv)
-    config = load_config(TrainConfig, args.config, args.set)
+    config = load_config(TrainConfig, CONFIG, [f"base_model=runs/exact_base_{args.variant}", *args.set])
     if args.correctness not in config.rewards.names:
-        parser.error(f"--correctness: {args.correctness!r} is not a reward of {args.config} ({config.rewards.names})")
+        parser.error(f"--correctness: {args.correctness!r} is not a reward of {CONFIG} ({config.rewards.names})")
     torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started, load = time.time(), os.getloadavg()[0]
 
     if not Path(config.base_model, "config.json").is_file():
-        from gdpo_megatron.demo.exact_task import make_exact_base_model
-
-        print(f"writing the base model to {config.base_model}", flush=True)
-        make_exact_base_model(config.base_model, steps=args.base_steps)
+        print(f"writing the base model of variant {args.variant} to {config.base_model}", flush=True)
+        make_exact_base_model(config.base_model, args.variant, steps=args.base_steps)
     sections = [mechanism(args.mechanism_seeds, args.mechanism_steps)]
     print("\n".join(sections[-1]) + "\n", flush=True)
     census_lines, census_summary = census(config, args.census_prompts)
@@ -269,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [f"base_model={config.base_model}", *args.set]
     jobs = [(mode, seed) for seed in range(args.seeds) for mode in MODES]  # seeds outermost: drift hits all modes
     with ThreadPoolExecutor(args.jobs) as pool:
-        done = list(pool.map(lambda job: train(args.config, job[0], job[1], args.steps,
+        done = list(pool.map(lambda job: train(job[0], job[1], args.steps,
                                                out / f"{job[0]}_seed{job[1]}", overrides), jobs))
     runs = {m: [d for (mode, _), d in zip(jobs, done) if mode == m] for m in MODES}
     training_lines, training_summary = report(config, runs, args)

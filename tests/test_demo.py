@@ -44,19 +44,24 @@ def test_exact_task_prompt_file_is_what_the_generator_writes(tmp_path):
     assert config.rewards.names == list(exact_task.REWARDS)
 
 
-def test_exact_task_demonstrations_separate_format_from_correctness():
-    tool_exact = _tool_exact()
+@pytest.mark.parametrize("variant", sorted(exact_task.VARIANTS))
+def test_exact_task_demonstrations_separate_format_from_correctness(variant):
+    tool_exact, noise = _tool_exact(), exact_task.VARIANTS[variant]
     rng = random.Random(0)
-    records = task.make_examples(2000, 5, exact_task.TOOLS)
-    texts = [exact_task.demonstration(r, rng) for r in records]
+    records = task.make_examples(4000, 5, exact_task.TOOLS)
+    texts = [exact_task.demonstration(r, rng, noise) for r in records]
     exact = [tool_exact(t, 0, r) for t, r in zip(texts, records)]
     formats = [tool_format(t, 0, r) for t, r in zip(texts, records)]
-    assert abs(1 - sum(exact) / 2000 - exact_task.WRONG) < 0.04
-    assert abs(1 - sum(formats) / 2000 - exact_task.BROKEN) < 0.04
+    assert abs(1 - sum(exact) / 4000 - noise.wrong) < 0.03
+    assert abs(1 - sum(formats) / 4000 - noise.broken) < 0.03
     pairs = Counter(zip(exact, formats))
-    # every combination is common: a correct call can be badly formatted and a wrong one well formatted
+    # every combination occurs: a correct call can be badly formatted and a wrong one well formatted
     for combo in [(1.0, 0.0), (0.0, 1.0), (1.0, 1.0), (0.0, 0.0)]:
-        assert pairs[combo] / 2000 > 0.05, pairs
+        assert pairs[combo] / 4000 > 0.04, pairs
+    if noise.default_city:  # every wrong call names the default city, which no request asks for
+        wrong = [t for t, e in zip(texts, exact) if not e]
+        assert all(f'"city": "{noise.default_city}"' in t for t in wrong)
+        assert all(noise.default_city not in m["content"] for r in records for m in r["messages"])
 
 
 @pytest.mark.parametrize("completion, expected", [

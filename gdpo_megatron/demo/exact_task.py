@@ -1,45 +1,65 @@
-"""The GDPO-vs-GRPO task: the demo's tool-calling prompts with rewards of the paper's shape.
+"""The GDPO-vs-GRPO task: city-only tool-calling prompts with rewards of the paper's shape.
 
-Three binary rewards, as in the paper's settings: a hard one and two easy ones.
+Requests for the weather or the time in a city (``examples/data/tool_exact.jsonl``); three
+binary rewards, as in the paper's settings, one hard and two easy:
 
-* ``tool_exact`` (hard): the call is exactly right (tool and every argument value); the base
-  model gets it about one time in ten.
-* ``tool_format`` (easy): think block, then the tool_call block, nothing else; the base
-  model gets it about half the time. Its breakages keep the call readable, so a correct
-  call can be badly formatted and a wrong one well formatted.
-* ``length`` (easy, gated on ``tool_exact``): a short completion, counted only when correct.
+* ``tool_exact`` (hard): the call is exactly right (tool and city); rare at the start.
+* ``tool_format`` (easy): think block, then the tool_call block, nothing else; about half
+  the time at the start. Its breakages keep the call readable, so a correct call can be
+  badly formatted and a wrong one well formatted.
+* ``length`` (gated on ``tool_exact``): a short completion, counted only when correct.
 
 With one correct rollout in a group, GRPO's summed reward cannot tell "correct, badly
 formatted" from "wrong, well formatted" (both total 1); GDPO normalizes each reward in the
 group, so the rare correct call gets its own large advantage. The base model is the demo's
-tiny Llama, fine-tuned on demonstrations with this noise (:func:`demonstration`).
+tiny Llama, fine-tuned on demonstrations with one of the :data:`VARIANTS` of noise.
 """
 from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 
-from gdpo_megatron.demo.task import CITIES, SHORT_TOKENS, _LONG_THOUGHT, _SHORT_THOUGHT, render_completion
+from gdpo_megatron.demo.task import CITIES, LONG_THOUGHT, SHORT_THOUGHT, render_completion
 
 REWARDS = ("tool_format", "tool_exact", "length")
 TOOLS = ("get_time", "get_weather")  # requests name a city: the call is right when it copies it
-WRONG = 0.5  # share of demonstrations with a wrong call
-BROKEN = 0.5  # share of demonstrations with a broken (but readable) format
-SHORT = 0.5  # share of demonstrations with a short thought
 _TRAILERS = ["\nDone.", "\nI called the tool.", " ok"]
 
 
-def demonstration(example: dict, rng: random.Random) -> str:
+@dataclass(frozen=True)
+class Noise:
+    """How the warm-up demonstrations go wrong (each share drawn independently)."""
+
+    wrong: float  # share with a wrong call
+    default_city: str | None  # a wrong call names this city; None: a random other city or tool
+    broken: float  # share with a broken but readable format
+    short: float  # share with a short thought
+
+
+VARIANTS = {
+    # A wrong call names another city of the list (or, one time in four, the other tool).
+    "random_city": Noise(wrong=0.5, default_city=None, broken=0.5, short=0.5),
+    # A wrong call always names one city that no request asks for: the base model copies the
+    # requested city or falls back on the default, one decision that RL can shift.
+    "default_city": Noise(wrong=0.6, default_city="London", broken=0.5, short=0.3),
+}
+DEFAULT_VARIANT = "default_city"
+
+
+def demonstration(example: dict, rng: random.Random, noise: Noise = VARIANTS[DEFAULT_VARIANT]) -> str:
     """A noisy answer to ``example``: rarely the right call, often badly formatted or long."""
     call = json.loads(json.dumps(example["tool_calls"][0]))
-    if rng.random() < WRONG:
-        if rng.random() < 0.25:
+    if rng.random() < noise.wrong:
+        if noise.default_city is not None:
+            call["arguments"]["city"] = noise.default_city
+        elif rng.random() < 0.25:
             call["name"] = next(t for t in TOOLS if t != call["name"])
         else:
             call["arguments"]["city"] = rng.choice([c for c in CITIES if c != call["arguments"]["city"]])
-    thought = _SHORT_THOUGHT[call["name"]] if rng.random() < SHORT else _LONG_THOUGHT.format(tool=call["name"])
+    thought = SHORT_THOUGHT[call["name"]] if rng.random() < noise.short else LONG_THOUGHT.format(tool=call["name"])
     text = render_completion([call], thought)
-    if rng.random() < BROKEN:
+    if rng.random() < noise.broken:
         if rng.random() < 0.5:  # no think block
             text = text[text.index("<tool_call>"):]
         else:  # text after the call
@@ -47,8 +67,10 @@ def demonstration(example: dict, rng: random.Random) -> str:
     return text
 
 
-def make_exact_base_model(out_dir, steps: int = 300):
-    """The task's base model: the demo's tiny Llama warmed up on these demonstrations."""
+def make_exact_base_model(out_dir, variant: str = DEFAULT_VARIANT, steps: int = 300):
+    """The task's base model: the demo's tiny Llama warmed up on ``variant``'s demonstrations."""
     from gdpo_megatron.demo.warmup import make_base_model
 
-    return make_base_model(out_dir, steps=steps, demonstration=demonstration, tools=TOOLS)
+    noise = VARIANTS[variant]
+    return make_base_model(out_dir, steps=steps, demonstration=lambda ex, rng: demonstration(ex, rng, noise),
+                           tools=TOOLS)

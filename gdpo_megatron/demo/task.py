@@ -38,8 +38,8 @@ _REQUESTS = {
     "get_time": ["What time is it in {city}?", "Tell me the local time in {city}.", "Current time in {city}?"],
     "convert_currency": ["Convert {amount} {src} to {dst}.", "How much is {amount} {src} in {dst}?"],
 }
-_SHORT_THOUGHT = {"get_weather": "weather", "get_time": "time", "convert_currency": "convert"}
-_LONG_THOUGHT = "the user asks me something, so I look at the request and pick the {tool} tool for it"
+SHORT_THOUGHT = {"get_weather": "weather", "get_time": "time", "convert_currency": "convert"}
+LONG_THOUGHT = "the user asks me something, so I look at the request and pick the {tool} tool for it"
 
 
 def make_examples(count: int, seed: int, tools: tuple[str, ...] = tuple(sorted(_REQUESTS))) -> list[dict]:
@@ -78,7 +78,7 @@ def demonstration(example: dict, rng: random.Random) -> str:
             call["arguments"]["amount"] = rng.randint(2, 99)
     elif roll < 0.35:  # wrong tool
         call["name"] = rng.choice([t for t in _REQUESTS if t != call["name"]])
-    thought = _SHORT_THOUGHT[call["name"]] if rng.random() < 0.4 else _LONG_THOUGHT.format(tool=call["name"])
+    thought = SHORT_THOUGHT[call["name"]] if rng.random() < 0.4 else LONG_THOUGHT.format(tool=call["name"])
     text = render_completion([call], thought)
     breakage = rng.random()
     if breakage < 0.08:
@@ -94,7 +94,7 @@ def tokenizer_corpus(seed: int = 0) -> list[str]:
     examples = make_examples(400, seed)
     corpus = [m["content"] for e in examples for m in e["messages"]]
     corpus += [demonstration(e, rng) for e in examples]
-    corpus += [render_completion(e["tool_calls"], _SHORT_THOUGHT[e["tool_calls"][0]["name"]]) for e in examples]
+    corpus += [render_completion(e["tool_calls"], SHORT_THOUGHT[e["tool_calls"][0]["name"]]) for e in examples]
     return corpus
 
 

@@ -53,7 +53,8 @@ def test_exact_task_demonstrations_separate_format_from_correctness(variant):
     exact = [tool_exact(t, 0, r) for t, r in zip(texts, records)]
     formats = [tool_format(t, 0, r) for t, r in zip(texts, records)]
     assert abs(1 - sum(exact) / 4000 - noise.wrong) < 0.03
-    assert abs(1 - sum(formats) / 4000 - noise.broken) < 0.03
+    broken = noise.wrong * noise.broken_if_wrong + (1 - noise.wrong) * noise.broken_if_right
+    assert abs(1 - sum(formats) / 4000 - broken) < 0.03
     pairs = Counter(zip(exact, formats))
     # every combination occurs: a correct call can be badly formatted and a wrong one well formatted
     for combo in [(1.0, 0.0), (0.0, 1.0), (1.0, 1.0), (0.0, 0.0)]:

@@ -29,20 +29,24 @@ _TRAILERS = ["\nDone.", "\nI called the tool.", " ok"]
 
 @dataclass(frozen=True)
 class Noise:
-    """How the warm-up demonstrations go wrong (each share drawn independently)."""
+    """How the warm-up demonstrations go wrong."""
 
     wrong: float  # share with a wrong call
     default_city: str | None  # a wrong call names this city; None: a random other city or tool
-    broken: float  # share with a broken but readable format
+    broken_if_right: float  # share of right calls with a broken but readable format
+    broken_if_wrong: float  # share of wrong calls with a broken but readable format
     short: float  # share with a short thought
 
 
 VARIANTS = {
     # A wrong call names another city of the list (or, one time in four, the other tool).
-    "random_city": Noise(wrong=0.5, default_city=None, broken=0.5, short=0.5),
+    "random_city": Noise(wrong=0.5, default_city=None, broken_if_right=0.5, broken_if_wrong=0.5, short=0.5),
     # A wrong call always names one city that no request asks for: the base model copies the
     # requested city or falls back on the default, one decision that RL can shift.
-    "default_city": Noise(wrong=0.6, default_city="London", broken=0.5, short=0.3),
+    "default_city": Noise(wrong=0.6, default_city="London", broken_if_right=0.5, broken_if_wrong=0.5, short=0.3),
+    # As default_city, but a right call is usually badly formatted and a wrong one usually well
+    # formatted: the two kinds of answer GRPO's summed reward cannot tell apart.
+    "tradeoff": Noise(wrong=0.6, default_city="London", broken_if_right=0.8, broken_if_wrong=0.2, short=0.3),
 }
 DEFAULT_VARIANT = "default_city"
 
@@ -50,7 +54,8 @@ DEFAULT_VARIANT = "default_city"
 def demonstration(example: dict, rng: random.Random, noise: Noise = VARIANTS[DEFAULT_VARIANT]) -> str:
     """A noisy answer to ``example``: rarely the right call, often badly formatted or long."""
     call = json.loads(json.dumps(example["tool_calls"][0]))
-    if rng.random() < noise.wrong:
+    wrong = rng.random() < noise.wrong
+    if wrong:
         if noise.default_city is not None:
             call["arguments"]["city"] = noise.default_city
         elif rng.random() < 0.25:
@@ -59,7 +64,7 @@ def demonstration(example: dict, rng: random.Random, noise: Noise = VARIANTS[DEF
             call["arguments"]["city"] = rng.choice([c for c in CITIES if c != call["arguments"]["city"]])
     thought = SHORT_THOUGHT[call["name"]] if rng.random() < noise.short else LONG_THOUGHT.format(tool=call["name"])
     text = render_completion([call], thought)
-    if rng.random() < noise.broken:
+    if rng.random() < (noise.broken_if_wrong if wrong else noise.broken_if_right):
         if rng.random() < 0.5:  # no think block
             text = text[text.index("<tool_call>"):]
         else:  # text after the call

@@ -29,7 +29,8 @@ setup(
         "matplotlib",  # gdpo-plot
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "wandb"],
+        # scipy: the statistics of benchmarks/gdpo_vs_grpo.py, whose smoke run is a test.
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "wandb", "scipy>=1.11,<2"],
         # Rollouts on GPU machines; Transformer Engine for the TE layer spec and FP8.
         "gpu": ["transformer-engine[pytorch]", "vllm"],
         # Rollouts on CPU machines: the same vLLM code path, built for CPU.

@@ -165,8 +165,11 @@ def train(mode: str, seed: int, steps: int, run_dir: Path, overrides: list[str])
            f"advantage.mode={mode}", f"seed={seed}", f"data.shuffle_seed={seed}", f"steps={steps}",
            f"run_dir={run_dir}", "logging.progress_bar=false", "checkpoint.save_every=0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-    with open(run_dir.parent / f"{run_dir.name}.log", "w") as log:
-        subprocess.run(cmd, check=True, env=env, stdout=log, stderr=subprocess.STDOUT)
+    log_path = run_dir.parent / f"{run_dir.name}.log"
+    with open(log_path, "w") as log:
+        code = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    if code:
+        raise RuntimeError(f"training run {run_dir} exited with status {code}; its output is in {log_path}")
     return run_dir
 
 

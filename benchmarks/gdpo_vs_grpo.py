@@ -1,7 +1,7 @@
 """GDPO vs GRPO vs GRPO without std: the mechanism alone, then the trainer on a task built for it.
 
-    python benchmarks/gdpo_vs_grpo.py [--variant default_city] [--seeds 5] [--steps 100] [--jobs 2]
-                                      [--out runs/gdpo_vs_grpo]
+    python benchmarks/gdpo_vs_grpo.py [--variant tradeoff] [--seeds 5] [--steps 100] [--jobs 2]
+                                      [--out runs/gdpo_vs_grpo_<variant>]
 
 1. Mechanism: the softmax policy of ``gdpo_megatron/demo/bandit.py`` (one hard reward, two
    easy ones, plain policy gradient), ``--mechanism-seeds`` seeds per mode.
@@ -18,7 +18,9 @@
    t interval), a paired t-test of GDPO against each other mode on those per-seed values,
    the steps until the correctness reward's trailing mean first reaches ``--threshold``, and
    the runs' advantage diagnostics. Printed, and written to ``report.md`` and ``summary.json``
-   in ``--out`` with overlay plots (mean of the seeds with a min-max band).
+   in ``--out`` with overlay plots (mean of the seeds with a min-max band). Finished runs in
+   ``--out`` are reused: a rerun with more seeds or another ``--threshold`` trains only what
+   is missing.
 
 Why a paired t-test: the pairs share a seed index, so their difference removes what the seed
 index fixes; an exact sign-flip test over 5 pairs cannot go below p = 2/32 two-sided, so with
@@ -238,6 +240,16 @@ def report(config: TrainConfig, runs: dict[str, list[Path]], args) -> tuple[list
     return lines, summary
 
 
+def reuse_only_same_runs(out: Path, settings: dict) -> None:
+    """Finished runs in ``out`` are reused, so ``out`` must hold runs of these settings only."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "run_settings.json"
+    if path.is_file() and json.loads(path.read_text()) != settings:
+        raise SystemExit(f"{out} holds runs of other settings ({path.read_text().strip()}); "
+                         f"choose another --out for {json.dumps(settings)}")
+    path.write_text(json.dumps(settings))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", default=DEFAULT_VARIANT, choices=sorted(VARIANTS),
@@ -253,14 +265,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--census-prompts", type=int, default=64)
     parser.add_argument("--base-steps", type=int, default=300, help="warm-up steps of a base model built here")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides for every run")
-    parser.add_argument("--out", default="runs/gdpo_vs_grpo")
+    parser.add_argument("--out", default=None, help="default: runs/gdpo_vs_grpo_<variant>")
     args = parser.parse_args(argv)
     config = load_config(TrainConfig, CONFIG, [f"base_model=runs/exact_base_{args.variant}", *args.set])
     if args.correctness not in config.rewards.names:
         parser.error(f"--correctness: {args.correctness!r} is not a reward of {CONFIG} ({config.rewards.names})")
     torch.set_num_threads(1)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out or f"runs/gdpo_vs_grpo_{args.variant}")
+    reuse_only_same_runs(out, {"variant": args.variant, "steps": args.steps, "set": args.set})
     started, load = time.time(), os.getloadavg()[0]
 
     if not Path(config.base_model, "config.json").is_file():

@@ -53,3 +53,7 @@ def test_smoke_run_reports_what_the_runs_logged(tmp_path):
         assert heading in report
     for png in ("rewards.png", "diagnostics.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # Finished runs are reused, so runs of other settings must not land in the same directory.
+    again = subprocess.run([*cmd[:5], "3", *cmd[6:]], env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode != 0 and "holds runs of other settings" in again.stderr

@@ -48,7 +48,7 @@ VARIANTS = {
     # formatted: the two kinds of answer GRPO's summed reward cannot tell apart.
     "tradeoff": Noise(wrong=0.6, default_city="London", broken_if_right=0.8, broken_if_wrong=0.2, short=0.3),
 }
-DEFAULT_VARIANT = "default_city"
+DEFAULT_VARIANT = "tradeoff"
 
 
 def demonstration(example: dict, rng: random.Random, noise: Noise = VARIANTS[DEFAULT_VARIANT]) -> str:

@@ -106,10 +106,7 @@ class Trainer:
         mp_group = parallel_state.get_model_parallel_group()
         self.mp_group = mp_group if dist.get_world_size(mp_group) > 1 else None
         self.is_leader = self.mp_group is None or dist.get_rank(mp_group) == 0
-        tp = self.policy_config.parallel.tensor_model_parallel_size
-        # Sequence parallelism splits the sequence over TP ranks; FP8 GEMMs want multiples of 16.
-        self.pad_multiple = math.lcm(tp if self.policy_config.parallel.sequence_parallel else 1,
-                                     16 if self.policy_config.precision.fp8 else 1)
+        self.pad_multiple = self.policy_config.sequence_multiple()  # sequence parallelism, FP8
 
         self.start_step = 0
         if latest is not None:
@@ -202,18 +199,13 @@ class Trainer:
         with _timed(times, "train"):
             batch = to_policy_batch(rollouts, G, result.advantages.cpu(), result.mask.cpu(),
                                     self.tokenizer.pad_token_id or 0, self.pad_multiple)
-            # On-policy (one optimizer pass) the update itself measures the mismatch, before it
-            # changes the weights; with ppo_epochs > 1 it takes a separate forward pass.
-            on_policy = self.policy_config.ppo_epochs == 1
-            mismatch = math.nan if on_policy else self._logprob_mismatch(batch)
             # Every rollout of the step can be out (dynamic sampling, NaN rewards): no update then.
             train_metrics = self.worker.train_step(batch) if result.group_count.sum() > 0 else {"skipped": 1.0}
-            if on_policy:
-                mismatch = train_metrics.get("logprob_gap", math.nan)
+            mismatch = train_metrics.pop("logprob_mismatch", math.nan)  # measured before the update
         with _timed(times, "sync"):
+            self.worker.release_memory()  # the update's memory goes back before vLLM wakes its weights
             self._sync_weights()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()  # the update's cached blocks go back before vLLM's KV cache returns
+            self.worker.release_memory()  # and the sync's before its KV cache returns
             self.engine.wake_up()
         times["step"] = time.perf_counter() - started
 
@@ -296,12 +288,6 @@ class Trainer:
                             device=self.device)
         dist.all_reduce(sums, group=self.dp_group)
         return sums[0].item() / max(sums[1].item(), 1.0)
-
-    def _logprob_mismatch(self, batch) -> float:
-        """Mean |engine - policy| logprob over the completion tokens that train (before the update)."""
-        policy = self.worker.compute_logprobs(batch).cpu()
-        mask = batch.target_mask
-        return self._global_mean((policy - batch.old_logprobs).abs()[mask])
 
     def _rollout_metrics(self, rollouts: Rollouts, step_time: float) -> dict[str, float]:
         """Generated tokens and truncation over the whole step."""

@@ -41,7 +41,7 @@ def sampled_batch() -> PolicyBatch:
     pos = torch.arange(T).unsqueeze(0)
     mask = (pos >= prompt.unsqueeze(1)) & (pos < (prompt + completion).unsqueeze(1))
     old = -5.5 + 0.3 * torch.randn(B, T - 1)
-    return PolicyBatch(ids, mask, torch.randn(B), old_logprobs=old)
+    return PolicyBatch(ids, mask, torch.randn(B), rollout_logprobs=old)
 
 
 # --- functions run on every rank ---------------------------------------------------------------

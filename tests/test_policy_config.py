@@ -103,7 +103,7 @@ def test_bad_fields_are_named(build, field):
 def good_batch():
     ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 0]])
     mask = torch.tensor([[False, False, True, True], [False, True, True, False]])
-    return PolicyBatch(ids, mask, torch.tensor([0.5, -0.5]), old_logprobs=torch.zeros(2, 3))
+    return PolicyBatch(ids, mask, torch.tensor([0.5, -0.5]), rollout_logprobs=torch.zeros(2, 3))
 
 
 @pytest.mark.parametrize("change,field", [
@@ -113,7 +113,7 @@ def good_batch():
     (dict(loss_mask=torch.zeros(2, 3, dtype=torch.bool)), "loss_mask"),
     (dict(advantages=torch.tensor([0.5, float("nan")])), "advantages"),
     (dict(advantages=torch.zeros(3)), "advantages"),
-    (dict(old_logprobs=torch.zeros(2, 4)), "old_logprobs"),
+    (dict(rollout_logprobs=torch.zeros(2, 4)), "rollout_logprobs"),
 ])
 def test_bad_batches_are_named(change, field):
     good_batch().validate(vocab_size=512)

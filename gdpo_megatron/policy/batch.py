@@ -2,7 +2,7 @@
 
 One row per rollout: prompt and completion token ids right-padded to a common length ``T``.
 Log-probabilities are aligned to the *targets* ``input_ids[:, 1:]``, hence ``T - 1`` columns:
-``old_logprobs[i, t]`` is log p(input_ids[i, t + 1] | input_ids[i, :t + 1]).
+``rollout_logprobs[i, t]`` is log p(input_ids[i, t + 1] | input_ids[i, :t + 1]).
 """
 from __future__ import annotations
 
@@ -21,8 +21,11 @@ class PolicyBatch:
         loss_mask: ``[B, T]`` bool, True on completion tokens (False on prompt and padding;
             position 0 is never a target and must be False).
         advantages: ``[B]`` one advantage per rollout (the GDPO output).
-        old_logprobs: ``[B, T - 1]`` log-probabilities of the targets under the sampling
-            policy (from the rollout engine), or None to use the current policy's.
+        rollout_logprobs: ``[B, T - 1]`` log-probabilities of the targets as the rollout engine
+            sampled them, or None.
+        old_logprobs: ``[B, T - 1]`` the PPO ratio's old-policy log-probabilities (filled in
+            by the worker: the policy's own, or ``rollout_logprobs``; see
+            ``PolicyConfig.old_logprobs``).
         ref_logprobs: ``[B, T - 1]`` log-probabilities under the frozen reference model
             (filled in by the worker when the KL penalty is on).
     """
@@ -30,6 +33,7 @@ class PolicyBatch:
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     advantages: torch.Tensor
+    rollout_logprobs: Optional[torch.Tensor] = None
     old_logprobs: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None
 
@@ -66,7 +70,7 @@ class PolicyBatch:
             raise ValueError(f"batch.advantages: expected shape ({self.size},), got {tuple(self.advantages.shape)}")
         if not torch.isfinite(self.advantages).all():
             raise ValueError("batch.advantages: contains NaN or inf")
-        for name in ("old_logprobs", "ref_logprobs"):
+        for name in ("rollout_logprobs", "old_logprobs", "ref_logprobs"):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != targets:
                 raise ValueError(f"batch.{name}: expected shape {targets}, got {tuple(value.shape)}")

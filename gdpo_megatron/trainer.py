@@ -92,7 +92,8 @@ class Trainer:
         _warn_on_shape_drift(config.policy.model, model, config.base_model)
         self.policy_config = dataclasses.replace(config.policy, model=model, seed=config.seed,
                                                  temperature=config.rollout.temperature)
-        self.checkpoints = CheckpointManager(self.run_dir / CHECKPOINT_DIR, keep_last=config.checkpoint.keep_last)
+        self.checkpoints = CheckpointManager(self.run_dir / CHECKPOINT_DIR, keep_last=config.checkpoint.keep_last,
+                                             optimizer_sharding=config.checkpoint.optimizer_sharding)
         latest = self.checkpoints.latest_step()
         if latest is not None and not config.checkpoint.resume:
             raise ConfigError(f"checkpoint.resume: false, but {self.checkpoints.root} holds step_{latest}; "

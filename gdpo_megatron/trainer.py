@@ -8,8 +8,9 @@ Every rank runs :class:`Trainer` inside an initialized ``torch.distributed`` wor
 2. the leader scores them in its reward process pool;
 3. advantages come from :func:`gdpo_megatron.distributed.compute_advantages` over the
    data-parallel group (exact GDPO over the whole step, whatever the split);
-4. the engine sleeps, the Megatron policy takes its update, and the new weights stream into
-   the engine as Hugging Face-named tensors;
+4. the engine sleeps, the Megatron policy takes its update, gives its memory back (see
+   :meth:`PolicyWorker.release_memory`), and the new weights stream into the engine as Hugging
+   Face-named tensors before its KV cache returns;
 5. metrics go to ``run_dir/metrics.jsonl`` (and wandb), checkpoints to ``run_dir/checkpoints``.
 
 SIGUSR1 / SIGTERM (Slurm's warning before the time limit, or a preemption) make the loop save a

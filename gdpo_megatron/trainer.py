@@ -119,6 +119,7 @@ class Trainer:
                                   f"{state.data_position} prompts, this config would resume after {expected}")
             self.start_step = state.step
 
+        self.worker.release_memory()  # before vLLM sizes itself from the free memory, and the first rollout
         self.engine = VLLMEngine(VLLMEngineConfig(
             model_path=config.base_model,
             tensor_parallel_size=config.rollout.tensor_parallel_size,

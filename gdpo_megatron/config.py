@@ -49,6 +49,8 @@ class AdvantageConfig:
     mode: str = "gdpo"
     batch_norm: Optional[bool] = None  # None: on for gdpo, off for the GRPO modes
     eps: float = 1e-4
+    leave_one_out: bool = False  # baseline and std of a rollout from its group's other rollouts
+    normalize_rewards: bool = True  # false: center inside the group without dividing by the std
     conditions: list[ConditionConfig] = dataclasses.field(default_factory=list)
     nonfinite: str = "raise"
 

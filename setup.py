@@ -29,7 +29,8 @@ setup(
         "matplotlib",  # gdpo-plot
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "wandb"],
+        # datasets: the tests load NeMo-RL data files the way NeMo-RL does (its bound).
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "wandb", "datasets>=4"],
         # Rollouts on GPU machines; Transformer Engine for the TE layer spec and FP8.
         "gpu": ["transformer-engine[pytorch]", "vllm"],
         # Rollouts on CPU machines: the same vLLM code path, built for CPU.

@@ -332,7 +332,9 @@ def segment_stats(
     if one_out:
         others = (count - 1).clamp(min=1).unsqueeze(1)
         # The mean of the rows other than the one maximum (its shifted value is 0) or minimum.
-        for center, drop in ((shift + shifted_sum / others, shift), (shift + (shifted_sum - (floor - shift)) / others, floor)):
+        without_hi = shift + shifted_sum / others
+        without_lo = shift + (shifted_sum - (floor - shift)) / others
+        for center, drop in ((without_hi, shift), (without_lo, floor)):
             keep = valid & (values != drop[index])
             squares.append(torch.where(keep, values - center[index], 0.0).square())
     m2 = torch.zeros(num_segments, len(squares) * C, dtype=dtype, device=device)

@@ -180,7 +180,8 @@ def test_leave_one_out_groups_of_two_and_one():
     # GDPO over two rewards, then batch normalization over the five valid rollouts
     res = compute_advantages(torch.tensor([[1.0, 0.0], [0.0, 0.0], [4.0, 1.0], [0.5, 1.0], [0.5, -2.0]]),
                              torch.tensor([0, 0, 1, 2, 2]), leave_one_out=True, eps=0.0)
-    summed = [1.0, -1.0, 0.0, 3.0, -3.0]  # group 0: reward 0 gives 1 - 0, 0 - 1; group 2: reward 1 gives 1 - (-2), -2 - 1
+    # group 0: reward 0 gives 1 - 0 and 0 - 1; group 2: reward 1 gives 1 - (-2) and -2 - 1
+    summed = [1.0, -1.0, 0.0, 3.0, -3.0]
     m, sd = statistics.fmean(summed), statistics.stdev(summed)
     assert res.advantages.tolist() == pytest.approx([(v - m) / sd for v in summed], abs=1e-6)
 

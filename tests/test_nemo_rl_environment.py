@@ -29,7 +29,8 @@ from gdpo_megatron.rollout.tiny_model import build_tokenizer
 TOOL_DATA = "examples/data/tool.jsonl"
 CODE_DATA = "examples/data/code.jsonl"
 MAX_TOKENS = 200  # the length reward's limit in the tool environment (the long completion has ~340)
-TOOL_REWARDS = [{"name": "tool_format"}, {"name": "tool_correctness"}, {"name": "length", "kwargs": {"max_tokens": MAX_TOKENS}}]
+TOOL_REWARDS = [{"name": "tool_format"}, {"name": "tool_correctness"},
+                {"name": "length", "kwargs": {"max_tokens": MAX_TOKENS}}]
 NO_SPEC = SimpleNamespace(system_prompt=None, prompt=None)  # a TaskDataSpec without prompt files
 SECRET = "GDPO_NEMO_ENV_SECRET"
 
@@ -70,7 +71,8 @@ def tool_rows(tmp_path_factory, tokenizer):
 
 
 def call(name, arguments):
-    return f'<think>call {name}</think>\n<tool_call>\n[{json.dumps({"name": name, "arguments": arguments})}]\n</tool_call>'
+    calls = json.dumps([{"name": name, "arguments": arguments}])
+    return f"<think>call {name}</think>\n<tool_call>\n{calls}\n</tool_call>"
 
 
 # (sample index, completion): a right call, a wrong value, an unformatted answer, a long right call

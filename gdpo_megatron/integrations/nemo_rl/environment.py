@@ -97,7 +97,8 @@ class RewardStageEnvironment:
             raise ValueError(f"step: {len(message_log_batch)} message logs but {len(metadata)} metadata entries")
         texts = [_completion(log, i) for i, log in enumerate(message_log_batch)]
         truths = [_ground_truth(m, i) for i, m in enumerate(metadata)]
-        num_tokens = [len(ids) for ids in self._tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
+        token_ids = self._tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        num_tokens = [len(ids) for ids in token_ids]
         rewards, stage_metrics = self._stage.score(texts, num_tokens, truths)
         self._add_to_totals(rewards, stage_metrics)
         n = len(texts)

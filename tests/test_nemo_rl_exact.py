@@ -29,7 +29,7 @@ def plugin(groups, columns, weights, leave_one_out, normalize_rewards, sample_ma
     one reward/<name> column per reward."""
     B = len(groups)
     keys = sorted(set(groups), key=str)
-    prompts = {g: [5 + j] * (1 + j % 3) + [9] for j, g in enumerate(keys)}  # some share a prefix
+    prompts = {g: [7] * (j + 1) for j, g in enumerate(keys)}  # each a prefix of the next, then padding
     S = max(map(len, prompts.values()))
     prompt_ids = torch.zeros(B, S, dtype=torch.int64)
     token_mask = torch.zeros(B, S + 3)
@@ -38,7 +38,7 @@ def plugin(groups, columns, weights, leave_one_out, normalize_rewards, sample_ma
         token_mask[b, len(prompts[g]) : len(prompts[g]) + 1 + b % 3] = 1.0
     sample = torch.ones(B) if sample_mask is None else torch.tensor(sample_mask, dtype=torch.float32)
     names = sorted(NAMES[: len(columns)])
-    batch = {f"reward/{n}": torch.tensor(c, dtype=dtype) for n, c in zip(names, columns)}
+    batch = {f"reward/{n}": torch.tensor(c, dtype=dtype) for n, c in reversed(list(zip(names, columns)))}
     batch["total_reward"] = sum(batch.values())
     est = GDPOMegatronEstimator({"name": "gdpo", "implementation": "gdpo_megatron", "reward_weights": list(weights),
                                  "use_leave_one_out_baseline": leave_one_out,
@@ -68,7 +68,8 @@ CASES = {
                                    [[0.3] * 8 + [0.1] * 3 + [0.0, 1.0, 0.5, 0.25],
                                     [0.7] * 8 + [0.2, 0.9, 0.2] + [0.1] * 4], torch.float32),
     "groups of 2": ([0, 0, 1, 1, 2, 2, 3, 3],
-                    [[1.0, 0.0, 0.3, 0.3, 0.1, 0.7, 1.0, 1.0], [0.0, 0.0, 0.2, 0.9, 1.0, 0.0, 0.5, 0.25]], torch.float32),
+                    [[1.0, 0.0, 0.3, 0.3, 0.1, 0.7, 1.0, 1.0], [0.0, 0.0, 0.2, 0.9, 1.0, 0.0, 0.5, 0.25]],
+                    torch.float32),
     "singletons among groups": ([0, 1, 2, 2, 2, 3, 4, 4],
                                 [[0.5, 0.2, 1.0, 0.0, 1.0, 0.3, 0.0, 1.0], [0.0, 1.0, 0.0, 1.0, 1.0, 0.2, 1.0, 1.0]],
                                 torch.float32),
@@ -184,3 +185,17 @@ def test_a_lone_outlier_over_a_tiny_spread_keeps_float64_precision(outlier, spre
     got = _core(values, [0] * 4, True, True)
     want = nemo_rl_gdpo([0] * 4, [values], [1.0], True, True, eps=0.0, batch_norm=False)
     assert _relative_error(got, want, elementwise=True) <= 1e-9
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("leave_one_out, normalize_rewards", OPTIONS)
+def test_grpo_mode_is_nemo_rls_grpo_estimator(case, leave_one_out, normalize_rewards):
+    # NeMo-RL's GRPOAdvantageEstimator: the same per-prompt rule on the total reward, no batch step.
+    groups, columns, dtype = CASES[case]
+    weights = [1.0, 0.5, 2.0][: len(columns)]
+    rewards = torch.tensor(columns, dtype=dtype).T.double()
+    got = compute_advantages(rewards, torch.tensor(groups), weights=weights, mode="grpo", eps=NEMO_RL_EPS,
+                             leave_one_out=leave_one_out, normalize_rewards=normalize_rewards).advantages
+    total = (rewards @ torch.tensor(weights, dtype=torch.float64)).tolist()
+    want = nemo_rl_gdpo(groups, [total], [1.0], leave_one_out, normalize_rewards, batch_norm=False)
+    assert_close(got, want, tol=1e-9)

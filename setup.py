@@ -27,6 +27,8 @@ setup(
         "transformers>=4.45",  # tokenizers, chat templates, Hugging Face checkpoints
         "math-verify>=0.7",  # math answer equivalence for the math reward
         "matplotlib",  # gdpo-plot
+        "pyarrow>=15",  # Parquet data files (verl's layout)
+        "datasets>=3.0,<6",  # Hugging Face datasets directories (save_to_disk)
     ],
     extras_require={
         # datasets: the tests load NeMo-RL data files the way NeMo-RL does (its bound).

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from gdpo_megatron.data.chat import encode_prompt, render_prompt
-from gdpo_megatron.data.samples import load_jsonl
+from gdpo_megatron.data.samples import load_samples
 from gdpo_megatron.demo.task import CHAT_TEMPLATE
 from gdpo_megatron.integrations.nemo_rl import (DiagnosticsLogger, GDPOMegatronEstimator, RewardStageEnvironment,
                                                 prompt_processor, write_response_jsonl)
@@ -92,7 +92,7 @@ def conversation(row, completion):
 
 
 def test_prompt_rows_keep_the_ground_truth_and_the_chat(tool_rows, tokenizer):
-    samples = load_jsonl(TOOL_DATA, "tool")
+    samples = load_samples(TOOL_DATA, "tool")
     for row, sample in zip(tool_rows, samples):
         assert row["extra_env_info"] == {**sample.ground_truth, **sample.metadata}  # no key added or lost
         assert row["message_log"][0]["token_ids"].tolist() == encode_prompt(tokenizer, sample.messages)
@@ -219,7 +219,7 @@ def test_code_rewards_run_in_the_sandbox_with_timeouts(tmp_path, tokenizer_dir, 
                     {"name": "nemo_env_hangs_on_request", "timeout_s": 1.0, "failure_value": -1.0}],
     })
     try:
-        add = load_jsonl(CODE_DATA, "code")[0].ground_truth
+        add = load_samples(CODE_DATA, "code")[0].ground_truth
         leak = {"tests": [{"input": "", "output": "hunter2\n"}]}
         cases = [
             (add, program("a, b = map(int, input().split())\nprint(a + b)")),

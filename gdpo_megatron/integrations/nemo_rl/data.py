@@ -2,8 +2,8 @@
 the data processor that turns one of its rows into NeMo-RL's ``DatumSpec``.
 
 :func:`write_response_jsonl` reads a prompt file of a task family the way the trainer does
-(:func:`gdpo_megatron.data.samples.load_jsonl`: the family's instructions, e.g. the tool
-schemas, go into the system message) and writes one row per sample::
+(:func:`gdpo_megatron.data.samples.load_samples`: JSONL, JSON, parquet or a ``datasets``
+directory; the family's instructions, e.g. the tool schemas, go into the system message) and writes one row per sample::
 
     {"id": ..., "messages": [{"role": "system", ...}, {"role": "user", ...}], "ground_truth": "<JSON>"}
 
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from gdpo_megatron.data.chat import encode_prompt, render_prompt
-from gdpo_megatron.data.samples import load_jsonl
+from gdpo_megatron.data.samples import load_samples
 
 MIN_TRUNCATED_TOKENS = 4  # what NeMo-RL's processors keep of an over-long prompt
 
@@ -35,7 +35,7 @@ def write_response_jsonl(src: str | Path, family: str, dst: str | Path, system_p
 
     ``dst`` appears complete or not at all (written under a temporary name, then renamed).
     """
-    samples = load_jsonl(src, family, system_prompt)
+    samples = load_samples(src, family, system_prompt)
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f".{dst.name}.tmp")

@@ -149,8 +149,9 @@ class PolicyWorker:
     def release_memory(self) -> None:
         """Before a colocated rollout engine takes the GPU: with ``offload_grads_and_optimizer``
         free megatron's gradient buffers and move the optimizer state to host memory
-        (:meth:`train_step` brings both back); then hand PyTorch's cached blocks back to the
-        driver, where the engine can allocate them. No-op for memory on a machine without CUDA.
+        (:meth:`train_step` brings both back); then hand PyTorch's cached CUDA blocks back to
+        the driver, where the engine can allocate them. Without CUDA only the freed grad
+        buffers change anything (the optimizer state is in host memory already).
         """
         if self.config.offload_grads_and_optimizer and not self.offloaded:
             with cpu_compat.device_scope():

@@ -18,11 +18,15 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from gdpo_megatron.advantages import MODES, NONFINITE_POLICIES, Condition
+from gdpo_megatron.data.samples import FAMILIES
+from gdpo_megatron.errors import UserError
 from gdpo_megatron.policy.config import PolicyConfig
 from gdpo_megatron.rewards.registry import RewardSpec
 
+ROLLOUT_QUANTIZATIONS = (None, "fp8")
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A configuration value is missing, unknown or invalid; the message names the key."""
 
 
@@ -78,7 +82,7 @@ class AdvantageConfig:
 class RolloutConfig:
     """Sampling and the colocated vLLM engine (see :mod:`gdpo_megatron.rollout.vllm_engine`)."""
 
-    group_size: int = 8  # completions per prompt (G)
+    group_size: int = 8  # completions per prompt (G); GDPO and GRPO normalize inside the group
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -92,15 +96,25 @@ class RolloutConfig:
     quantization: Optional[str] = None  # "fp8": FP8 rollouts on GPU
 
     def __post_init__(self):
-        _check(self.group_size >= 1, "rollout.group_size", ">= 1", self.group_size)
+        _check(self.group_size >= 2, "rollout.group_size",
+               ">= 2 (advantages compare the completions of a prompt; one alone gets advantage 0)", self.group_size)
         _check(self.temperature > 0, "rollout.temperature", "> 0 (training samples; gdpo-eval is greedy)",
                self.temperature)
+        _check(0 < self.top_p <= 1, "rollout.top_p", "in (0, 1]", self.top_p)
+        _check(self.top_k == -1 or self.top_k >= 1, "rollout.top_k", "-1 (off) or >= 1", self.top_k)
         if self.top_p < 1 or self.top_k > 0:
             warnings.warn("rollout.top_p / rollout.top_k: the policy's logprobs do not truncate the "
                           "distribution, so the importance ratio of the first update is biased")
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", self.max_new_tokens)
         _check(self.max_model_len > self.max_new_tokens, "rollout.max_model_len",
                f"> max_new_tokens={self.max_new_tokens}", self.max_model_len)
+        _check(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", ">= 1", self.tensor_parallel_size)
+        _check(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "in (0, 1]",
+               self.gpu_memory_utilization)
+        _check(self.kv_cache_gib is None or self.kv_cache_gib > 0, "rollout.kv_cache_gib", "> 0 or null",
+               self.kv_cache_gib)
+        _check(self.quantization in ROLLOUT_QUANTIZATIONS, "rollout.quantization", "null or 'fp8'",
+               self.quantization)
 
 
 @dataclasses.dataclass
@@ -116,6 +130,8 @@ class RewardsConfig:
         _check(len(self.rewards) > 0, "rewards.rewards", "at least one reward", self.rewards)
         names = [r.name for r in self.rewards]
         _check(len(set(names)) == len(names), "rewards.rewards", "unique names", names)
+        _check(self.num_workers >= 1, "rewards.num_workers", ">= 1 (reward worker processes)", self.num_workers)
+        _check(self.timeout_s > 0, "rewards.timeout_s", "> 0 seconds", self.timeout_s)
 
     @property
     def names(self) -> list[str]:
@@ -136,7 +152,9 @@ class DataConfig:
     shuffle_seed: int = 0
 
     def __post_init__(self):
+        _check(self.family in FAMILIES, "data.family", f"one of {FAMILIES}", self.family)
         _check(self.prompts_per_step >= 1, "data.prompts_per_step", ">= 1", self.prompts_per_step)
+        _check(self.max_prompt_tokens >= 1, "data.max_prompt_tokens", ">= 1", self.max_prompt_tokens)
 
 
 @dataclasses.dataclass

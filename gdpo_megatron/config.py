@@ -245,12 +245,13 @@ def load_config(cls: type, path: str | Path | None = None, overrides: list[str] 
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {path}: not found")
-        with open(path, encoding="utf-8") as f:
-            try:
-                data = yaml.safe_load(f) or {}
-            except yaml.YAMLError as e:
-                raise ConfigError(f"config file {path}: not valid YAML: {e}") from e
+            raise ConfigError(f"config file {path}: {'a directory' if path.is_dir() else 'not found'}")
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path}: not UTF-8 ({e.reason} at byte {e.start})") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path}: not valid YAML: {e}") from e
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path}: expected a mapping at the top level, got {type(data).__name__}")
     for item in overrides or ():
@@ -310,7 +311,7 @@ def from_dict(cls: type, data: Any, path: str = ""):
     except ConfigError:
         raise
     except (ValueError, TypeError, NotImplementedError) as e:
-        raise ConfigError(_qualify(path, str(e))) from e
+        raise ConfigError(_qualify(path, str(e), fields)) from e
 
 
 def to_dict(config) -> dict:
@@ -322,13 +323,15 @@ def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
-def _qualify(path: str, message: str) -> str:
-    """Prefix a section's own error ("model.x: ...") with where the section sits."""
+def _qualify(path: str, message: str, fields=()) -> str:
+    """Prefix a section's own error ("model.x: ..." or "x: ..." for its field x) with where the section sits."""
     if not path:
         return message
     parent, _, last = path.rpartition(".")
     if message.startswith(f"{last}.") or message.startswith(f"{last}:"):
         return f"{parent}.{message}" if parent else message
+    if message.partition(":")[0] in fields:
+        return f"{path}.{message}"
     return f"{path}: {message}"
 
 

@@ -79,6 +79,7 @@ def train(base_model, run_dir, *overrides):
     ("rewards.timeout_s=0", "rewards.timeout_s: expected > 0 seconds, got 0.0"),
     ("rewards.num_workers=0", "rewards.num_workers: expected >= 1 (reward worker processes), got 0"),
     ("data.family=poetry", "data.family: expected one of ('math', 'tool', 'code'), got 'poetry'"),
+    ("policy.micro_batch_size=0", "policy.micro_batch_size: expected >= 1, got 0"),
     ("rollout.top_p=0", "rollout.top_p: expected in (0, 1], got 0.0"),
     ("rollout.gpu_memory_utilization=1.5", "rollout.gpu_memory_utilization: expected in (0, 1], got 1.5"),
     ("rewards.rewards.0.name=nope_reward", "rewards.rewards.0.name: 'nope_reward' is not a registered reward "
@@ -111,6 +112,9 @@ def test_train_config_file_and_command_line(base_model, tmp_path, capsys):
     line = expect_user_error(capsys, tmp_path, lambda: train_main(["--config", str(tmp_path / "bad.yaml")]),
                              f"config file {tmp_path / 'bad.yaml'}: not valid YAML")
     assert "line 2" in line  # YAML's multi-line explanation folded into the one line
+    (tmp_path / "latin1.yaml").write_bytes("run_dir: caf\xe9\n".encode("latin-1"))
+    expect_user_error(capsys, tmp_path, lambda: train_main(["--config", str(tmp_path / "latin1.yaml")]),
+                      f"config file {tmp_path / 'latin1.yaml'}: not UTF-8 (invalid continuation byte at byte 12)")
     expect_user_error(capsys, tmp_path, lambda: train_main([]),
                       "gdpo-train: the following arguments are required: --config (see gdpo-train --help)")
     expect_user_error(capsys, tmp_path, lambda: cli_main(["trian", "--config", CONFIG]),

@@ -2,8 +2,10 @@
 
 ``gdpo-eval --model runs/x/hf --bfcl`` reports BFCL accuracy per category (exact calls,
 BFCL's string normalization); ``--data FILE --family F --rewards a,b`` reports each reward's
-mean on any prompt file. Completions come from the same vLLM engine the trainer uses.
-Prompts longer than the context left for the answer are skipped and counted, never cut.
+mean on any prompt file or dataset directory (ToolRL's test split: ``--data
+rlla_4k/test.parquet --family toolrl --rewards toolrl_format,toolrl_correctness``).
+Completions come from the same vLLM engine the trainer uses. Prompts longer than the context
+left for the answer are skipped and counted, never cut.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 from gdpo_megatron.data.chat import encode_prompt
-from gdpo_megatron.data.samples import FAMILIES, Sample
+from gdpo_megatron.data.samples import FAMILIES, Fields, Sample
 from gdpo_megatron.errors import ArgumentParser, UsageError, console_entry, positive_int
 from gdpo_megatron.rewards.registry import RewardSpec
 
@@ -59,14 +61,18 @@ def evaluate(model_dir: str | Path, samples: Sequence[Sample], rewards: Sequence
 
 @console_entry
 def main(argv: list[str]) -> int:
-    """``gdpo-eval --model DIR (--bfcl | --data FILE --family F) [--rewards a,b] [--limit N]``."""
+    """``gdpo-eval --model DIR (--bfcl | --data PATH --family F [--prompt-key K ...]) [--rewards a,b] [--limit N]``."""
     parser = ArgumentParser(prog="gdpo-eval", description="Evaluate a Hugging Face checkpoint.")
     parser.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--bfcl", action="store_true", help="the BFCL single-turn categories")
-    source.add_argument("--data", help="a JSONL prompt file (see gdpo_megatron.data.samples)")
+    source.add_argument("--data", help="a prompt file (.jsonl, .json, .parquet) or datasets directory "
+                                       "(see gdpo_megatron.data.samples)")
     parser.add_argument("--family", choices=FAMILIES, help="with --data")
     parser.add_argument("--system-prompt", default=None, help="with --data: instructions ('' for none)")
+    parser.add_argument("--split", default="train", help="with --data: the split of a datasets directory")
+    for key in ("prompt", "system", "ground-truth"):
+        parser.add_argument(f"--{key}-key", default=None, help=f"with --data: the {key.replace('-', ' ')} field")
     parser.add_argument("--rewards", default="", help="comma-separated reward names to report")
     parser.add_argument("--limit", type=positive_int, default=None,
                         help="at most this many prompts (per BFCL category)")
@@ -95,7 +101,9 @@ def main(argv: list[str]) -> int:
 
         samples = load_bfcl(limit=args.limit)
     else:
-        samples = load_prompts(args.data, args.family, args.system_prompt, "--data")[: args.limit]
+        fields = Fields(args.prompt_key, args.system_key, args.ground_truth_key)
+        samples = load_prompts(args.data, args.family, args.system_prompt, "--data", fields=fields,
+                               split=args.split)[: args.limit]
 
     metrics, _ = evaluate(args.model, samples, rewards, bfcl=args.bfcl, max_new_tokens=args.max_new_tokens,
                           max_model_len=max_model_len)

@@ -248,7 +248,8 @@ class Trainer:
         """The step's advantages, and with dynamic sampling the share of prompt groups kept."""
         adv = self.config.advantage
         kwargs = dict(weights=self.reward_weights, mode=adv.mode, batch_norm=adv.batch_norm, eps=adv.eps,
-                      conditions=self.conditions, nonfinite=adv.nonfinite, group=self.dp_group)
+                      conditions=self.conditions, nonfinite=adv.nonfinite, group=self.dp_group,
+                      leave_one_out=adv.leave_one_out, normalize_rewards=adv.normalize_rewards)
         result = compute_advantages(rewards, group_ids, **kwargs)
         if not self.config.dynamic_sampling:
             return result, None

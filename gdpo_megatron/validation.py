@@ -26,7 +26,7 @@ from gdpo_megatron.checkpoint.hf_files import check_tensor_names, safetensors_in
 from gdpo_megatron.checkpoint.layout import hf_names, model_layout
 from gdpo_megatron.checkpoint.state import complete_steps, read_training_state
 from gdpo_megatron.config import ConfigError, TrainConfig
-from gdpo_megatron.data.samples import Sample, load_jsonl
+from gdpo_megatron.data.samples import Fields, Sample, load_samples
 from gdpo_megatron.errors import InputError, UserError
 from gdpo_megatron.policy.config import ModelConfig, ParallelConfig, check_model_parallel
 from gdpo_megatron.rewards.registry import RewardSpec, load_reward_file, registered_rewards, validate_specs
@@ -102,12 +102,14 @@ def _require_writable(existing: Path, target: Path, key: str) -> None:
 # ---- prompts ---------------------------------------------------------------------------------
 
 
-def load_prompts(path: str | os.PathLike, family: str, system_prompt: Optional[str], key: str) -> list[Sample]:
-    """The samples of a JSONL prompt file; every line is decoded and checked."""
-    path = check_input_file(path, key)
+def load_prompts(path: str | os.PathLike, family: str, system_prompt: Optional[str], key: str, *,
+                 fields: Fields = Fields(), split: str = "train") -> list[Sample]:
+    """The samples of a prompt file or dataset directory; every row is decoded and checked."""
+    if not Path(path).exists():
+        raise InputError(f"{key}: {path} does not exist")
     try:
-        return load_jsonl(path, family, system_prompt)
-    except ValueError as e:  # the loader's errors name the file and line
+        return load_samples(path, family, system_prompt, fields=fields, split=split)
+    except ValueError as e:  # the readers' errors name the file and the line or row
         raise InputError(f"{key}: {e}") from e
 
 
@@ -257,7 +259,8 @@ def check_training(config: TrainConfig, world_size: int) -> TrainingInputs:
     check_weights(config.base_model, "base_model", model)
 
     data = config.data
-    samples = load_prompts(data.train_path, data.family, data.system_prompt, "data.train_path")
+    samples = load_prompts(data.train_path, data.family, data.system_prompt, "data.train_path",
+                           fields=data.fields(), split=data.split)
     check_prompt_lengths(samples, data.train_path, config.base_model, data.max_prompt_tokens)
     _check_resume(config)
     return TrainingInputs(samples, hf_config, model, conditions)

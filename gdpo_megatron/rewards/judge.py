@@ -5,12 +5,13 @@ early, redefines ``exec``, patches builtins or returns an object whose ``__eq__`
 true would pass any test run in its own process. So the test runs in another process, the
 judge, which the program cannot see (its own sandbox: another PID namespace). The program
 process runs the program, then serves calls: the judge's namespace holds, for every
-function the program defines, a stub that sends the arguments over a pipe and receives the
-return value as plain data (None, bool, int, float, complex, str, bytes, and lists, tuples,
-dicts, sets of them). Anything else arrives as an opaque value equal to nothing. The test's
-comparisons therefore run on the judge's own objects, with the judge's own builtins, and
-the judge writes its verdict to a pipe only it holds. A program can pass only by returning
-the right values.
+function and class the program defines, a stub that sends the arguments over a pipe and
+receives the return value as plain data (None, bool, int, float, complex, str, bytes, and
+lists, tuples, dicts, sets of them). Any other value stays in the program's process; the
+judge gets a handle whose methods it can call (``Solution().two_sum(...)``) and which equals
+nothing but itself. The test's comparisons therefore run on the judge's own objects, with
+the judge's own builtins, and the judge writes its verdict to a pipe only it holds. A
+program can pass only by returning the right values.
 
 This file runs inside the sandbox's interpreter (standard library only); ``serve`` and
 ``judge`` are its entry points, called at the end of ``main.py``.
@@ -31,8 +32,12 @@ class ProgramError(Exception):
     """The program raised, died or broke the protocol during a call (a bug, not a failed test)."""
 
 
-def encode(value, depth: int = 0):
-    """``value`` as JSON-compatible plain data; containers and special numbers are tagged."""
+def encode(value, keep: list | None = None, depth: int = 0):
+    """``value`` as JSON-compatible plain data; containers and special numbers are tagged.
+
+    Another value becomes a handle: appended to ``keep`` (program side), or the handle it
+    came as (judge side).
+    """
     if depth > 100:
         raise RecursionError("value nested too deeply")
     kind = type(value)
@@ -44,23 +49,29 @@ def encode(value, depth: int = 0):
         value = float(value)
         return value if math.isfinite(value) else ["float", repr(value)]
     if isinstance(value, complex):
-        return ["complex", encode(value.real), encode(value.imag)]
+        return ["complex", float(value.real), float(value.imag)]
     if isinstance(value, str):
         return str.__str__(value)
     if isinstance(value, (bytes, bytearray)):
         return ["bytes", bytes(value).hex()]
     for container in (list, tuple, set, frozenset):
         if isinstance(value, container):
-            return [container.__name__, [encode(v, depth + 1) for v in value]]
+            return [container.__name__, [encode(v, keep, depth + 1) for v in value]]
     if isinstance(value, dict):
-        return ["dict", [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in value.items()]]
+        return ["dict", [[encode(k, keep, depth + 1), encode(v, keep, depth + 1)] for k, v in value.items()]]
+    if isinstance(value, Handle):
+        return ["handle", value.handle_id, value.type_name]
     if callable(getattr(value, "tolist", None)):  # numpy scalars and arrays
-        return encode(value.tolist(), depth + 1)
-    return ["object", type(value).__name__]
+        return encode(value.tolist(), keep, depth + 1)
+    if keep is None:
+        raise TypeError(f"cannot send a {type(value).__name__} to the program")
+    keep.append(value)
+    return ["handle", len(keep) - 1, type(value).__name__]
 
 
-def decode(data):
-    """The plain value ``data`` (from :func:`encode`) stands for; raises on anything else."""
+def decode(data, resolve):
+    """The value ``data`` (from :func:`encode`) stands for; raises on anything malformed.
+    ``resolve(handle id, type name)`` gives what a handle stands for."""
     if data is None or type(data) in (bool, int, float, str):
         return data
     if type(data) is not list or not data or type(data[0]) is not str:
@@ -69,23 +80,30 @@ def decode(data):
     if tag == "float" and rest in (["nan"], ["inf"], ["-inf"]):
         return float(rest[0])
     if tag == "complex" and len(rest) == 2:
-        return complex(_number(decode(rest[0])), _number(decode(rest[1])))
+        return complex(_number(rest[0]), _number(rest[1]))
     if tag == "bytes" and len(rest) == 1 and type(rest[0]) is str:
         return bytes.fromhex(rest[0])
     if tag in ("list", "tuple", "set", "frozenset") and len(rest) == 1 and type(rest[0]) is list:
-        return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[tag](decode(v) for v in rest[0])
+        kind = {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[tag]
+        return kind(decode(v, resolve) for v in rest[0])
     if tag == "dict" and len(rest) == 1 and type(rest[0]) is list:
-        return {decode(k): decode(v) for k, v in (_pair(item) for item in rest[0])}
-    if tag == "object" and len(rest) == 1 and type(rest[0]) is str:
-        return Opaque(rest[0])
+        return {decode(k, resolve): decode(v, resolve) for k, v in (_pair(item) for item in rest[0])}
+    if tag == "handle" and len(rest) == 2 and type(rest[0]) is int and type(rest[1]) is str:
+        return resolve(rest[0], rest[1])
     raise ValueError(f"not an encoded value: {str(data)[:100]}")
 
 
-class Opaque:
-    """A value of the program's that is not plain data: equal to nothing but itself."""
+class Handle:
+    """A value that stays in the program's process (judge side): its methods can be called;
+    it equals nothing but itself."""
 
-    def __init__(self, type_name: str):
-        self.type_name = type_name
+    def __init__(self, channel: "_Channel", handle_id: int, type_name: str):
+        self._channel, self.handle_id, self.type_name = channel, handle_id, type_name
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Stub(self._channel, name, self.handle_id)
 
     def __repr__(self) -> str:
         return f"<{self.type_name} object of the program>"
@@ -119,15 +137,26 @@ def serve(requests_fd: int, responses_fd: int) -> None:
     except BaseException as e:  # SystemExit included: the program ended before it could be tested
         _send(responses, {"failed": _describe(e)})
         raise
-    _send(responses, {"ready": sorted(name for name, value in namespace.items()
-                                      if callable(value) and not name.startswith("__"))})
+    kept: list = []
+
+    def resolve(handle_id, _):
+        return kept[handle_id]
+
+    _send(responses, {"ready": {name: sorted(m for m in dir(value) if not m.startswith("_"))
+                                if isinstance(value, type) else None
+                                for name, value in namespace.items() if callable(value) and not name.startswith("__")}})
     for line in requests:
         request = json.loads(line)
         try:
-            function = namespace[request["call"]]
-            result = function(*[decode(a) for a in request["args"]],
-                              **{k: decode(v) for k, v in request["kwargs"].items()})
-            reply = {"value": encode(result)}
+            if request["on"] is None:
+                function = namespace[request["call"].split(".")[0]]
+                for attribute in request["call"].split(".")[1:]:
+                    function = getattr(function, attribute)
+            else:
+                function = getattr(kept[request["on"]], request["call"])
+            result = function(*[decode(a, resolve) for a in request["args"]],
+                              **{k: decode(v, resolve) for k, v in request["kwargs"].items()})
+            reply = {"value": encode(result, kept)}
         except BaseException as e:
             reply = {"raised": type(e).__name__, "message": _describe(e)}
         _send(responses, reply)
@@ -144,8 +173,8 @@ def judge(requests_fd: int, responses_fd: int, verdict_fd: int) -> None:
         if "ready" not in first:
             raise ProgramError(f"the program did not run to its end: {first.get('failed', first)}")
         namespace = {"__name__": "__test__"}
-        for name in first["ready"]:
-            namespace[name] = _Stub(channel, str(name))
+        for name, members in first["ready"].items():
+            namespace[name] = _Stub(channel, str(name), members=members)
         with open(_TEST, encoding="utf-8") as f:
             exec(compile(f.read(), _TEST, "exec"), namespace)
         outcome = {"verdict": "passed"}
@@ -169,17 +198,18 @@ class _Channel:
             raise ProgramError("the program broke the protocol")
         return message
 
-    def call(self, name: str, args: tuple, kwargs: dict):
+    def call(self, name: str, on: int | None, args: tuple, kwargs: dict):
+        request = {"call": name, "on": on, "args": [encode(a) for a in args],
+                   "kwargs": {k: encode(v) for k, v in kwargs.items()}}
         try:
-            _send(self.requests, {"call": name, "args": [encode(a) for a in args],
-                                  "kwargs": {k: encode(v) for k, v in kwargs.items()}})
+            _send(self.requests, request)
         except (BrokenPipeError, OSError):
             raise ProgramError("the program exited or was killed") from None
         reply = self.receive()
         if "value" in reply:
             try:
-                return decode(reply["value"])
-            except (ValueError, TypeError, RecursionError) as e:
+                return decode(reply["value"], lambda handle_id, type_name: Handle(self, handle_id, type_name))
+            except (ValueError, TypeError, RecursionError, KeyError) as e:
                 raise ProgramError(f"the program sent a malformed value: {e}") from None
         if "raised" in reply:
             raise _raised(str(reply["raised"]), str(reply.get("message", "")))
@@ -187,13 +217,20 @@ class _Channel:
 
 
 class _Stub:
-    """Stands for the program's function ``name`` in the test's namespace."""
+    """Stands for the program's function or class ``name`` in the test's namespace (or, with
+    ``on``, for a method of a value kept in the program's process). A class's stub has its
+    public members (``hasattr(Solution, "two_sum")``)."""
 
-    def __init__(self, channel: _Channel, name: str):
-        self._channel, self.__name__ = channel, name
+    def __init__(self, channel: _Channel, name: str, on: int | None = None, members: list | None = None):
+        self._channel, self.__name__, self._on, self._members = channel, name, on, members or []
+
+    def __getattr__(self, name: str):
+        if name in self.__dict__.get("_members", ()):
+            return _Stub(self._channel, f"{self.__name__}.{name}")
+        raise AttributeError(name)
 
     def __call__(self, *args, **kwargs):
-        return self._channel.call(self.__name__, args, kwargs)
+        return self._channel.call(self.__name__, self._on, args, kwargs)
 
     def __repr__(self) -> str:
         return f"<function {self.__name__} of the program>"

@@ -497,7 +497,7 @@ def _memory_cgroup_parent() -> tuple[Path, int] | None:
     mounts = {}
     with open("/proc/self/mountinfo") as f:
         for line in f:
-            left, right = line.split(" - ")
+            left, right = line.split(" - ", 1)
             fields, fstype, options = left.split(), right.split()[0], right.split()[-1]
             if fstype == "cgroup" and "memory" in options.split(","):
                 mounts[1] = (fields[3], fields[4])
@@ -512,10 +512,10 @@ def _memory_cgroup_parent() -> tuple[Path, int] | None:
             root, mount_point = mounts[version]
             own = Path(mount_point) / os.path.relpath(path, root)
             limit_file = "memory.limit_in_bytes" if version == 1 else "memory.max"
-            if version == 2 and "memory" not in (own / "cgroup.subtree_control").read_text().split():
-                continue
             probe = own / f"{_workdir_prefix(os.getpid())}probe"
             try:
+                if version == 2 and "memory" not in (own / "cgroup.subtree_control").read_text().split():
+                    continue
                 probe.mkdir()
                 try:
                     usable = (probe / limit_file).exists() and os.access(probe / "cgroup.procs", os.W_OK)

@@ -15,7 +15,8 @@ import pytest
 from gdpo_megatron.rewards import sandbox
 from gdpo_megatron.rewards.sandbox import SandboxError, SandboxLimits, run_python
 
-LIMITS = SandboxLimits(wall_s=3.0, cpu_s=1, memory_bytes=256 << 20, output_bytes=64 << 10, processes=16)
+# Generous wall time: a loaded 2-core machine can take seconds to start an interpreter.
+LIMITS = SandboxLimits(wall_s=10.0, cpu_s=1, memory_bytes=256 << 20, output_bytes=64 << 10, processes=16)
 # For programs that end by a timeout anyway.
 SHORT = SandboxLimits(wall_s=1.0, cpu_s=1, memory_bytes=256 << 20, output_bytes=64 << 10, processes=16)
 

@@ -94,7 +94,8 @@ class OneOutSums:
     Removing one row from a segment is a cheap update of the segment's sums except where the
     row is the segment's only maximum or only minimum: there the others' spread can be far
     smaller than the segment's, and a downdate would cancel. For those two rows the squared
-    deviations of the others are summed directly, about the others' own mean.
+    deviations of the others are summed directly, about the others' own mean, which is taken
+    from their sum relative to the extreme on their side (never relative to the outlier).
     """
 
     hi: torch.Tensor  # segment max (0 for an empty segment); also the shift of ``shifted_sum``
@@ -115,7 +116,13 @@ class SegmentStats:
     mean: torch.Tensor  # [S, C]
     std: torch.Tensor  # [S, C] unbiased; 0 where count < 2
     zero_spread: torch.Tensor  # [S, C] bool: count < 2 or all values equal
+    shift: torch.Tensor  # [S, C] segment max (0 for an empty segment)
+    shifted_mean: torch.Tensor  # [S, C] mean - shift, without the rounding of mean at shift's magnitude
     one_out: OneOutSums | None = None  # only when asked for (leave-one-out baselines)
+
+    def deviations(self, values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """``values - mean`` of each row's segment, as (value - shift) - (mean - shift)."""
+        return (values - self.shift[index]) - self.shifted_mean[index]
 
 
 @dataclass
@@ -222,9 +229,9 @@ def compute_advantages(
     columns = r if mode == "gdpo" else torch.cat([r, (r @ w).unsqueeze(1)], dim=1)
     stats = segment_stats(columns, index, ids.numel(), mask, reduction, one_out=leave_one_out)
     if leave_one_out:
-        baseline, spread, flat = leave_one_out_stats(columns, index, stats)
+        deviation, spread, flat = leave_one_out_stats(columns, index, stats)
     else:
-        baseline, spread, flat = stats.mean[index], stats.std[index], stats.zero_spread[index]
+        deviation, spread, flat = stats.deviations(columns, index), stats.std[index], stats.zero_spread[index]
 
     # What multiplies each centered value: 1 / (std + eps), or 1 without normalization; where
     # the values the baseline comes from are all equal, 0 for the group mean (the centered
@@ -233,7 +240,7 @@ def compute_advantages(
     scale = 1.0 / (spread + eps) if divide else torch.ones_like(spread)
     scale = torch.where(flat, float(leave_one_out), scale)
     scale = torch.where((stats.count[index] < 2).unsqueeze(1), 0.0, scale)
-    centered = (r - baseline[:, :K]) * w
+    centered = deviation[:, :K] * w
     valid = mask.unsqueeze(1)
     if mode == "gdpo":
         contributions = torch.where(valid, centered * scale, 0.0)
@@ -242,7 +249,7 @@ def compute_advantages(
         # The total is centered on its own column (exact where its baseline is); the
         # per-reward parts, which add up to it, only feed the variance-share diagnostic.
         contributions = torch.where(valid, centered * scale[:, K:], 0.0)
-        summed = torch.where(mask, (columns[:, K] - baseline[:, K]) * scale[:, K], 0.0)
+        summed = torch.where(mask, deviation[:, K] * scale[:, K], 0.0)
 
     single = torch.zeros_like(index)
     batch = segment_stats(summed.unsqueeze(1), single, 1, mask, reduction)
@@ -301,7 +308,8 @@ def segment_stats(
 
     Three reductions: max/min (the spread flag, and a shift that keeps the sums small),
     then count and sum of shifted values, then squared deviations from the mean. Exact for
-    any split of the rows, and robust to a large common offset such as 1e6 + noise.
+    any split of the rows, and robust to a large common offset such as 1e8 + noise: every
+    deviation is formed from shifted values, never from a mean rounded at the offset.
     ``one_out`` adds :class:`OneOutSums` to the same three reductions (they get wider, not
     more numerous).
     """
@@ -321,32 +329,37 @@ def segment_stats(
     floor = torch.where(torch.isfinite(lo), lo, 0.0)
     parts = [m, (values - shift[index]) * m]
     if one_out:
-        parts += [(valid & (values == shift[index])).to(dtype), (valid & (values == floor[index])).to(dtype)]
+        not_hi, not_lo = valid & (values != shift[index]), valid & (values != floor[index])
+        parts += [(valid & (values == shift[index])).to(dtype), (valid & (values == floor[index])).to(dtype),
+                  torch.where(not_hi, values - floor[index], 0.0), torch.where(not_lo, values - shift[index], 0.0)]
     sums = torch.zeros(num_segments, 1 + len(parts[1:]) * C, dtype=dtype, device=device)
     sums.index_add_(0, index, torch.cat(parts, dim=1))
     sums = reduction.sum(sums)
     count, shifted_sum = sums[:, 0], sums[:, 1 : C + 1]
-    mean = shift + shifted_sum / count.clamp(min=1).unsqueeze(1)
+    shifted_mean = shifted_sum / count.clamp(min=1).unsqueeze(1)
 
-    squares = [(values - mean[index]).square() * m]
+    squares = [((values - shift[index]) - shifted_mean[index]).square() * m]
     if one_out:
         others = (count - 1).clamp(min=1).unsqueeze(1)
-        # The mean of the rows other than the one maximum (its shifted value is 0) or minimum.
-        without_hi = shift + shifted_sum / others
-        without_lo = shift + (shifted_sum - (floor - shift)) / others
-        for center, drop in ((without_hi, shift), (without_lo, floor)):
-            keep = valid & (values != drop[index])
-            squares.append(torch.where(keep, values - center[index], 0.0).square())
+        # The rows other than the one maximum, about their mean taken relative to the minimum,
+        # and the rows other than the one minimum, relative to the maximum: sums of values
+        # near the extreme on their own side, so a far outlier costs no precision.
+        above_lo, below_hi = sums[:, 3 * C + 1 : 4 * C + 1], sums[:, 4 * C + 1 :]
+        for keep, base, rel_sum in ((not_hi, floor, above_lo), (not_lo, shift, below_hi)):
+            deviation = (values - base[index]) - (rel_sum / others)[index]
+            squares.append(torch.where(keep, deviation, 0.0).square())
     m2 = torch.zeros(num_segments, len(squares) * C, dtype=dtype, device=device)
     m2.index_add_(0, index, torch.cat(squares, dim=1))
     m2 = reduction.sum(m2)
     zero_spread = (hi <= lo) | (count < 2).unsqueeze(1)
     std = torch.where(zero_spread, 0.0, (m2[:, :C] / (count - 1).clamp(min=1).unsqueeze(1)).sqrt())
-    stats = SegmentStats(count=count, mean=mean, std=std, zero_spread=zero_spread)
+    stats = SegmentStats(count=count, mean=shift + shifted_mean, std=std, zero_spread=zero_spread, shift=shift,
+                         shifted_mean=shifted_mean)
     if one_out:
         stats.one_out = OneOutSums(
             hi=shift, lo=floor, shifted_sum=shifted_sum, count_hi=sums[:, C + 1 : 2 * C + 1],
-            count_lo=sums[:, 2 * C + 1 :], m2=m2[:, :C], m2_without_hi=m2[:, C : 2 * C], m2_without_lo=m2[:, 2 * C :],
+            count_lo=sums[:, 2 * C + 1 : 3 * C + 1], m2=m2[:, :C], m2_without_hi=m2[:, C : 2 * C],
+            m2_without_lo=m2[:, 2 * C :],
         )
     return stats
 
@@ -354,8 +367,9 @@ def segment_stats(
 def leave_one_out_stats(
     values: torch.Tensor, index: torch.Tensor, stats: SegmentStats
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row ``[N, C]``: mean and unbiased std of the *other* valid rows of its segment, and
-    whether those others are all equal (then the std is 0 and the mean is exact).
+    """Per row ``[N, C]``: its value minus the mean of the *other* valid rows of its segment,
+    their unbiased std, and whether those others are all equal (then the std is 0 and the
+    difference is exact).
 
     Computed from :class:`OneOutSums`, so it is exact for any split of the rows. Whether the
     others are equal is decided on the values (count of the max and of the min), never on a
@@ -372,14 +386,15 @@ def leave_one_out_stats(
     others_equal = constant | (n <= 2) | ((count_hi + count_lo == n) & (only_hi | only_lo))
 
     others = (n - 1).clamp(min=1)
-    mean = hi + (s.shifted_sum[index] - (values - hi)) / others
-    mean = torch.where(others_equal, torch.where(only_hi & ~constant, lo, hi), mean)
+    from_hi = values - hi  # exact when the value is near hi, e.g. under a large offset
+    deviation = from_hi - (s.shifted_sum[index] - from_hi) / others
+    deviation = torch.where(others_equal, torch.where(only_hi & ~constant, values - lo, from_hi), deviation)
     # Away from a lone extreme the others keep at least 1 / (2 n) of the segment's squared
     # deviations, so the downdate loses at most a few bits.
-    downdate = (s.m2[index] - n / others * (values - stats.mean[index]).square()).clamp(min=0)
+    downdate = (s.m2[index] - n / others * stats.deviations(values, index).square()).clamp(min=0)
     m2 = torch.where(only_hi, s.m2_without_hi[index], torch.where(only_lo, s.m2_without_lo[index], downdate))
     std = torch.where(others_equal, 0.0, (m2 / (n - 2).clamp(min=1)).sqrt())
-    return mean, std, others_equal
+    return deviation, std, others_equal
 
 
 def _normalized(x, mean, std, zero_spread, eps):

@@ -38,6 +38,7 @@ from gdpo_megatron.checkpoint.weight_stream import iter_hf_weights
 from gdpo_megatron.config import TrainConfig, to_dict
 from gdpo_megatron.data.chat import encode_prompt
 from gdpo_megatron.distributed import compute_advantages
+from gdpo_megatron.doctor import preflight
 from gdpo_megatron.experience import (PromptSchedule, Rollouts, leader_broadcast, leader_call, reward_inputs,
                                       sampling_seed, to_policy_batch)
 from gdpo_megatron.metrics import MetricsLogger
@@ -89,6 +90,8 @@ class Trainer:
         _warn_on_shape_drift(config.policy.model, model, config.base_model)
         self.policy_config = dataclasses.replace(config.policy, model=model, seed=config.seed,
                                                  temperature=config.rollout.temperature)
+        # Libraries against the pins, GPU, precision, NCCL, memory plan: gdpo-doctor's checks.
+        preflight(dataclasses.replace(config, policy=self.policy_config), dist.get_world_size())
         self.checkpoints = CheckpointManager(self.run_dir / CHECKPOINT_DIR, keep_last=config.checkpoint.keep_last)
         latest = self.checkpoints.latest_step()  # resume and its data position are checked with the inputs
 

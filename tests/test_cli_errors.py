@@ -93,8 +93,6 @@ def train(base_model, run_dir, *overrides):
                                    "base_model, got 2048"),
     ("data.max_prompt_tokens=10", "data.max_prompt_tokens: 512 prompt(s) of examples/data/tool_demo.jsonl are "
                                   "longer than 10 tokens, the longest"),
-    pytest.param("policy.precision.fp8=e4m3", "policy.precision.fp8='e4m3': FP8 needs a CUDA GPU; use fp8: null on CPU",
-                 marks=WITHOUT_CUDA),
     pytest.param("rollout.quantization=fp8", "rollout.quantization: 'fp8' rollouts need a CUDA GPU; use null on "
                  "this machine", marks=WITHOUT_CUDA),
     ("data.train_path=nowhere.jsonl", "data.train_path: nowhere.jsonl does not exist"),

@@ -12,8 +12,9 @@ Exit statuses of the console entry points:
 
 ====  ==========================================================================
 0     success
-1     a bug: an unexpected exception, with its traceback (Python's own status)
-2     a user error (:data:`EXIT_USER_ERROR`); ``gdpo-plan`` also returns 1 for "does not fit"
+1     a bug: an unexpected exception, with its traceback (Python's own status); ``gdpo-plan``:
+      the layout does not fit; ``gdpo-doctor``: a mismatch
+2     a user error (:data:`EXIT_USER_ERROR`)
 75    ``gdpo-train`` stopped by SIGUSR1/SIGTERM after saving a checkpoint (requeue it)
 ====  ==========================================================================
 

@@ -217,6 +217,7 @@ def test_a_bug_keeps_its_traceback():
         buggy([])
 
 
+@pytest.mark.slow  # torchrun and two workers importing torch: ~15 s, more on a loaded machine
 def test_torchrun_prints_the_line_once_and_reports_it_as_the_root_cause(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])}
     run = subprocess.run(

@@ -249,7 +249,8 @@ def distributed_optimizer_across_layouts(root, sharding: str):
     configs = {}
     for tp in (1, 2):
         config = tiny_policy(tp)
-        configs[tp] = dataclasses.replace(config, optim=dataclasses.replace(config.optim, use_distributed_optimizer=True))
+        optim = dataclasses.replace(config.optim, use_distributed_optimizer=True)
+        configs[tp] = dataclasses.replace(config, optim=optim)
     manager = CheckpointManager(root, optimizer_sharding=sharding)
     with PolicyWorker(configs[2]) as worker:
         worker.train_step(batches[0])
@@ -271,9 +272,10 @@ def test_distributed_optimizer_in_dp_reshardable_format_refuses_another_tp_size(
                                                        "dp_reshardable"):
         assert layout == {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1}
         assert sharding == "dp_reshardable"
-        assert error.startswith(f"{tmp_path / 'step_1'}: the distributed optimizer's state was saved in megatron-core's "
-                                "dp_reshardable format")
-        assert "tensor_model_parallel_size=2 -> 1" in error and "checkpoint.optimizer_sharding=fully_reshardable" in error
+        assert error.startswith(f"{tmp_path / 'step_1'}: the distributed optimizer's state was saved in "
+                                "megatron-core's dp_reshardable format")
+        assert "tensor_model_parallel_size=2 -> 1" in error
+        assert "checkpoint.optimizer_sharding=fully_reshardable" in error
 
 
 @pytest.mark.gpu

@@ -94,7 +94,8 @@ def recipe_verdicts(recipe):
     except ValueError:
         ours = False
     try:
-        check_recipe_support(get_fp8_recipe(transformer_config(ModelConfig.preset("tiny"), ParallelConfig(), precision)))
+        config = transformer_config(ModelConfig.preset("tiny"), ParallelConfig(), precision)
+        check_recipe_support(get_fp8_recipe(config))
         return ours, True, ""
     except AssertionError as e:
         return ours, False, str(e)

@@ -327,7 +327,7 @@ def test_recomputed_old_logprobs_start_at_ratio_one_and_tis_weighs_the_mismatch(
     token_advantages = batch.advantages[:, None].expand_as(mask)[mask]
     for r in results:
         metrics = r["metrics"][0]
-        assert metrics["ratio_min"] == pytest.approx(1.0, abs=1e-6) and metrics["ratio_max"] == pytest.approx(1.0, abs=1e-6)
+        assert metrics["ratio_min"] == pytest.approx(1.0, abs=1e-6) == metrics["ratio_max"]
         assert metrics["logprob_mismatch"] == pytest.approx(log_weights.abs().mean().item(), rel=1e-5)
         assert metrics["tis_weight"] == pytest.approx(weights.clamp(max=cap).mean().item(), rel=1e-5)
         assert metrics["tis_truncated"] == pytest.approx((weights > cap).float().mean().item(), abs=1e-6)

@@ -174,3 +174,13 @@ def test_the_paper_config_reads_toolrl_data_and_its_rewards():
     assert (config.rollout.group_size, config.policy.optim.lr) == (4, 1e-6)
     assert (data.max_prompt_tokens, config.rollout.max_new_tokens) == (2048, 1024)
     assert config.steps * data.prompts_per_step == 105 * 512
+
+
+def test_dotted_field_names_read_the_same_rows_from_extra_info():
+    # ToolRL's parquet repeats each row's system message, user message and reference answer in
+    # extra_info; dotted field names reach them and give the same samples as the verl fields.
+    nested = Fields(prompt_key="extra_info.input", system_key="extra_info.instruction",
+                    ground_truth_key="extra_info.output")
+    by_verl, by_extra_info = load_samples(TEST_SPLIT, "toolrl"), load_samples(TEST_SPLIT, "toolrl", fields=nested)
+    assert [(s.messages, s.ground_truth) for s in by_verl] == [(s.messages, s.ground_truth) for s in by_extra_info]
+    assert by_extra_info[0].metadata["extra_info"] == {"index": 0, "split": "test"}

@@ -246,7 +246,7 @@ class TestOneReplicaPerRank:
         gap = (policy - engine).abs().mean().item()
         assert gap > 0.05  # the perturbation shows (unperturbed: ~1e-7, see above)
         assert metrics["logprob_mismatch"] == pytest.approx(gap, rel=1e-5)
-        assert metrics["ratio_min"] == pytest.approx(1.0, abs=1e-6) and metrics["ratio_max"] == pytest.approx(1.0, abs=1e-6)
+        assert metrics["ratio_min"] == pytest.approx(1.0, abs=1e-6) == metrics["ratio_max"]
         assert metrics["clip_fraction"] == 0.0
 
         weights = (policy - engine).exp()

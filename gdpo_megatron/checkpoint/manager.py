@@ -28,11 +28,9 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import warnings
 import zlib
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,16 +45,16 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     _replace_state_dict_keys_with_sharded_keys,
     mcore_to_pyt_state_dict,
 )
-
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+from gdpo_megatron.checkpoint.state import (
+    STATE_FILE, TMP_PREFIX, CheckpointError, TrainingState, check_reshardable, complete_steps, read_json,
+    read_training_state,
+)
 from gdpo_megatron.checkpoint.weight_stream import unwrap
 from gdpo_megatron.policy import cpu_compat
 
-STEP_DIR = re.compile(r"step_(\d+)")
-TMP_PREFIX = ".tmp-"
 LATEST = "latest"
-STATE_FILE = "trainer_state.json"
 MANIFEST = "manifest.json"
 DIST_DIR = "dist"
 RNG_DIR = "rng"
@@ -64,24 +62,6 @@ FORMAT_VERSION = 1
 # megatron-core's formats of the distributed optimizer's state (see the module docstring).
 OPTIMIZER_SHARDINGS = ("dp_reshardable", "fully_reshardable")
 DEFAULT_OPTIMIZER_SHARDING = "dp_reshardable"
-LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or corrupted (the message names the file)."""
-
-
-@dataclass
-class TrainingState:
-    """What a resumed run needs besides the model and optimizer."""
-
-    step: int
-    data_position: Any = None  # JSON value from the data loader (e.g. samples consumed)
-    config: dict = field(default_factory=dict)
-    world_size: int = 1  # ranks that saved it
-    layout: dict | None = None  # the TP and PP sizes it was saved under
-    # The distributed optimizer's format; None for a plain optimizer or none saved.
-    optimizer_sharding: str | None = None
 
 
 def _rank() -> int:
@@ -118,16 +98,6 @@ def _checksums(directory: Path, names: list[str]) -> dict[str, dict[str, int]]:
     parts: list[dict] = [None] * _world_size()
     dist.all_gather_object(parts, mine)
     return {k: v for part in parts for k, v in part.items()}
-
-
-def _read_json(path: Path, missing: str = "missing") -> Any:
-    """A JSON file of a checkpoint; CheckpointError naming it when it is missing or corrupted."""
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: {missing}") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: corrupted ({e})") from None
 
 
 def _write_json_atomic(path: Path, value: Any) -> None:
@@ -230,15 +200,7 @@ class CheckpointManager:
 
     def complete_steps(self) -> list[int]:
         """Steps with a complete checkpoint, oldest first; warns about half-written ones."""
-        if not self.root.is_dir():
-            return []
-        steps = []
-        for entry in self.root.iterdir():
-            if entry.name.startswith(TMP_PREFIX):
-                warnings.warn(f"ignoring incomplete checkpoint {entry} (interrupted while being written)")
-            elif entry.is_dir() and (match := STEP_DIR.fullmatch(entry.name)):
-                steps.append(int(match.group(1)))
-        return sorted(steps)
+        return complete_steps(self.root)
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None when there is none."""
@@ -317,7 +279,7 @@ class CheckpointManager:
         state = read_training_state(directory)
         sharding = state.optimizer_sharding or self.optimizer_sharding
         if optimizer is not None and _is_distributed(optimizer):
-            _check_reshardable(directory, state, _layout())
+            check_reshardable(directory, state, _layout())
 
         with cpu_compat.device_scope():
             sharded = _sharded_state_dict(model, optimizer, sharding, is_loading=True)
@@ -350,7 +312,7 @@ class CheckpointManager:
 
     def verify(self, directory: Path) -> None:
         """Raise :class:`CheckpointError` naming the first missing, extra-short or corrupted file."""
-        manifest = _read_json(directory / MANIFEST, missing="missing (the checkpoint is incomplete)")
+        manifest = read_json(directory / MANIFEST, missing="missing (the checkpoint is incomplete)")
         missing = [n for n in manifest if not (directory / n).is_file()]
         if missing:
             raise CheckpointError(f"{directory / missing[0]}: missing from the checkpoint")
@@ -361,28 +323,3 @@ class CheckpointManager:
                     f"{directory / name}: corrupted (size {actual[name]['size']}, crc32 {actual[name]['crc32']}; "
                     f"expected size {manifest[name]['size']}, crc32 {manifest[name]['crc32']})"
                 )
-
-
-def _check_reshardable(directory: Path, state: TrainingState, layout: dict | None) -> None:
-    """Raise unless the distributed optimizer's saved state can load under ``layout``."""
-    if state.optimizer_sharding != "dp_reshardable" or state.layout is None or layout is None:
-        return
-    changed = [f"{k}={state.layout[k]} -> {layout[k]}" for k in LAYOUT_KEYS if state.layout.get(k) != layout[k]]
-    if changed:
-        raise CheckpointError(
-            f"{directory}: the distributed optimizer's state was saved in megatron-core's dp_reshardable format, "
-            f"which reloads under another data-parallel size only, and this run changes {', '.join(changed)}; "
-            "resume under the saved layout (then save with checkpoint.optimizer_sharding=fully_reshardable to "
-            "change it), or load the weights without the optimizer state")
-
-
-def read_training_state(directory: str | os.PathLike) -> TrainingState:
-    """The step, data position, config, world size, layout and optimizer format of a checkpoint."""
-    path = Path(directory) / STATE_FILE
-    state = _read_json(path)
-    fields = ("step", "data_position", "config", "world_size")
-    for key in fields:
-        if key not in state:
-            raise CheckpointError(f"{path}: missing the field {key!r}")
-    return TrainingState(**{key: state[key] for key in fields}, layout=state.get("layout"),
-                         optimizer_sharding=state.get("optimizer_sharding"))

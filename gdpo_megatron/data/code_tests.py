@@ -6,12 +6,15 @@ hold one JSON object, usually as a JSON string: ``{"inputs": [...], "outputs": [
 
 * Standard input (no ``fn_name``): each input is the program's stdin and each output its
   expected stdout (a list of lines is joined with newlines). Becomes ``{"input", "output"}``.
-* Call-based: each input is the argument list (Eurus-2-RL writes it as a string with one JSON
-  value per line) and each output the expected return value (Eurus-2-RL: JSON text, decoded;
-  APPS and TACO: the value, usually wrapped in a one-element list). Becomes an ``{"assert"}`` test calling
-  ``fn_name`` (or ``Solution().fn_name`` when the program defines a ``Solution`` class with
-  it). As in the APPS/TACO test harness, the call passes if its return value, tuples read as
-  lists, equals the output or, when the output is a non-empty list, its first element.
+* Call-based: each input is the argument list and each output the expected return value
+  (APPS and TACO: the values, the output usually wrapped in a one-element list; Eurus-2-RL:
+  JSON text, the input one JSON value per line, decoded as verl's harness decodes them).
+  Becomes an ``{"assert"}`` test calling ``fn_name`` (or ``Solution().fn_name`` when the
+  program defines a ``Solution`` class with it). As in the APPS/TACO harness, a dict first
+  argument or a dict output (or first element of the output) whose keys all read as integers
+  gets integer keys (JSON cannot hold them; the harness also drops the other arguments, which
+  are kept here), and the call passes if its return value, tuples read as lists, equals the
+  output or, when the output is a non-empty list, its first element.
 """
 from __future__ import annotations
 
@@ -28,9 +31,24 @@ def _gdpo_plain(value):
         return {{k: _gdpo_plain(v) for k, v in value.items()}}
     return value
 
-_gdpo_fn = getattr(Solution(), {name!r}) if hasattr(globals().get("Solution"), {name!r}) else {name}
-_gdpo_got = _gdpo_plain(_gdpo_fn(*_gdpo_json.loads({args!r})))
+def _gdpo_int_keys(value):
+    try:
+        return {{int(k): v for k, v in value.items()}}
+    except (AttributeError, TypeError, ValueError):  # not a dict, or a key that is no integer
+        return None
+
+_gdpo_args = _gdpo_json.loads({args!r})
+_gdpo_keyed = _gdpo_int_keys(_gdpo_args[0]) if _gdpo_args else None
+if _gdpo_keyed is not None:
+    _gdpo_args[0] = _gdpo_keyed
 _gdpo_expected = _gdpo_json.loads({expected!r})
+_gdpo_keyed = _gdpo_int_keys(_gdpo_expected)
+if _gdpo_keyed is None and isinstance(_gdpo_expected, list) and _gdpo_expected:
+    _gdpo_keyed = _gdpo_int_keys(_gdpo_expected[0])
+if _gdpo_keyed is not None:
+    _gdpo_expected = [_gdpo_keyed]
+_gdpo_fn = getattr(Solution(), {name!r}) if hasattr(globals().get("Solution"), {name!r}) else {name}
+_gdpo_got = _gdpo_plain(_gdpo_fn(*_gdpo_args))
 assert _gdpo_got == _gdpo_expected or (
     isinstance(_gdpo_expected, list) and len(_gdpo_expected) > 0 and _gdpo_got == _gdpo_expected[0])
 """
@@ -59,7 +77,7 @@ def tests_from_input_output(spec: Any) -> list[dict[str, str]]:
     if not (isinstance(name, str) and name.isidentifier()):
         raise ValueError(f"test cases: 'fn_name' must be a Python identifier, got {name!r}")
     return [{"assert": _CALL_TEST.format(name=name, args=json.dumps(_arguments(x, i)),
-                                         expected=json.dumps(_return_value(y)))}
+                                         expected=json.dumps(_return_value(y, as_json_text=isinstance(x, str))))}
             for i, (x, y) in enumerate(zip(inputs, outputs))]
 
 
@@ -83,9 +101,9 @@ def _arguments(value: Any, i: int) -> list:
     raise ValueError(f"test cases: input {i} of a call-based problem must be a list or a string, got {value!r}")
 
 
-def _return_value(value: Any) -> Any:
-    """Eurus-2-RL's JSON text decoded; any other value (a string that is not JSON included) as is."""
-    if not isinstance(value, str):
+def _return_value(value: Any, as_json_text: bool) -> Any:
+    """The output as is, or (``as_json_text``: Eurus-2-RL's layout) its JSON text decoded where it is JSON."""
+    if not (as_json_text and isinstance(value, str)):
         return value
     try:
         return json.loads(value)

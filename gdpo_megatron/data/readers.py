@@ -74,9 +74,15 @@ def _json_lines(path: Path, data: bytes) -> Iterator[tuple[Where, Any]]:
         if not line.strip():
             continue
         try:
-            yield Where(str(path), "line", lineno), json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
+            record = json.loads(line)
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({_json_error(e)})") from None
+        yield Where(str(path), "line", lineno), record
+
+
+def _json_error(e: ValueError | RecursionError) -> str:
+    """What the JSON parser rejected: a syntax error, an integer past Python's digit limit, or depth."""
+    return "nested too deeply" if isinstance(e, RecursionError) else str(e)
 
 
 def _json_file(path: Path) -> Iterator[tuple[Where, Any]]:
@@ -88,6 +94,8 @@ def _json_file(path: Path) -> Iterator[tuple[Where, Any]]:
         if e.msg == "Extra data":  # more than one JSON value: JSON Lines
             return _json_lines(path, data)
         raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except (ValueError, RecursionError) as e:  # the parser reports no position for these
+        raise ValueError(f"{path}: not valid JSON ({_json_error(e)})") from None
     if isinstance(document, list):
         return ((Where(str(path), "row", i), record) for i, record in enumerate(document))
     if "\n" in text.strip():
@@ -104,9 +112,15 @@ def _parquet_rows(path: Path) -> Iterator[tuple[Where, Any]]:
         table = pq.ParquetFile(path)
     except (pyarrow.ArrowException, OSError) as e:
         raise ValueError(f"{path}: not a Parquet file ({e})") from None
-    row = 0
-    for batch in table.iter_batches(batch_size=_PARQUET_BATCH_ROWS):
-        for record in batch.to_pylist():
+    row, batches = 0, table.iter_batches(batch_size=_PARQUET_BATCH_ROWS)
+    while True:
+        try:
+            records = next(batches).to_pylist()
+        except StopIteration:
+            return
+        except (pyarrow.ArrowException, OSError) as e:  # a damaged page
+            raise ValueError(f"{path}: cannot read the Parquet rows from row {row} ({e})") from None
+        for record in records:
             yield Where(str(path), "row", row), record
             row += 1
 
@@ -116,9 +130,13 @@ def _dataset_dir_rows(path: Path, split: str) -> Iterator[tuple[Where, Any]]:
         raise ValueError(f"dataset {path}: a directory must be a Hugging Face dataset written by save_to_disk "
                          "(dataset_info.json or dataset_dict.json); for a downloaded dataset repository, "
                          f"point at one of its {', '.join(SUFFIXES)} files")
+    import pyarrow
     from datasets import DatasetDict, load_from_disk
 
-    dataset = load_from_disk(str(path))
+    try:
+        dataset = load_from_disk(str(path))
+    except (pyarrow.ArrowException, OSError) as e:  # a damaged or missing data file
+        raise ValueError(f"dataset {path}: cannot read it ({e})") from None
     where = str(path)
     if isinstance(dataset, DatasetDict):
         if split not in dataset:

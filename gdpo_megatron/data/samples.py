@@ -10,7 +10,7 @@ Files are read by :mod:`gdpo_megatron.data.readers` (JSON Lines, JSON, Parquet, 
   the reference answer. ``system_key`` names a field holding the system message (ToolRL's SFT
   set: ``instruction``).
 * **Ground truth**: the field ``ground_truth_key`` (dotted names reach into nested fields, as
-  in verl's ``reward_model.ground_truth``), by default the first present of the family's
+  in verl's ``reward_model.ground_truth``, or name a flattened column), by default the first present of the family's
   fields below, else (``math``, ``toolrl``) the chat's final assistant message:
 
   - ``math``: ``answer``, ``expected_answer``, ``reward_model.ground_truth``; gives
@@ -31,7 +31,7 @@ Every other field is kept as metadata, except fields named like a key of the sam
 truth (e.g. ``answer``), which would shadow it; ``id`` defaults to ``<file stem>-<line or row>``.
 A malformed row is an error naming the file and the line or row. Rows that hold no usable
 ground truth are left out and named in one warning: a ``math`` row whose answer is null or
-blank, a ``toolrl`` row whose reference ToolRL's reward cannot parse.
+blank, a ``toolrl`` row whose reference is null or one ToolRL's reward cannot parse.
 """
 from __future__ import annotations
 
@@ -203,6 +203,11 @@ def _ground_truth(record: dict, family: str, key: str | None, reference: str | N
             raise ValueError(f"{where}: {found!r} (the answer) must be a string or a number, got {value!r}")
         return {"answer": value}
     if family == "toolrl":
+        if value is None:
+            raise EmptyGroundTruth(f"{where}: {found!r} (the reference answer) is empty")
+        if not isinstance(value, str):
+            raise ValueError(f"{where}: {found!r} (ToolRL's reference answer) must be a string, "
+                             f"got {type(value).__name__}")
         parse_reference(value)  # raises UnscorableReference
         return {"answer": value}
     if family == "tool":
@@ -254,7 +259,9 @@ _MISSING = object()
 
 
 def _lookup(record: dict, dotted: str) -> Any:
-    """The value at ``a.b.c`` in nested dicts, or ``_MISSING``."""
+    """The value of field ``a.b.c`` (a flattened column of that name, else nested dicts), or ``_MISSING``."""
+    if dotted in record:
+        return record[dotted]
     node: Any = record
     for part in dotted.split("."):
         if not isinstance(node, dict) or part not in node:
@@ -264,7 +271,9 @@ def _lookup(record: dict, dotted: str) -> Any:
 
 
 def _pop(record: dict, dotted: str) -> Any:
-    """Remove and return the value at ``a.b.c`` (copying the dicts on the way), or ``_MISSING``."""
+    """Remove and return the value :func:`_lookup` finds (copying the dicts on the way), or ``_MISSING``."""
+    if dotted in record:
+        return record.pop(dotted)
     *parents, last = dotted.split(".")
     node = record
     for part in parents:

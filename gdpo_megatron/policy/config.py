@@ -300,9 +300,9 @@ class PolicyConfig:
                              "against the rollout engine's; it needs old_logprobs: policy")
         if (self.offload_grads_and_optimizer and self.precision.dtype == "fp32"
                 and not self.optim.use_distributed_optimizer):
-            raise ValueError("policy.offload_grads_and_optimizer: with fp32 parameters and the plain optimizer, megatron's "
-                             "optimizer holds the model's own parameters, which the weight sync needs on the GPU; "
-                             "use precision.dtype: bf16 or optim.use_distributed_optimizer: true")
+            raise ValueError("policy.offload_grads_and_optimizer: with fp32 parameters and the plain optimizer, "
+                             "megatron's optimizer holds the model's own parameters, which the weight sync needs on "
+                             "the GPU; use precision.dtype: bf16 or optim.use_distributed_optimizer: true")
 
     def validate(self, world_size: int) -> None:
         """Check the sections against each other and this machine; raise on the first problem."""

@@ -22,8 +22,9 @@ alone) and each ``tool_call`` / ``response`` tag the reference uses appears once
 
 ``toolrl_correctness``: 0 when the reference calls no tool. Otherwise -3 unless the completion
 has ``<tool_call>`` and ``</tool_call>`` and every line after the first ``<tool_call>`` up to
-the next ``</tool_call>`` is a JSON object with a ``"name"`` (and a ``"parameters"`` object
-where the name is one of the reference's); then ``6 * S / S_max - 3`` with
+the next ``<tool_call>`` or ``</tool_call>`` (as ToolRL splits the text) is a JSON object with a
+``"name"`` (and a ``"parameters"`` object where the name is one of the reference's); then
+``6 * S / S_max - 3`` with
 
     S     = Jaccard(reference names, predicted names)             (multisets)
           + sum over paired calls of  Jaccard(parameter names) + #parameters with equal values
@@ -36,9 +37,9 @@ with it (the first on ties). ``matching="optimal"`` takes the pairs that make S 
 instead: never lower, and independent of the order of calls that repeat a name. Values are
 equal when the decoded JSON values compare equal in Python (``1 == 1.0``).
 
-A reference that ToolRL's rules cannot read (its first ``<tool_call>`` ... ``</tool_call>``
-span is not one JSON call per line, e.g. because its think block mentions the tag) raises
-:class:`UnscorableReference`; ToolRL's own code crashes on it.
+A reference that ToolRL's rules cannot read (that span is not one JSON call per line, e.g.
+because its think block mentions the tag) raises :class:`UnscorableReference`; ToolRL's own
+code crashes on it.
 """
 from __future__ import annotations
 
@@ -94,11 +95,12 @@ def toolrl_format(completion: str, num_tokens: int, ground_truth: dict) -> float
     answer = _answer(ground_truth)
     expects_calls, expects_response = CALL_OPEN in answer, RESPONSE_OPEN in answer
     text = completion.strip()
-    if _STRUCTURE[expects_calls, expects_response].fullmatch(text) is None:
-        return 0.0
     tags = ((CALL_OPEN, CALL_CLOSE) if expects_calls else ()) + (
         (RESPONSE_OPEN, RESPONSE_CLOSE) if expects_response else ())
-    return 1.0 if all(text.count(tag) == 1 for tag in tags) else 0.0
+    # Counting the tags first keeps the pattern's backtracking linear in the completion's length.
+    if not all(text.count(tag) == 1 for tag in tags):
+        return 0.0
+    return 0.0 if _STRUCTURE[expects_calls, expects_response].fullmatch(text) is None else 1.0
 
 
 @register_reward("toolrl_correctness")
@@ -148,17 +150,17 @@ def _answer(ground_truth: dict) -> str:
 
 
 def _call_lines(text: str) -> list[dict[str, Any]]:
-    """The JSON objects on the lines after the first ``<tool_call>``, up to the next ``</tool_call>``.
+    """The JSON objects on the lines after the first ``<tool_call>``, up to the next tag of the two.
 
     Raises ValueError when a line is not a JSON object.
     """
-    block = text.split(CALL_OPEN, 1)[1].split(CALL_CLOSE, 1)[0].strip()
+    block = text.split(CALL_OPEN, 2)[1].split(CALL_CLOSE, 1)[0].strip()
     calls = []
     for line in block.split("\n"):
         try:
             call = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"line {line[:80]!r} is not JSON ({e.msg})") from None
+        except (ValueError, RecursionError) as e:  # RecursionError: nested too deeply
+            raise ValueError(f"line {line[:80]!r} is not JSON ({getattr(e, 'msg', e)})") from None
         if not isinstance(call, dict):
             raise ValueError(f"line {line[:80]!r} is not a JSON object")
         calls.append(call)

@@ -1,0 +1,51 @@
+"""What a program can make the judge of an assert test say: only what its return values earn.
+
+Each case pairs a wrong program that tries to pass with the honest program for the same
+test, so that a test here cannot pass by the judge failing everything.
+"""
+import pytest
+
+from gdpo_megatron.rewards.coding import code_no_bug, code_pass
+
+LIMITS = {"wall_s": 20.0, "cpu_s": 3}
+
+
+def score(code, test):
+    text, truth = f"```python\n{code}\n```", {"tests": [{"assert": test}]}
+    return code_pass(text, 0, truth, limits=LIMITS), code_no_bug(text, 0, truth, limits=LIMITS)
+
+
+DOUBLE = "def double(x):\n    return 2 * x\n"
+WRONG_DOUBLE = "def double(x):\n    return 0\n"
+
+# (the test, the wrong program's extra definitions): each definition shadows a builtin the test calls.
+SHADOWED_BUILTINS = {
+    "range": ("for i in range(10):\n    assert double(i) == 2 * i\n",
+              "def range(*args):\n    return []\n"),
+    "abs": ("assert abs(double(1.25) - 2.5) < 1e-9\n",
+            "def abs(x):\n    return 0\n"),
+    "sorted": ("assert sorted([double(3), double(1)]) == sorted([2, 6])\n",
+               "def sorted(*args, **kwargs):\n    return 0\n"),
+}
+
+
+@pytest.mark.parametrize("name", list(SHADOWED_BUILTINS))
+def test_program_functions_named_like_builtins_do_not_replace_the_tests_builtins(name):
+    test, shadow = SHADOWED_BUILTINS[name]
+    assert score(DOUBLE, test) == (1.0, 1.0)
+    assert score(WRONG_DOUBLE + shadow, test) == (0.0, 1.0)  # a wrong answer
+
+
+# The program raises StopIteration from a call the test makes inside an iterator (map): the
+# test's loop must not read it as the end of its cases.
+STOP_ITERATION_TESTS = {
+    "for over zip(map(...))": "for got, want in zip(map(double, [1, 2, 3]), [2, 4, 6]):\n    assert got == want\n",
+    "all(map(...))": "assert all(map(lambda x: double(x) == 2 * x, [1, 2, 3]))\n",
+    "next(map(...), default)": "assert next(map(double, [5]), 10) == 10\n",
+}
+
+
+@pytest.mark.parametrize("test", list(STOP_ITERATION_TESTS.values()), ids=list(STOP_ITERATION_TESTS))
+def test_stop_iteration_raised_by_the_program_is_its_error(test):
+    assert score(DOUBLE, test) == (1.0, 1.0)
+    assert score("def double(x):\n    raise StopIteration\n", test) == (0.0, 0.0)

@@ -5,7 +5,8 @@ early, redefines ``exec``, patches builtins or returns an object whose ``__eq__`
 true would pass any test run in its own process. So the test runs in another process, the
 judge, which the program cannot see (its own sandbox: another PID namespace). The program
 process runs the program, then serves calls: the judge's namespace holds, for every
-function and class the program defines, a stub that sends the arguments over a pipe and
+function and class the program defines (except those named like a builtin: the test's
+``range``, ``abs`` or ``sorted`` stay Python's), a stub that sends the arguments over a pipe and
 receives the return value as plain data (None, bool, int, float, complex, str, bytes, and
 lists, tuples, dicts, sets of them). Any other value stays in the program's process; the
 judge gets a handle whose methods it can call (``Solution().two_sum(...)``) and which equals
@@ -174,7 +175,8 @@ def judge(requests_fd: int, responses_fd: int, verdict_fd: int) -> None:
             raise ProgramError(f"the program did not run to its end: {first.get('failed', first)}")
         namespace = {"__name__": "__test__"}
         for name, members in first["ready"].items():
-            namespace[name] = _Stub(channel, str(name), members=members)
+            if name.isidentifier() and not name.startswith("__") and name not in vars(builtins):
+                namespace[name] = _Stub(channel, name, members=members)
         with open(_TEST, encoding="utf-8") as f:
             exec(compile(f.read(), _TEST, "exec"), namespace)
         outcome = {"verdict": "passed"}
@@ -241,14 +243,17 @@ _RAISED_TYPES: dict[str, type] = {}
 
 def _raised(type_name: str, message: str) -> ProgramError:
     """An exception the test can catch as the builtin type the program raised, which is also
-    a :class:`ProgramError` (so a program's own AssertionError is a bug, not a failed test)."""
+    a :class:`ProgramError` (so a program's own AssertionError is a bug, not a failed test).
+    Not a StopIteration: raised from a call inside ``map`` or ``next(it, default)``, it would
+    end the test's iteration early instead of failing it."""
     if type_name not in _RAISED_TYPES:
         base = getattr(builtins, type_name, None)
         try:
-            if not (isinstance(base, type) and issubclass(base, Exception)):
+            if not (isinstance(base, type) and issubclass(base, Exception)) or issubclass(
+                    base, (StopIteration, StopAsyncIteration)):
                 raise TypeError
             _RAISED_TYPES[type_name] = type(type_name, (base, ProgramError), {})
-        except TypeError:  # not a builtin exception, or one that cannot be combined
+        except TypeError:  # not a builtin exception, a StopIteration, or one that cannot be combined
             _RAISED_TYPES[type_name] = type(type_name, (ProgramError,), {})
     return _RAISED_TYPES[type_name](message)
 

@@ -49,3 +49,12 @@ STOP_ITERATION_TESTS = {
 def test_stop_iteration_raised_by_the_program_is_its_error(test):
     assert score(DOUBLE, test) == (1.0, 1.0)
     assert score("def double(x):\n    raise StopIteration\n", test) == (0.0, 0.0)
+
+
+def test_integers_of_any_size_reach_the_test_and_the_program():
+    """Python's ints have no size limit; its int <-> decimal text conversion has (4300 digits)."""
+    power = "def power(n):\n    return 2 ** n\n"
+    assert score(power, "assert power(20000) == 2 ** 20000\n") == (1.0, 1.0)
+    assert score(power + "def half(n):\n    return n // 2\n",
+                 "assert half(-(2 ** 20000)) == -(2 ** 19999)\n") == (1.0, 1.0)
+    assert score("def power(n):\n    return 2 ** n + 1\n", "assert power(20000) == 2 ** 20000\n") == (0.0, 1.0)

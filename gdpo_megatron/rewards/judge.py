@@ -27,6 +27,7 @@ import traceback
 
 _SOLUTION, _TEST = "solution.py", "test.py"
 _MAX_MESSAGE = 1 << 26  # bytes of one message the judge accepts
+_MAX_DECIMAL_BITS = 4096  # larger ints travel as hex text
 
 
 class ProgramError(Exception):
@@ -34,7 +35,7 @@ class ProgramError(Exception):
 
 
 def encode(value, keep: list | None = None, depth: int = 0):
-    """``value`` as JSON-compatible plain data; containers and special numbers are tagged.
+    """``value`` as JSON-compatible plain data; containers, special numbers and large ints are tagged.
 
     Another value becomes a handle: appended to ``keep`` (program side), or the handle it
     came as (judge side).
@@ -45,7 +46,9 @@ def encode(value, keep: list | None = None, depth: int = 0):
     if value is None or kind in (bool, str):
         return value
     if isinstance(value, int):
-        return int(value)
+        value = int(value)
+        # Decimal text of more than 4300 digits is refused by int() and str(); hex has no limit.
+        return value if value.bit_length() <= _MAX_DECIMAL_BITS else ["int", hex(value)]
     if isinstance(value, float):
         value = float(value)
         return value if math.isfinite(value) else ["float", repr(value)]
@@ -80,6 +83,8 @@ def decode(data, resolve):
     tag, rest = data[0], data[1:]
     if tag == "float" and rest in (["nan"], ["inf"], ["-inf"]):
         return float(rest[0])
+    if tag == "int" and len(rest) == 1 and type(rest[0]) is str:
+        return int(rest[0], 16)
     if tag == "complex" and len(rest) == 2:
         return complex(_number(rest[0]), _number(rest[1]))
     if tag == "bytes" and len(rest) == 1 and type(rest[0]) is str:

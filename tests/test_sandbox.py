@@ -206,6 +206,15 @@ def test_setuid_programs_gain_nothing_and_do_not_survive():
     assert processes_with(word) == []
 
 
+@pytest.mark.parametrize("level", ["default", "basic"])
+def test_no_new_privs_at_every_level(level):
+    """At the basic level too: a setuid helper started by the program would run as root, and
+    one that takes root as its real user id is beyond the sweep over the sandbox's user."""
+    code = "print(open('/proc/self/status').read().split('NoNewPrivs:')[1].split()[0])\n"
+    result = run_python(code, "", LIMITS, level=None if level == "default" else level)
+    assert result.ok and result.stdout == "1\n", result.stderr
+
+
 @guaranteed("private_ipc")
 def test_system_v_ipc_objects_end_with_the_run():
     key = random.randrange(1 << 20, 1 << 30)

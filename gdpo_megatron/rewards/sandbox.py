@@ -19,8 +19,8 @@ reports the level and what it guarantees (the README has the table):
   RLIMIT_NPROC counts its processes only), and, where a writable memory cgroup exists, all of
   its processes share one ``memory_bytes`` bound (tmpfs pages included).
 
-``"basic"`` (no working bubblewrap): the same limits, but the program shares the host's
-  namespaces. Network access is blocked only by refusing socket-level imports, which code
+``"basic"`` (no working bubblewrap): the same limits and no_new_privs, but the program
+  shares the host's namespaces. Network access is blocked only by refusing socket-level imports, which code
   can undo. As root the program runs as an unprivileged user id of its own in a private
   working directory, and processes that leave its process group are killed by a sweep over
   that user id; it can still write to world-writable host directories. As another user it
@@ -55,7 +55,7 @@ from pathlib import Path
 
 ISOLATION_LEVELS = ("bwrap", "basic")
 SANDBOX_DIR = "/tmp"  # the working directory inside the bwrap sandbox (its only writable place)
-_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
+_PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS, _PR_SET_CHILD_SUBREAPER = 1, 38, 36
 _REAP_TIMEOUT_S = 5.0
 _UID_BASE = 10_000_000  # sandbox user ids are _UID_BASE + pid of the process running the sandbox
 _BWRAP_PROCESSES = 2  # bubblewrap's own processes in a run: its monitor and the namespace's init
@@ -266,7 +266,8 @@ def isolation() -> Isolation:
     if _bwrap_works():
         weaker = {"memory_per_run": root and _memory_cgroup_parent() is not None, "processes_counted_per_run": root}
         return Isolation("bwrap", {key: weaker.get(key, True) for key, _ in GUARANTEES})
-    contained = {"processes_counted_per_run", "caller_unreachable", "process_tree_ends_with_run"} if root else set()
+    contained = {"no_new_privs"}
+    contained |= {"processes_counted_per_run", "caller_unreachable", "process_tree_ends_with_run"} if root else set()
     return Isolation("basic", {key: key in contained for key, _ in GUARANTEES})
 
 
@@ -388,6 +389,8 @@ def _child_setup(limits: SandboxLimits, uid: int | None, level: str, cgroup_proc
         os.setuid(uid)
     # After the user switch, which clears it: die with the process that started us.
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if level == "basic":  # bubblewrap sets it itself
+        _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
 
 
 def _bwrap_args(limits: SandboxLimits, file_fds: dict[str, int], info_fd: int) -> list[str]:

@@ -314,6 +314,22 @@ def test_memory_is_bounded_per_run_not_per_process():
     assert result.stdout == "" or int(result.stdout) <= 1
 
 
+@guaranteed("memory_per_run")
+def test_memory_held_outside_the_address_space_is_bounded_per_run():
+    """memfd files are outside RLIMIT_AS: 512 files of 1 MiB under a 256 MiB bound."""
+    limits = SandboxLimits(wall_s=20.0, cpu_s=5, memory_bytes=256 << 20, output_bytes=1 << 20, processes=16)
+    code = (
+        "import os\n"
+        "files = []\n"
+        "for _ in range(512):\n"
+        "    files.append(os.memfd_create('x'))\n"
+        "    os.write(files[-1], b'x' * (1 << 20))\n"
+        "print(len(files))\n"
+    )
+    result = run_python(code, "", limits)
+    assert result.memory_limited and not result.ok and result.stdout == ""
+
+
 @guaranteed("disk_bounded")
 def test_disk_writes_are_bounded():
     limits = SandboxLimits(wall_s=10.0, cpu_s=5, memory_bytes=256 << 20, output_bytes=2 << 20, disk_bytes=8 << 20)

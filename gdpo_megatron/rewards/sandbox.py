@@ -74,7 +74,9 @@ GUARANTEES = (
     ("host_files_hidden", "host files other than system directories (/usr, the interpreter) are invisible"),
     ("writes_confined", "the program can write only to its own working directory"),
     ("disk_bounded", "the working directory holds at most disk_bytes"),
-    ("memory_per_run", "memory_bytes bounds all processes of the run together (else each process)"),
+    ("memory_per_run", "memory_bytes bounds all processes of the run together, memory held outside their address "
+                       "spaces included (else it bounds each process's address space only: memfd files, shared "
+                       "memory and pipe buffers are not bounded)"),
     ("processes_counted_per_run", "the processes limit counts this sandbox's processes only"),
     ("caller_unreachable", "the caller and other host processes cannot be signalled, traced or read"),
 )

@@ -80,6 +80,24 @@ def test_isolation_is_reported_per_guarantee():
         assert not report.guarantees["no_network"] and not report.guarantees["writes_confined"]
 
 
+@pytest.fixture
+def fresh_probe():
+    """The isolation probe runs again in the test, and again after it."""
+    sandbox.isolation.cache_clear()
+    sandbox._bwrap_works.cache_clear()
+    yield
+    sandbox.isolation.cache_clear()
+    sandbox._bwrap_works.cache_clear()
+
+
+def test_falling_back_to_the_basic_level_says_why(fresh_probe, monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on it
+    with caplog.at_level("WARNING", logger="gdpo_megatron.rewards.sandbox"):
+        assert sandbox.isolation().level == "basic"
+    assert any("'basic'" in r.getMessage() and "bwrap" in r.getMessage() and "not installed" in r.getMessage()
+               for r in caplog.records), caplog.text
+
+
 def test_runs_a_program_with_stdin_and_leaves_no_directory(tmp_path):
     before = set(os.listdir(tmp_path.parent.parent))
     code = "import os\nprint(input()[::-1])\nprint(sorted(os.listdir('.')))\nopen('f', 'w').write('x')"

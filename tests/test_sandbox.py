@@ -84,10 +84,10 @@ def test_isolation_is_reported_per_guarantee():
 def fresh_probe():
     """The isolation probe runs again in the test, and again after it."""
     sandbox.isolation.cache_clear()
-    sandbox._bwrap_works.cache_clear()
+    sandbox._bwrap_failure.cache_clear()
     yield
     sandbox.isolation.cache_clear()
-    sandbox._bwrap_works.cache_clear()
+    sandbox._bwrap_failure.cache_clear()
 
 
 def test_falling_back_to_the_basic_level_says_why(fresh_probe, monkeypatch, tmp_path, caplog):

@@ -40,6 +40,7 @@ import ctypes
 import functools
 import itertools
 import json
+import logging
 import os
 import resource
 import select
@@ -63,6 +64,7 @@ _BLOCKED_MODULES = ("socket", "_socket", "ssl", "_ssl", "select", "selectors", "
                     "http", "urllib", "ftplib", "smtplib", "telnetlib", "xmlrpc", "multiprocessing")
 _libc = ctypes.CDLL(None, use_errno=True)
 _run_counter = itertools.count()
+log = logging.getLogger(__name__)
 
 # What each level guarantees, by attack class: (key, what holds when it is True).
 GUARANTEES = (
@@ -263,11 +265,14 @@ class SandboxedRun:
 
 @functools.cache
 def isolation() -> Isolation:
-    """The strongest level that works here and what it guarantees, probed once per process."""
+    """The strongest level that works here and what it guarantees, probed once per process
+    (a fallback to the basic level is logged with its reason)."""
     root = os.geteuid() == 0
-    if _bwrap_works():
+    why_not_bwrap = _bwrap_failure()
+    if why_not_bwrap is None:
         weaker = {"memory_per_run": root and _memory_cgroup_parent() is not None, "processes_counted_per_run": root}
         return Isolation("bwrap", {key: weaker.get(key, True) for key, _ in GUARANTEES})
+    log.warning("code sandbox: level 'basic', weaker isolation (see sandbox.isolation()): %s", why_not_bwrap)
     contained = {"no_new_privs"}
     contained |= {"processes_counted_per_run", "caller_unreachable", "process_tree_ends_with_run"} if root else set()
     return Isolation("basic", {key: key in contained for key, _ in GUARANTEES})
@@ -534,15 +539,19 @@ def _memory_cgroup_parent() -> tuple[Path, int] | None:
 
 
 @functools.cache
-def _bwrap_works() -> bool:
-    """bubblewrap is installed and can start the interpreter with every option the bwrap level uses."""
+def _bwrap_failure() -> str | None:
+    """Why bubblewrap cannot start the interpreter here with every option the bwrap level
+    uses, or ``None`` when it can."""
     if shutil.which("bwrap") is None:
-        return False
+        return "bubblewrap (bwrap) is not installed"
     try:
         run = SandboxedRun({"main.py": "pass"}, "", SandboxLimits(wall_s=30), "bwrap", ())
-        return run.finish(time.monotonic() + 30).returncode == 0
-    except (OSError, SandboxError, subprocess.SubprocessError):
-        return False
+        result = run.finish(time.monotonic() + 30)
+    except (OSError, SandboxError, subprocess.SubprocessError) as e:
+        return f"bwrap failed: {e}"
+    if result.returncode != 0:
+        return f"bwrap failed (exit status {result.returncode}): {result.stderr.strip()[-2000:]}"
+    return None
 
 
 def _exits_within(proc: subprocess.Popen, timeout: float) -> bool:

@@ -285,20 +285,31 @@ def damage() -> str | None:
     started. A child found here escaped a run (or the sandbox failed); it is killed and
     reaped, and the process should be replaced, since whatever escaped may have changed it.
     """
-    me = os.getpid()
-    left = []
+    left = _children()
+    for pid in left:
+        _kill_pid(pid)
+        _reap(pid)
+    return f"{len(left)} process(es) of a sandboxed run outlived it" if left else None
+
+
+def _children() -> list[int]:
+    """This process's child processes (zombies included): read from each of its threads'
+    ``children`` list where the kernel has one, else found by a scan of every process."""
+    try:
+        return [int(pid) for task in os.scandir("/proc/self/task")
+                for pid in Path(task.path, "children").read_text().split()]
+    except FileNotFoundError:  # a kernel without CONFIG_PROC_CHILDREN, or a thread that just ended
+        pass
+    me, found = os.getpid(), []
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             try:
                 with open(f"/proc/{entry.name}/stat") as f:
                     if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
-                        left.append(int(entry.name))
+                        found.append(int(entry.name))
             except (FileNotFoundError, ProcessLookupError):
                 continue
-    for pid in left:
-        _kill_pid(pid)
-        _reap(pid)
-    return f"{len(left)} process(es) of a sandboxed run outlived it" if left else None
+    return found
 
 
 def sandbox_uid(pid: int) -> int:

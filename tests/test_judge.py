@@ -58,3 +58,14 @@ def test_integers_of_any_size_reach_the_test_and_the_program():
     assert score(power + "def half(n):\n    return n // 2\n",
                  "assert half(-(2 ** 20000)) == -(2 ** 19999)\n") == (1.0, 1.0)
     assert score("def power(n):\n    return 2 ** n + 1\n", "assert power(20000) == 2 ** 20000\n") == (0.0, 1.0)
+
+
+def test_the_judge_does_not_take_processes_from_the_program():
+    """The same program, allowed 4 processes, starts one subprocess as a script and under test."""
+    code = "import subprocess\ndef five():\n    return int(subprocess.run(['echo', '5'], capture_output=True).stdout)\n"
+    limits = {**LIMITS, "processes": 4}
+    truth = {"tests": [{"input": "", "output": "5"}]}
+    assert code_pass(f"```python\n{code}print(five())\n```", 0, truth, limits=limits) == 1.0
+    text = f"```python\n{code}```"
+    truth = {"tests": [{"assert": "assert five() == 5"}]}
+    assert (code_pass(text, 0, truth, limits=limits), code_no_bug(text, 0, truth, limits=limits)) == (1.0, 1.0)

@@ -278,6 +278,13 @@ def isolation() -> Isolation:
     return Isolation("basic", {key: key in contained for key, _ in GUARANTEES})
 
 
+def processes_per_run(level: str | None = None) -> int:
+    """Processes a run holds before its program starts any (bubblewrap's two and the
+    interpreter; the basic level: the interpreter). Runs of one caller share one user, so a
+    run that lives beside another needs this many more in its ``processes`` limit."""
+    return (_BWRAP_PROCESSES if (level or isolation().level) == "bwrap" else 0) + 1
+
+
 def damage() -> str | None:
     """What is wrong with this process after its sandboxed runs ended, or ``None``.
 

@@ -5,6 +5,7 @@ test, so that a test here cannot pass by the judge failing everything.
 """
 import pytest
 
+from gdpo_megatron.rewards import sandbox
 from gdpo_megatron.rewards.coding import code_no_bug, code_pass
 
 LIMITS = {"wall_s": 20.0, "cpu_s": 3}
@@ -60,6 +61,8 @@ def test_integers_of_any_size_reach_the_test_and_the_program():
     assert score("def power(n):\n    return 2 ** n + 1\n", "assert power(20000) == 2 ** 20000\n") == (0.0, 1.0)
 
 
+@pytest.mark.skipif(not sandbox.isolation().guarantees["processes_counted_per_run"],
+                    reason="the processes limit counts all processes of the user here")
 def test_the_judge_does_not_take_processes_from_the_program():
     """The same program, allowed 4 processes, starts one subprocess as a script and under test."""
     code = "import subprocess\ndef five():\n    return int(subprocess.run(['echo', '5'], capture_output=True).stdout)\n"
@@ -69,3 +72,42 @@ def test_the_judge_does_not_take_processes_from_the_program():
     text = f"```python\n{code}```"
     truth = {"tests": [{"assert": "assert five() == 5"}]}
     assert (code_pass(text, 0, truth, limits=limits), code_no_bug(text, 0, truth, limits=limits)) == (1.0, 1.0)
+
+
+
+@pytest.fixture(params=["default", "basic"])
+def level(request, monkeypatch, tmp_path):
+    """The sandbox level runs choose: the default one here, and basic as on a host without
+    bubblewrap (none on PATH)."""
+    if request.param == "basic":
+        monkeypatch.setenv("PATH", str(tmp_path))
+    sandbox.isolation.cache_clear()
+    sandbox._bwrap_failure.cache_clear()
+    yield sandbox.isolation()
+    sandbox.isolation.cache_clear()  # probed again with the PATH restored
+    sandbox._bwrap_failure.cache_clear()
+
+
+# Looks for the judge's test among the working directories of every process it may read, and
+# returns the value the test expects.
+READS_THE_TEST = r"""
+import os, re
+
+def double(x):
+    for pid in os.listdir('/proc'):
+        try:
+            found = re.search(r'== (\d+)', open(f'/proc/{pid}/cwd/test.py').read())
+        except OSError:
+            continue
+        if found:
+            return int(found.group(1))
+    return 0
+"""
+
+
+def test_assert_tests_at_every_level(level):
+    test = "assert double(21) == 42\n"
+    assert score(DOUBLE, test) == (1.0, 1.0)
+    assert score(WRONG_DOUBLE, test) == (0.0, 1.0)
+    if level.guarantees["runs_separated"]:
+        assert score(READS_THE_TEST, test) == (0.0, 1.0)

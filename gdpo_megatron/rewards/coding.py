@@ -22,7 +22,6 @@ failure of the sandbox itself raises, so the reward stage counts it as a failure
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import math
@@ -34,7 +33,7 @@ from pathlib import Path
 
 from gdpo_megatron.rewards import judge
 from gdpo_megatron.rewards.registry import register_reward
-from gdpo_megatron.rewards.sandbox import SandboxLimits, processes_per_run, run_python, start_python
+from gdpo_megatron.rewards.sandbox import SandboxLimits, run_python, start_python
 
 _FENCED = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
 _JUDGE_SOURCE = Path(judge.__file__).read_text(encoding="utf-8")
@@ -91,13 +90,13 @@ def run_assert_test(program: str, test: str, limits: SandboxLimits) -> str:
     verdict_r, verdict_w = os.pipe()
     deadline = time.monotonic() + limits.wall_s
     try:
+        # The judge runs as the caller's second sandbox user: the program cannot read its test,
+        # signal it or take its processes even at the basic level (as root).
         judging = start_python({"main.py": f"{_JUDGE_SOURCE}\njudge({requests_w}, {responses_r}, {verdict_w})\n",
-                                "test.py": test}, "", limits, pass_fds=(requests_w, responses_r, verdict_w))
-        # The judge's processes count against the program's limit (one sandbox user): add them.
-        serving_limits = dataclasses.replace(limits, processes=limits.processes + processes_per_run())
+                                "test.py": test}, "", limits, pass_fds=(requests_w, responses_r, verdict_w), user=1)
         try:
             serving = start_python({"main.py": f"{_JUDGE_SOURCE}\nserve({requests_r}, {responses_w})\n",
-                                    "solution.py": program}, "", serving_limits, pass_fds=(requests_r, responses_w))
+                                    "solution.py": program}, "", limits, pass_fds=(requests_r, responses_w))
         except BaseException:
             judging.finish(time.monotonic())
             raise

@@ -3,7 +3,8 @@
 The verdict of an assert test must not be the program's to give: a program that exits 0
 early, redefines ``exec``, patches builtins or returns an object whose ``__eq__`` is always
 true would pass any test run in its own process. So the test runs in another process, the
-judge, which the program cannot see (its own sandbox: another PID namespace). The program
+judge, which the program cannot see (its own sandbox: another PID namespace, or at the basic
+level as root another user; ``sandbox.isolation()`` says whether runs are kept apart). The program
 process runs the program, then serves calls: the judge's namespace holds, for every
 function and class the program defines (except those named like a builtin: the test's
 ``range``, ``abs`` or ``sorted`` stay Python's), a stub that sends the arguments over a pipe and

@@ -64,8 +64,9 @@ def test_integers_of_any_size_reach_the_test_and_the_program():
 @pytest.mark.skipif(not sandbox.isolation().guarantees["processes_counted_per_run"],
                     reason="the processes limit counts all processes of the user here")
 def test_the_judge_does_not_take_processes_from_the_program():
-    """The same program, allowed 4 processes, starts one subprocess as a script and under test."""
-    code = "import subprocess\ndef five():\n    return int(subprocess.run(['echo', '5'], capture_output=True).stdout)\n"
+    """The same program, allowed 4 processes, starts one process as a script and under test."""
+    code = ("import os\ndef five():\n    pid = os.fork()\n    if pid == 0:\n        os._exit(5)\n"
+            "    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])\n")
     limits = {**LIMITS, "processes": 4}
     truth = {"tests": [{"input": "", "output": "5"}]}
     assert code_pass(f"```python\n{code}print(five())\n```", 0, truth, limits=limits) == 1.0

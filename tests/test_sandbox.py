@@ -376,6 +376,21 @@ def test_huge_output_is_capped():
     assert len(result.stdout) == LIMITS.output_bytes and set(result.stdout) == {"x"}
 
 
+@guaranteed("host_files_hidden")
+def test_host_files_are_hidden():
+    code = (
+        "import os\n"
+        "print(sorted(os.listdir('/')))\n"
+        f"for path in ('/etc/passwd', {os.path.abspath(__file__)!r}, {os.getcwd()!r}):\n"
+        "    print(os.path.exists(path))\n"
+    )
+    result = run_python(code, "", LIMITS)
+    assert result.ok, result.stderr
+    top, *seen = result.stdout.splitlines()
+    assert set(eval(top)) <= {"bin", "dev", "lib", "lib32", "lib64", "libx32", "proc", "sbin", "tmp", "usr"}
+    assert seen == ["False"] * 3
+
+
 @guaranteed("writes_confined")
 def test_writes_outside_the_working_directory_are_contained(tmp_path):
     outside = tmp_path / "escape.txt"

@@ -236,3 +236,36 @@ def test_zombies_a_program_leaves_do_not_fail_later_programs():
     expected = 1.0 if sandbox.isolation().level == "bwrap" else 0.0  # the basic level blocks subprocess
     assert rewards.tolist() == [[1.0]] + [[expected]] * 3
     assert metrics["reward/code_pass/failures"] == 0
+
+
+BOUNDED_REWARDS = '''
+from gdpo_megatron.rewards import register_reward
+
+@register_reward("stage_bounded_raises_on_1", bounds=(-3, 3))
+def bounded_raises_on_1(completion, num_tokens, ground_truth):
+    if ground_truth["i"] == 1:
+        raise RecursionError("as a completion nested too deeply might make it")
+    return 1.0
+
+@register_reward("stage_out_of_bounds_on_0", bounds=(0, 1))
+def out_of_bounds_on_0(completion, num_tokens, ground_truth):
+    return 2.0 if ground_truth["i"] == 0 else 0.5
+
+@register_reward("stage_unbounded_raises_on_1")
+def unbounded_raises_on_1(completion, num_tokens, ground_truth):
+    if ground_truth["i"] == 1:
+        raise ValueError("no reward for rollout 1")
+    return -7.0
+'''
+
+
+def test_a_failure_scores_the_declared_low_bound_and_a_value_outside_the_bounds_fails(tmp_path):
+    path = tmp_path / "bounded.py"
+    path.write_text(BOUNDED_REWARDS)
+    specs = [RewardSpec("stage_bounded_raises_on_1"), RewardSpec("stage_out_of_bounds_on_0"),
+             RewardSpec("stage_unbounded_raises_on_1")]
+    with RewardStage(specs, num_workers=1, reward_files=[path]) as stage:
+        rewards, metrics = stage.score(["a", "b"], [1, 1], [{"i": 0}, {"i": 1}])
+    # Failing pays the bound's low end (not 0, above an honest -3); undeclared bounds fail to 0.
+    assert rewards.tolist() == [[1.0, 0.0, -7.0], [-3.0, 0.5, 0.0]]
+    assert [metrics[f"reward/{spec.name}/failures"] for spec in specs] == [1, 1, 1]

@@ -28,7 +28,7 @@ def final_answer(completion: str) -> str | None:
     return boxed.strip() or None if boxed is not None else None
 
 
-@register_reward("math_correctness")
+@register_reward("math_correctness", bounds=(0.0, 1.0))
 def math_correctness(completion: str, num_tokens: int, ground_truth: dict) -> float:
     """1 if the final answer is mathematically equal to ``ground_truth["answer"]``."""
     gold = ground_truth.get("answer") if isinstance(ground_truth, dict) else None
@@ -44,7 +44,7 @@ def math_correctness(completion: str, num_tokens: int, ground_truth: dict) -> fl
     return 1.0 if verify(gold_parsed, answer_parsed) else 0.0
 
 
-@register_reward("math_format")
+@register_reward("math_format", bounds=(0.0, 1.0))
 def math_format(completion: str, num_tokens: int, ground_truth: dict) -> float:
     """1 if the completion states exactly one final answer in the expected form.
 

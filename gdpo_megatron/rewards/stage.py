@@ -3,8 +3,10 @@
 Each data-parallel rank scores only its own rollouts, so nothing crosses ranks here. Work is
 sent one rollout at a time (all its rewards, in config order, so rewards that share work,
 like ``code_pass`` and ``code_no_bug``, can share it in the worker); every reward call has
-its own timeout. A call that raises, returns a non-finite or non-numeric value, runs past
-its timeout, or takes its worker down scores the reward's ``failure_value`` and is counted
+its own timeout. A call that raises, returns a non-finite or non-numeric value or one outside
+the reward's declared bounds, runs past its timeout, or takes its worker down scores the
+reward's failure score (``RewardSpec.failure_score``: its lowest value unless the config sets
+``failure_value``), so failing is never paid more than an honest wrong answer, and is counted
 in ``reward/<name>/failures`` (timeouts also in ``reward/<name>/timeouts``) and logged; so is
 a call whose code sandbox failed for its own reasons (``SandboxError``), never scored as the
 program's result. A worker that times out is killed and replaced; the sandboxed programs it
@@ -32,7 +34,7 @@ from typing import Sequence
 import torch
 
 from gdpo_megatron.rewards import sandbox
-from gdpo_megatron.rewards.registry import RewardSpec, get_reward, load_reward_file, validate_specs
+from gdpo_megatron.rewards.registry import RewardSpec, get_reward, load_reward_file, reward_bounds, validate_specs
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ def _worker_main(conn: Connection, specs: Sequence[RewardSpec], reward_files: Se
         for path in reward_files:
             load_reward_file(path)
         fns = [get_reward(spec.name) for spec in specs]
+        bounds = [reward_bounds(spec.name) for spec in specs]
     except BaseException:
         conn.send((_FATAL, traceback.format_exc()))
         return
@@ -62,6 +65,8 @@ def _worker_main(conn: Connection, specs: Sequence[RewardSpec], reward_files: Se
                 value = fns[k](completion, num_tokens, metadata, **specs[k].kwargs)
                 if not isinstance(value, numbers.Real) or not math.isfinite(value):
                     raise TypeError(f"returned {value!r}, expected a finite number")
+                if bounds[k] is not None and not bounds[k][0] <= value <= bounds[k][1]:
+                    raise ValueError(f"returned {value!r}, outside its declared bounds {bounds[k]}")
                 conn.send((_VALUE, rollout, k, float(value)))
             except (Exception, SystemExit) as e:
                 conn.send((_ERROR, rollout, k, traceback.format_exc(limit=-3)))
@@ -87,19 +92,19 @@ class _Worker:
 class _Scores:
     """What one ``score`` call has collected: values, and failures per reward."""
 
-    specs: list[RewardSpec]
+    failure_scores: list[float]
     values: list[list[float]]
     failures: list[int]
     timeouts: list[int]
     first_error: list[str | None]
 
     @classmethod
-    def empty(cls, n: int, specs: list[RewardSpec]) -> "_Scores":
-        K = len(specs)
-        return cls(specs, [[math.nan] * K for _ in range(n)], [0] * K, [0] * K, [None] * K)
+    def empty(cls, n: int, failure_scores: list[float]) -> "_Scores":
+        K = len(failure_scores)
+        return cls(failure_scores, [[math.nan] * K for _ in range(n)], [0] * K, [0] * K, [None] * K)
 
     def fail(self, i: int, k: int, why: str, timed_out: bool = False) -> None:
-        self.values[i][k] = self.specs[k].failure_value
+        self.values[i][k] = self.failure_scores[k]
         self.failures[k] += 1
         self.timeouts[k] += timed_out
         self.first_error[k] = self.first_error[k] or why
@@ -129,6 +134,7 @@ class RewardStage:
         validate_specs(specs)
         self.specs = list(specs)
         self.timeouts = [spec.timeout_s or timeout_s for spec in self.specs]
+        self.failure_scores = [spec.failure_score() for spec in self.specs]
         # Workers fork from a server that imported the rewards once, so a replacement for a
         # killed worker does not import them again.
         self._ctx = mp.get_context("forkserver")
@@ -157,7 +163,7 @@ class RewardStage:
             )
         if not self._workers:
             raise RuntimeError("reward stage: score() called after close()")
-        scores = _Scores.empty(n, self.specs)
+        scores = _Scores.empty(n, self.failure_scores)
         pending = deque((i, deque(range(len(self.specs)))) for i in range(n))
         while pending or any(w.rollout is not None for w in self._workers):
             for w in list(self._workers):

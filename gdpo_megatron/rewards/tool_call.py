@@ -83,7 +83,7 @@ def parse_tool_calls(text: str) -> list[dict[str, Any]] | None:
     return calls
 
 
-@register_reward("tool_format")
+@register_reward("tool_format", bounds=(0.0, 1.0))
 def tool_format(completion: str, num_tokens: int, ground_truth: dict) -> float:
     """1 if the completion has the structure the ground truth asks for, else 0.
 
@@ -110,7 +110,7 @@ def tool_format(completion: str, num_tokens: int, ground_truth: dict) -> float:
     return 1.0 if ok else 0.0
 
 
-@register_reward("tool_correctness")
+@register_reward("tool_correctness", bounds=(MIN_CORRECTNESS, MAX_CORRECTNESS))
 def tool_correctness(
     completion: str, num_tokens: int, ground_truth: dict, normalize_strings: bool = False
 ) -> float:

@@ -12,16 +12,20 @@ from decimal import Decimal
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
 from gdpo_megatron.rewards.registry import register_reward
+from gdpo_megatron.rewards.tags import tagged_blocks
 
-_ANSWER_BLOCK = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _BOXED = "\\boxed{"
 _EXTRACTION = (LatexExtractionConfig(), ExprExtractionConfig())
+# math-verify's own limits, per parse and per comparison: a completion's answer like
+# \frac{1}{\frac{1}{...}} or 9^{9^{9}} makes sympy work for minutes. They are SIGALRM alarms
+# (whole seconds, main thread only); an answer cut off by one is not equal to the ground truth.
+_TIMEOUT_S = 1
 _MATH_DELIMITER = re.compile(r"(?<!\\)\$")  # a "$" that is not an escaped "\$" (currency)
 
 
 def final_answer(completion: str) -> str | None:
     """The final answer text, or ``None`` when the completion gives none."""
-    blocks = _ANSWER_BLOCK.findall(completion)
+    blocks = tagged_blocks(completion, "<answer>", "</answer>")
     if blocks:
         return blocks[-1].strip() or None
     boxed = _last_boxed(completion)
@@ -37,11 +41,12 @@ def math_correctness(completion: str, num_tokens: int, ground_truth: dict) -> fl
     answer = final_answer(completion)
     if answer is None:
         return 0.0
-    gold_parsed = parse(_as_latex(gold if isinstance(gold, str) else _plain_number(gold)), _EXTRACTION)
-    answer_parsed = parse(_as_latex(answer), _EXTRACTION)
+    gold_parsed = parse(_as_latex(gold if isinstance(gold, str) else _plain_number(gold)), _EXTRACTION,
+                        parsing_timeout=_TIMEOUT_S)
+    answer_parsed = parse(_as_latex(answer), _EXTRACTION, parsing_timeout=_TIMEOUT_S)
     if not gold_parsed or not answer_parsed:
         return 0.0
-    return 1.0 if verify(gold_parsed, answer_parsed) else 0.0
+    return 1.0 if verify(gold_parsed, answer_parsed, timeout_seconds=_TIMEOUT_S) else 0.0
 
 
 @register_reward("math_format", bounds=(0.0, 1.0))

@@ -61,6 +61,10 @@ def _outcomes(completion: str, ground_truth: dict, limits: dict | None) -> tuple
     program = extract_program(completion)
     if program is None:
         return ()
+    try:
+        program.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates: no source file can hold it, so it is a compile error
+        return tuple((False, False) for _ in tests)
     return _run_tests(program, json.dumps(tests, sort_keys=True), SandboxLimits(**(limits or {})))
 
 

@@ -131,7 +131,8 @@ class DataConfig:
 
     train_path: str  # .jsonl, .json, .parquet, or a Hugging Face datasets directory (save_to_disk)
     family: str  # "tool", "math", "code" or "toolrl"
-    split: str = "train"  # the split of a datasets directory that holds several
+    # The split of a datasets directory; None: "train" of a DatasetDict, all of a single dataset.
+    split: Optional[str] = None
     # Field names, as verl's data.prompt_key; dotted names reach into nested fields. None: the
     # usual ones (messages / prompt / problem / question; the family's ground-truth fields).
     prompt_key: Optional[str] = None

@@ -6,6 +6,7 @@ decided by the ``math-verify`` package against the ground truth ``{"answer": "..
 """
 from __future__ import annotations
 
+import functools
 import re
 from decimal import Decimal
 
@@ -18,8 +19,11 @@ _BOXED = "\\boxed{"
 _EXTRACTION = (LatexExtractionConfig(), ExprExtractionConfig())
 # math-verify's own limits, per parse and per comparison: a completion's answer like
 # \frac{1}{\frac{1}{...}} or 9^{9^{9}} makes sympy work for minutes. They are SIGALRM alarms
-# (whole seconds, main thread only); an answer cut off by one is not equal to the ground truth.
+# (whole seconds of wall time, main thread only); an answer cut off by one is not equal to the
+# ground truth.
 _TIMEOUT_S = 1
+# Parsed once per process before the first answer (see _warm_up).
+_WARM_UP = ("$\\frac{1}{2}$", "$2\\sqrt{2}$", "$\\{1, 2\\}$", "$(0, 1]$", "$x^{2} + 1$", "$0.5$")
 _MATH_DELIMITER = re.compile(r"(?<!\\)\$")  # a "$" that is not an escaped "\$" (currency)
 
 
@@ -41,6 +45,7 @@ def math_correctness(completion: str, num_tokens: int, ground_truth: dict) -> fl
     answer = final_answer(completion)
     if answer is None:
         return 0.0
+    _warm_up()
     gold_parsed = parse(_as_latex(gold if isinstance(gold, str) else _plain_number(gold)), _EXTRACTION,
                         parsing_timeout=_TIMEOUT_S)
     answer_parsed = parse(_as_latex(answer), _EXTRACTION, parsing_timeout=_TIMEOUT_S)
@@ -71,6 +76,15 @@ def math_format(completion: str, num_tokens: int, ground_truth: dict) -> float:
         return 1.0 if ok and completion.count("<answer>") == 1 else 0.0
     ok = rest.count(_BOXED) == completion.count(_BOXED) == 1 and bool(final_answer(rest))
     return 1.0 if ok else 0.0
+
+
+@functools.cache
+def _warm_up() -> None:
+    """Build the LaTeX parser's prediction tables on common forms, under a generous limit: a
+    process's first parse of a form builds them (0.1 s of CPU for a fraction, several times that
+    in wall time on a loaded machine), which must not cut off the first honest answer."""
+    for latex in _WARM_UP:
+        parse(latex, _EXTRACTION, parsing_timeout=30)
 
 
 def _last_boxed(text: str) -> str | None:

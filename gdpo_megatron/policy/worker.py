@@ -11,6 +11,7 @@ data-parallel ranks, so the update equals the single-process one whatever the la
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable, Optional
 
 import torch
@@ -165,8 +166,11 @@ class PolicyWorker:
         (then with the row order, see :meth:`PolicyBatch.split_by_tokens`)."""
         if self.config.micro_batch_tokens is None:
             return None, batch.micro_batches(self.config.micro_batch_size)
+        # Widths as the whole batch's: sequence parallelism splits the sequence over TP ranks,
+        # FP8 GEMMs want multiples of 16.
         parallel = self.config.parallel
-        multiple = parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1
+        multiple = math.lcm(parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1,
+                            16 if self.config.precision.fp8 else 1)
         return batch.split_by_tokens(self.config.micro_batch_tokens, multiple)
 
     def _run(self, model, micro_batches: list[PolicyBatch], loss_fn: Callable, forward_only: bool) -> list:

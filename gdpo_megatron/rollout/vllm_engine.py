@@ -57,6 +57,7 @@ also destroys the default torch.distributed process group.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 from dataclasses import dataclass
@@ -68,6 +69,9 @@ import torch
 from gdpo_megatron.rollout.engine import Completion, SamplingConfig, derive_seed
 
 _GIB = 1 << 30
+# vLLM's layer-wise in-place reload, imported by the workers (gdpo-doctor checks that the
+# installed vLLM has it and that its workers take the arguments of ``reload_kwargs``).
+RELOAD_MODULE = "vllm.model_executor.model_loader.reload"
 
 
 @dataclass(frozen=True)
@@ -219,7 +223,7 @@ class VLLMEngine:
             self._weights_awake = True
         stream = self._checked(weights)
         try:
-            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream, "is_checkpoint_format": True})
+            self._llm.collective_rpc("reload_weights", kwargs=reload_kwargs(stream))
         except BaseException:
             self._llm.collective_rpc(_end_interrupted_reload)
             raise
@@ -328,11 +332,15 @@ def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def reload_kwargs(weights: Iterable[tuple[str, torch.Tensor]]) -> dict:
+    """Keyword arguments of the workers' ``reload_weights`` for a stream of Hugging Face tensors."""
+    return {"weights_iterator": weights, "is_checkpoint_format": True}
+
+
 def _end_interrupted_reload(worker) -> None:
     """Runs in each vLLM worker: put back the weights of layers an aborted reload left on meta."""
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-    finalize_layerwise_reload(worker.model_runner.get_model(), worker.vllm_config.model_config)
+    reload = importlib.import_module(RELOAD_MODULE)
+    reload.finalize_layerwise_reload(worker.model_runner.get_model(), worker.vllm_config.model_config)
 
 
 def _unlink_cpu_shm_name(worker) -> None:

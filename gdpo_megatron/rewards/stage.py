@@ -9,6 +9,10 @@ in ``reward/<name>/failures`` (timeouts also in ``reward/<name>/timeouts``) and 
 worker that times out is killed and replaced; the sandboxed programs it started and their
 working directories go with it.
 
+Rollouts can also arrive one by one while the caller works on (``begin`` / ``submit`` /
+``collect``, see :class:`RewardBatch`): the trainer scores each completion as soon as the
+rollout engine finishes it.
+
 Workers are forked from a multiprocessing "forkserver", so (as with any multiprocessing
 code) a script that builds the stage needs an ``if __name__ == "__main__":`` guard.
 """

@@ -79,7 +79,7 @@ class Trainer:
         config = self.config
         # What can be checked without building anything is checked first, on every rank.
         _, rollouts_per_replica = config.layout(dist.get_world_size())
-        self.threads = use_rank_threads()  # before vLLM starts (it pins torch's thread count)
+        use_rank_threads()  # before vLLM starts (it pins torch's thread count)
         rewards = config.rewards
         for path in rewards.reward_files:
             load_reward_file(path)

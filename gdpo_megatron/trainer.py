@@ -32,13 +32,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from tqdm import tqdm
 
-from gdpo_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
 from gdpo_megatron.checkpoint.hf_io import load_hf_weights, save_hf_checkpoint
 from gdpo_megatron.checkpoint.manager import CheckpointManager
 from gdpo_megatron.checkpoint.weight_stream import iter_hf_weights
-from gdpo_megatron.config import ConfigError, TrainConfig, to_dict
+from gdpo_megatron.config import TrainConfig, to_dict
 from gdpo_megatron.data.chat import encode_prompt
-from gdpo_megatron.data.samples import load_samples
 from gdpo_megatron.distributed import compute_advantages
 from gdpo_megatron.distributed.threads import use_rank_threads
 from gdpo_megatron.doctor import preflight
@@ -46,23 +44,27 @@ from gdpo_megatron.experience import (PromptSchedule, Rollouts, leader_broadcast
                                       sampling_seed, to_policy_batch)
 from gdpo_megatron.metrics import MetricsLogger
 from gdpo_megatron.policy.worker import PolicyWorker
-from gdpo_megatron.rewards.registry import load_reward_file, validate_specs
 from gdpo_megatron.rewards.stage import RewardStage
 from gdpo_megatron.rollout.engine import SamplingConfig
 from gdpo_megatron.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig, kv_cache_gib
+from gdpo_megatron.validation import CHECKPOINT_DIR, TrainingInputs, check_training
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)  # Slurm's time-limit warning, preemption / scancel
-CHECKPOINT_DIR = "checkpoints"
 HF_EXPORT_DIR = "hf"
 
 
 class Trainer:
-    """Builds the policy, the engine, the reward stage and the data order; runs the loop."""
+    """Builds the policy, the engine, the reward stage and the data order; runs the loop.
 
-    def __init__(self, config: TrainConfig):
+    ``inputs``: what :func:`~gdpo_megatron.validation.check_training` returned for ``config``
+    (checked here when not given).
+    """
+
+    def __init__(self, config: TrainConfig, inputs: TrainingInputs | None = None):
         if not dist.is_initialized():
             raise RuntimeError("Trainer: torch.distributed is not initialized")
         self.config = config
+        self.inputs = inputs
         self.run_dir = Path(config.run_dir)
         self.is_rank0 = dist.get_rank() == 0
         # From here on a stop request is remembered, also one that arrives during start-up.
@@ -78,31 +80,23 @@ class Trainer:
     def _build(self) -> None:
         config = self.config
         # What can be checked without building anything is checked first, on every rank.
+        inputs = self.inputs or check_training(config, dist.get_world_size())
         _, rollouts_per_replica = config.layout(dist.get_world_size())
         use_rank_threads()  # before vLLM starts (it pins torch's thread count)
         rewards = config.rewards
-        for path in rewards.reward_files:
-            load_reward_file(path)
-        validate_specs(rewards.rewards)
         self.reward_names = rewards.names
         self.reward_weights = [r.weight for r in rewards.rewards]
-        self.conditions = config.advantage.resolve_conditions(self.reward_names)
-        self.samples = load_samples(config.data.train_path, config.data.family, config.data.system_prompt,
-                                    fields=config.data.fields(), split=config.data.split)
+        self.conditions = inputs.conditions
+        self.samples = inputs.samples
         self.schedule = PromptSchedule(len(self.samples), config.data.prompts_per_step, config.data.shuffle_seed)
-        self.hf_config = read_hf_config(config.base_model)
-        model = model_config_from_hf(
-            self.hf_config, make_vocab_size_divisible_by=config.policy.model.make_vocab_size_divisible_by)
+        self.hf_config, model = inputs.hf_config, inputs.model
         _warn_on_shape_drift(config.policy.model, model, config.base_model)
         self.policy_config = dataclasses.replace(config.policy, model=model, seed=config.seed,
                                                  temperature=config.rollout.temperature)
         # Libraries against the pins, GPU, precision, NCCL, memory plan: gdpo-doctor's checks.
         preflight(dataclasses.replace(config, policy=self.policy_config), dist.get_world_size())
         self.checkpoints = CheckpointManager(self.run_dir / CHECKPOINT_DIR, keep_last=config.checkpoint.keep_last)
-        latest = self.checkpoints.latest_step()
-        if latest is not None and not config.checkpoint.resume:
-            raise ConfigError(f"checkpoint.resume: false, but {self.checkpoints.root} holds step_{latest}; "
-                              "choose another run_dir or remove its checkpoints")
+        latest = self.checkpoints.latest_step()  # resume and its data position are checked with the inputs
 
         self.worker = PolicyWorker(self.policy_config,
                                    init_weights=lambda m: load_hf_weights(m, model, config.base_model))
@@ -120,10 +114,6 @@ class Trainer:
         self.start_step = 0
         if latest is not None:
             state = self.checkpoints.load(self.worker.model, self.worker.optimizer, self.worker.scheduler)
-            expected = state.step * config.data.prompts_per_step
-            if state.data_position != expected:
-                raise ConfigError(f"data.prompts_per_step: the checkpoint of step {state.step} was taken after "
-                                  f"{state.data_position} prompts, this config would resume after {expected}")
             self.start_step = state.step
 
         self.engine = VLLMEngine(VLLMEngineConfig(
@@ -387,12 +377,12 @@ class Trainer:
             signal.signal(s, handler)
 
 
-def run(config: TrainConfig) -> str:
+def run(config: TrainConfig, inputs: TrainingInputs | None = None) -> str:
     """Join the launcher's process group (torchrun, srun, or a single process), train, clean up."""
     from gdpo_megatron.distributed.launch import init_distributed
 
     init_distributed()
-    trainer = Trainer(config)
+    trainer = Trainer(config, inputs)
     try:
         return trainer.train()
     finally:

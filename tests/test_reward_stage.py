@@ -121,30 +121,39 @@ def test_mismatched_inputs_are_named(stage):
         stage.score(["a", "b"], [1], [{}, {}])
 
 
-@pytest.mark.skipif(sandbox.isolation() != "namespaces", reason="the sweep by user id needs the namespaces level")
+@pytest.mark.skipif(not sandbox.isolation().guarantees["process_tree_ends_with_run"],
+                    reason="the active sandbox level does not guarantee it")
 def test_sandboxed_program_of_a_killed_worker_is_killed_too():
-    code = "```python\nimport time\ntime.sleep(600)\n```"
+    word = f"gdpo-stage-test-{os.getpid()}"
+    code = f"```python\nimport os, sys\nos.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(600)', {word!r}])\n```"
     spec = RewardSpec("code_pass", timeout_s=1.0, failure_value=-1.0, kwargs={"limits": {"wall_s": 600, "cpu_s": 600}})
     with RewardStage([spec], num_workers=1) as stage:
         killed = stage._workers[0].process.pid
         rewards, metrics = stage.score([code], [1], [{"tests": [{"input": "", "output": ""}]}])
     assert rewards.tolist() == [[-1.0]] and metrics["reward/code_pass/timeouts"] == 1
-    assert _live_sandbox_processes() == []
+    assert _live_processes_with(word) == []
     assert list(Path(tempfile.gettempdir()).glob(f"gdpo-sandbox-{killed}-*")) == []  # its working directory
 
 
-def _live_sandbox_processes():
-    alive = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                if entry.stat().st_uid >= sandbox.sandbox_uid(0):
+def _live_processes_with(word):
+    """Processes (not zombies) whose command line contains ``word``, waiting up to 5 s for
+    those that are dying."""
+    deadline = time.monotonic() + 5
+    while True:
+        alive = []
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                try:
+                    with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                        found = word.encode() in f.read()
                     with open(f"/proc/{entry.name}/stat") as f:
-                        if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                        if found and f.read().rsplit(")", 1)[1].split()[0] != "Z":
                             alive.append(int(entry.name))
-            except FileNotFoundError:
-                pass
-    return alive
+                except (FileNotFoundError, ProcessLookupError):
+                    pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -178,6 +187,55 @@ def test_a_worker_that_died_while_idle_is_replaced(stage):
     rewards, metrics = stage.score(COMPLETIONS[:1], NUM_TOKENS[:1], METADATA[:1])
     torch.testing.assert_close(rewards, expected_rewards()[:1], rtol=0, atol=0)
     assert all(metrics[f"reward/{name}/failures"] == 0 for name in stage.names)
+
+
+DAMAGING_REWARDS = '''
+import subprocess
+from gdpo_megatron.rewards import register_reward
+from gdpo_megatron.rewards.sandbox import SandboxLimits, run_python
+
+@register_reward("stage_sandbox_fails_on_1")
+def sandbox_fails_on_1(completion, num_tokens, ground_truth):
+    limits = SandboxLimits(memory_bytes=1 << 20) if ground_truth["i"] == 1 else SandboxLimits()
+    return float(run_python("print(7)", "", limits).stdout)
+
+@register_reward("stage_leaves_a_process_on_2")
+def leaves_a_process_on_2(completion, num_tokens, ground_truth):
+    if ground_truth["i"] == 2:  # as if a sandboxed program had escaped its run
+        subprocess.Popen(["sleep", "300", ground_truth["word"]])
+    return 1.0
+'''
+
+
+def test_sandbox_failures_are_failures_and_damaged_workers_are_replaced(tmp_path):
+    path = tmp_path / "damaging.py"
+    path.write_text(DAMAGING_REWARDS)
+    word = f"gdpo-stage-escaped-{os.getpid()}"
+    specs = [RewardSpec("stage_sandbox_fails_on_1", failure_value=-1.0), RewardSpec("stage_leaves_a_process_on_2"),
+             RewardSpec("length", kwargs={"max_tokens": 2})]
+    metadata = [{"i": i, "word": word} for i in range(4)]
+    with RewardStage(specs, num_workers=1, reward_files=[path]) as stage:
+        first = stage._workers[0].process.pid
+        rewards, metrics = stage.score(["a"] * 4, [1, 2, 3, 1], metadata)
+        replacements = [first, stage._workers[0].process.pid]
+    assert rewards.tolist() == [[7.0, 1.0, 1.0], [-1.0, 1.0, 1.0], [7.0, 1.0, 0.0], [7.0, 1.0, 1.0]]
+    assert metrics["reward/stage_sandbox_fails_on_1/failures"] == 1
+    assert metrics["reward/stage_leaves_a_process_on_2/failures"] == 0
+    assert replacements[0] != replacements[1]
+    assert _live_processes_with(word) == []
+
+
+def test_zombies_a_program_leaves_do_not_fail_later_programs():
+    """A program that forks 31 children and exits, then correct programs that start processes."""
+    forker = "```python\nimport os\nfor _ in range(31):\n    if os.fork() == 0:\n        os._exit(0)\nprint(3)\n```"
+    correct = "```python\nimport subprocess\na, b = map(int, input().split())\nsubprocess.run(['true'], check=True)\nprint(a + b)\n```"
+    spec = RewardSpec("code_pass", kwargs={"limits": {"processes": 32, "wall_s": 20.0}})
+    truth = {"tests": [{"input": "1 2\n", "output": "3\n"}]}
+    with RewardStage([spec], num_workers=1) as stage:
+        rewards, metrics = stage.score([forker] + [correct] * 3, [1] * 4, [truth] * 4)
+    expected = 1.0 if sandbox.isolation().level == "bwrap" else 0.0  # the basic level blocks subprocess
+    assert rewards.tolist() == [[1.0]] + [[expected]] * 3
+    assert metrics["reward/code_pass/failures"] == 0
 
 
 def test_rollouts_submitted_one_by_one_in_any_order_score_as_a_batch(stage):

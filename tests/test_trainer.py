@@ -116,7 +116,7 @@ def test_model_parallel_runs_export_loadable_checkpoints(base_model, tmp_path, l
     "override, message",
     [
         ("advantage.mode=ppo", r"advantage.mode: expected one of"),
-        ("rollout.group_size=0", r"rollout.group_size: expected >= 1"),
+        ("rollout.group_size=1", r"rollout.group_size: expected >= 2"),
         ("rewards.rewards.2.name=", r"reward name: expected a non-empty string"),
         ("advantage.conditions.0.gate=speed", r"advantage.conditions.0.gate: 'speed' is not a configured reward"),
         ("policy.optim.lr=fast", r"policy.optim.lr: expected a number, got 'fast'"),

@@ -7,6 +7,7 @@ decided by the ``math-verify`` package against the ground truth ``{"answer": "..
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
@@ -15,6 +16,7 @@ from gdpo_megatron.rewards.registry import register_reward
 _ANSWER_BLOCK = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _BOXED = "\\boxed{"
 _EXTRACTION = (LatexExtractionConfig(), ExprExtractionConfig())
+_MATH_DELIMITER = re.compile(r"(?<!\\)\$")  # a "$" that is not an escaped "\$" (currency)
 
 
 def final_answer(completion: str) -> str | None:
@@ -35,7 +37,7 @@ def math_correctness(completion: str, num_tokens: int, ground_truth: dict) -> fl
     answer = final_answer(completion)
     if answer is None:
         return 0.0
-    gold_parsed = parse(_as_latex(str(gold)), _EXTRACTION)
+    gold_parsed = parse(_as_latex(gold if isinstance(gold, str) else _plain_number(gold)), _EXTRACTION)
     answer_parsed = parse(_as_latex(answer), _EXTRACTION)
     if not gold_parsed or not answer_parsed:
         return 0.0
@@ -80,5 +82,11 @@ def _last_boxed(text: str) -> str | None:
 
 
 def _as_latex(answer: str) -> str:
-    """Wrap bare answers in ``$...$`` so that LaTeX extraction sees them as math."""
-    return answer if "$" in answer or "\\boxed" in answer else f"${answer}$"
+    """Wrap bare answers in ``$...$`` so that math-verify's LaTeX extraction sees them as math
+    (it finds math only between delimiters or in ``\\boxed``; ``\\$`` is a dollar sign)."""
+    return answer if _MATH_DELIMITER.search(answer) or "\\boxed" in answer else f"${answer}$"
+
+
+def _plain_number(x: int | float) -> str:
+    """A number as math-verify reads it: positional, never ``1e-05`` (which parses as 1)."""
+    return str(x) if isinstance(x, int) else format(Decimal(repr(x)), "f")

@@ -5,9 +5,12 @@ sent one rollout at a time (all its rewards, in config order, so rewards that sh
 like ``code_pass`` and ``code_no_bug``, can share it in the worker); every reward call has
 its own timeout. A call that raises, returns a non-finite or non-numeric value, runs past
 its timeout, or takes its worker down scores the reward's ``failure_value`` and is counted
-in ``reward/<name>/failures`` (timeouts also in ``reward/<name>/timeouts``) and logged. A
-worker that times out is killed and replaced; the sandboxed programs it started and their
-working directories go with it.
+in ``reward/<name>/failures`` (timeouts also in ``reward/<name>/timeouts``) and logged; so is
+a call whose code sandbox failed for its own reasons (``SandboxError``), never scored as the
+program's result. A worker that times out is killed and replaced; the sandboxed programs it
+started and their working directories go with it. A worker that may have been damaged by a
+completion (its sandbox failed, or a sandboxed process outlived its run) is replaced too,
+after the call; the rewards of the rollout it had not scored yet go to another worker.
 
 Rollouts can also arrive one by one while the caller works on (``begin`` / ``submit`` /
 ``collect``, see :class:`RewardBatch`): the trainer scores each completion as soon as the
@@ -37,7 +40,7 @@ from gdpo_megatron.rewards.registry import RewardSpec, get_reward, load_reward_f
 
 log = logging.getLogger(__name__)
 
-_READY, _VALUE, _ERROR, _FATAL = "ready", "value", "error", "fatal"
+_READY, _VALUE, _ERROR, _FATAL, _DAMAGED = "ready", "value", "error", "fatal", "damaged"
 _MAX_START_FAILURES = 3  # consecutive workers dying before they are ready: give up
 _START_TIMEOUT_S = 300.0
 
@@ -58,13 +61,20 @@ def _worker_main(conn: Connection, specs: Sequence[RewardSpec], reward_files: Se
     while (task := conn.recv()) is not None:
         rollout, completion, num_tokens, metadata, indices = task
         for k in indices:
+            damage = None
             try:
                 value = fns[k](completion, num_tokens, metadata, **specs[k].kwargs)
                 if not isinstance(value, numbers.Real) or not math.isfinite(value):
                     raise TypeError(f"returned {value!r}, expected a finite number")
                 conn.send((_VALUE, rollout, k, float(value)))
-            except (Exception, SystemExit):
+            except (Exception, SystemExit) as e:
                 conn.send((_ERROR, rollout, k, traceback.format_exc(limit=-3)))
+                if isinstance(e, sandbox.SandboxError):
+                    damage = f"its code sandbox failed: {e}"
+            damage = damage or sandbox.damage()
+            if damage is not None:
+                conn.send((_DAMAGED, damage))
+                return
 
 
 @dataclass
@@ -222,6 +232,9 @@ class RewardStage:
             elif message[0] == _READY:
                 worker.ready = True
                 self._start_failures = 0
+            elif message[0] == _DAMAGED:
+                log.warning("reward stage: replacing a worker: %s", message[1])
+                self._replace(worker, scores, pending, message[1], fail_current=False)
             else:
                 kind, i, k, payload = message
                 if kind == _VALUE:
@@ -267,10 +280,13 @@ class RewardStage:
             detail = message[1] if message is not None else "it exited before it was ready"
             raise RuntimeError(f"reward stage: a worker could not start:\n{detail}")
 
-    def _replace(self, worker: _Worker, scores: _Scores, pending: deque, why: str, timed_out: bool = False) -> None:
-        """Kill ``worker``, fail its current reward call, requeue the rest, start a new one."""
+    def _replace(self, worker: _Worker, scores: _Scores, pending: deque, why: str, timed_out: bool = False,
+                 fail_current: bool = True) -> None:
+        """Kill ``worker``, fail its current reward call (unless ``fail_current`` is False: it
+        was answered), requeue the rest, start a new one."""
         if worker.rollout is not None:
-            scores.fail(worker.rollout, worker.indices.popleft(), why, timed_out)
+            if fail_current:
+                scores.fail(worker.rollout, worker.indices.popleft(), why, timed_out)
             if worker.indices:
                 pending.appendleft((worker.rollout, worker.indices))
         self._kill(worker)

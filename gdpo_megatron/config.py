@@ -241,7 +241,7 @@ class TrainConfig:
             raise ConfigError(f"data.prompts_per_step: {self.data.prompts_per_step} is not divisible by the "
                               f"data-parallel size {dp}")
         per_replica = self.data.prompts_per_step // dp * self.rollout.group_size
-        if per_replica % self.policy.micro_batch_size:
+        if self.policy.micro_batch_tokens is None and per_replica % self.policy.micro_batch_size:
             raise ConfigError(f"policy.micro_batch_size: {self.policy.micro_batch_size} does not divide the "
                               f"{per_replica} rollouts of a data-parallel replica")
         return dp, per_replica

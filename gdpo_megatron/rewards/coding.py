@@ -44,13 +44,13 @@ def extract_program(completion: str) -> str | None:
     return blocks[-1] if blocks else None
 
 
-@register_reward("code_pass")
+@register_reward("code_pass", bounds=(0.0, 1.0))
 def code_pass(completion: str, num_tokens: int, ground_truth: dict, limits: dict | None = None) -> float:
     outcomes = _outcomes(completion, ground_truth, limits)
     return sum(passed for passed, _ in outcomes) / len(outcomes) if outcomes else 0.0
 
 
-@register_reward("code_no_bug")
+@register_reward("code_no_bug", bounds=(0.0, 1.0))
 def code_no_bug(completion: str, num_tokens: int, ground_truth: dict, limits: dict | None = None) -> float:
     outcomes = _outcomes(completion, ground_truth, limits)
     return 1.0 if outcomes and all(ran for _, ran in outcomes) else 0.0
@@ -64,6 +64,10 @@ def _outcomes(completion: str, ground_truth: dict, limits: dict | None) -> tuple
     program = extract_program(completion)
     if program is None:
         return ()
+    try:
+        program.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates: no source file can hold it, so it is a compile error
+        return tuple((False, False) for _ in tests)
     return _run_tests(program, json.dumps(tests, sort_keys=True), SandboxLimits(**(limits or {})))
 
 

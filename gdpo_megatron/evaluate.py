@@ -70,7 +70,8 @@ def main(argv: list[str]) -> int:
                                        "(see gdpo_megatron.data.samples)")
     parser.add_argument("--family", choices=FAMILIES, help="with --data")
     parser.add_argument("--system-prompt", default=None, help="with --data: instructions ('' for none)")
-    parser.add_argument("--split", default="train", help="with --data: the split of a datasets directory")
+    parser.add_argument("--split", default=None, help="with --data: the split of a datasets directory "
+                                                      "(default: train of a DatasetDict, all of a single dataset)")
     for key in ("prompt", "system", "ground-truth"):
         parser.add_argument(f"--{key}-key", default=None, help=f"with --data: the {key.replace('-', ' ')} field")
     parser.add_argument("--rewards", default="", help="comma-separated reward names to report")

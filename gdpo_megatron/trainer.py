@@ -39,14 +39,15 @@ from gdpo_megatron.checkpoint.weight_stream import iter_hf_weights
 from gdpo_megatron.config import TrainConfig, to_dict
 from gdpo_megatron.data.chat import encode_prompt
 from gdpo_megatron.distributed import compute_advantages
+from gdpo_megatron.distributed.threads import use_rank_threads
 from gdpo_megatron.doctor import preflight
-from gdpo_megatron.experience import (PromptSchedule, Rollouts, leader_broadcast, leader_call, reward_inputs,
+from gdpo_megatron.experience import (PromptSchedule, Rollouts, leader_broadcast, leader_call, reward_submitter,
                                       sampling_seed, to_policy_batch)
 from gdpo_megatron.metrics import MetricsLogger
 from gdpo_megatron.policy.worker import PolicyWorker
 from gdpo_megatron.rewards.stage import RewardStage
 from gdpo_megatron.rollout.engine import SamplingConfig
-from gdpo_megatron.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+from gdpo_megatron.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig, kv_cache_gib
 from gdpo_megatron.validation import CHECKPOINT_DIR, TrainingInputs, check_training
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)  # Slurm's time-limit warning, preemption / scancel
@@ -81,6 +82,8 @@ class Trainer:
         config = self.config
         # What can be checked without building anything is checked first, on every rank.
         inputs = self.inputs or check_training(config, dist.get_world_size())
+        _, rollouts_per_replica = config.layout(dist.get_world_size())
+        use_rank_threads()  # before vLLM starts (it pins torch's thread count)
         rewards = config.rewards
         self.reward_names = rewards.names
         self.reward_weights = [r.weight for r in rewards.rewards]
@@ -119,7 +122,7 @@ class Trainer:
             dtype="auto" if torch.cuda.is_available() else "float32",
             max_model_len=config.rollout.max_model_len,
             gpu_memory_utilization=config.rollout.gpu_memory_utilization,
-            kv_cache_gib=config.rollout.kv_cache_gib,
+            kv_cache_gib=self._kv_cache_gib(rollouts_per_replica),
             enforce_eager=config.rollout.enforce_eager,
             quantization=config.rollout.quantization,
             seed=config.seed,
@@ -178,14 +181,17 @@ class Trainer:
                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                 max_new_tokens=cfg.rollout.max_new_tokens, stop=tuple(cfg.rollout.stop),
                 seed=sampling_seed(cfg.seed, step, self.dp_rank))
-            completions = [c for group in self.engine.generate(prompt_ids, G, sampling) for c in group]
-            completions = leader_broadcast(completions, self.mp_group)
+            # The leader scores each completion as soon as the engine finishes it.
+            scoring = self.reward_stage.begin(len(samples) * G) if self.is_leader else None
+            with _timed(times, "generate"):
+                groups = self.engine.generate(prompt_ids, G, sampling,
+                                              on_completion=scoring and reward_submitter(scoring, samples, G))
+            completions = leader_broadcast([c for group in groups for c in group], self.mp_group)
             group_ids = torch.tensor(global_ids, device=self.device).repeat_interleave(G)
             rollouts = Rollouts(prompt_ids, group_ids, completions)
 
-        with _timed(times, "reward"):
-            rewards, stage_metrics = self._on_every_rank(lambda: leader_call(
-                lambda: self.reward_stage.score(*reward_inputs(rollouts, samples, G)), self.mp_group))
+        with _timed(times, "reward"):  # what is left to score once generation is done
+            rewards, stage_metrics = self._on_every_rank(lambda: leader_call(lambda: scoring.collect(), self.mp_group))
             rewards = rewards.to(self.device)
 
         with _timed(times, "advantage"):
@@ -258,6 +264,15 @@ class Trainer:
         position = torch.searchsorted(result.group_ids, group_ids)
         kept = informative.sum().item() / max(present.sum().item(), 1)
         return compute_advantages(rewards, group_ids, result.mask & informative[position], **kwargs), kept
+
+    def _kv_cache_gib(self, rollouts_per_replica: int) -> float | None:
+        """``rollout.kv_cache_gib``, or on CPU (where vLLM would take half of the host's memory)
+        the cache that one step's rollouts fill at most."""
+        rollout = self.config.rollout
+        if rollout.kv_cache_gib is not None or torch.cuda.is_available():
+            return rollout.kv_cache_gib
+        return kv_cache_gib(self.config.base_model, "float32", rollouts_per_replica,
+                            self.config.data.max_prompt_tokens + rollout.max_new_tokens, rollout.max_model_len)
 
     def _sync_weights(self) -> None:
         self.engine.update_weights(iter_hf_weights(self.worker.gpt_model, self.policy_config.model))

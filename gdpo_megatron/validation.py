@@ -103,7 +103,7 @@ def _require_writable(existing: Path, target: Path, key: str) -> None:
 
 
 def load_prompts(path: str | os.PathLike, family: str, system_prompt: Optional[str], key: str, *,
-                 fields: Fields = Fields(), split: str = "train") -> list[Sample]:
+                 fields: Fields = Fields(), split: Optional[str] = None) -> list[Sample]:
     """The samples of a prompt file or dataset directory; every row is decoded and checked."""
     if not Path(path).exists():
         raise InputError(f"{key}: {path} does not exist")

@@ -92,10 +92,13 @@ def test_data_parallel_run_resumes_and_exports(base_model, tmp_path):
 
 
 @pytest.mark.parametrize("layout", [
-    ("policy.parallel.tensor_model_parallel_size=2", "advantage.mode=grpo", "dynamic_sampling=true"),
-    ("policy.parallel.pipeline_model_parallel_size=2", "advantage.leave_one_out=true", "policy.old_logprobs=policy",
-     "policy.loss.tis_cap=2", "policy.optim.use_distributed_optimizer=true", "policy.offload_grads_and_optimizer=true"),
-], ids=["tp2-grpo-dynamic-sampling", "pp2-gdpo-leave-one-out-recomputed-old-logprobs-tis-offload"])
+    ("policy.parallel.tensor_model_parallel_size=2", "advantage.mode=grpo", "dynamic_sampling=true",
+     "policy.old_logprobs=policy", "policy.loss.tis_cap=2", "policy.optim.use_distributed_optimizer=true",
+     "policy.offload_grads_and_optimizer=true"),
+    # also token-budget micro-batches under 1F1B, and the KV cache sized to the step's rollouts
+    ("policy.parallel.pipeline_model_parallel_size=2", "advantage.leave_one_out=true",
+     "policy.micro_batch_tokens=160", "rollout.kv_cache_gib=null"),
+], ids=["tp2-grpo-dynamic-sampling-recomputed-old-logprobs-tis-offload", "pp2-gdpo-leave-one-out-token-budget"])
 def test_model_parallel_runs_export_loadable_checkpoints(base_model, tmp_path, layout):
     run_dir = tmp_path / "mp"
     results = run_local(_train, 2, _overrides(base_model, run_dir, 1, *layout))

@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# CPU build of torch (on disk here). On a GPU machine: TORCH_SPEC="torch==<cuda build>" EXTRAS=test,gpu
+# CPU build of torch (on disk here). GPU machines: the Dockerfile (see README, GPU).
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= test,cpu
 comma := ,

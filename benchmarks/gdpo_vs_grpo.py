@@ -106,12 +106,12 @@ def mechanism(seeds: int, steps: int) -> list[str]:
 def census(config: TrainConfig, prompts: int) -> tuple[list[str], dict]:
     """Rollouts of the base model, scored once; distinct advantages per group under every mode."""
     from gdpo_megatron.data.chat import encode_prompt
-    from gdpo_megatron.data.samples import load_jsonl
+    from gdpo_megatron.data.samples import load_samples
     from gdpo_megatron.rewards.stage import RewardStage
     from gdpo_megatron.rollout.engine import SamplingConfig
     from gdpo_megatron.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 
-    samples = load_jsonl(config.data.train_path, config.data.family, config.data.system_prompt)[:prompts]
+    samples = load_samples(config.data.train_path, config.data.family, config.data.system_prompt)[:prompts]
     G = config.rollout.group_size
     engine = VLLMEngine(VLLMEngineConfig(model_path=config.base_model, dtype="float32",
                                          max_model_len=config.rollout.max_model_len,

@@ -16,6 +16,13 @@ Conventions (shared by every mode):
   (by default) normalizes the sum over all valid rollouts of the batch;
 * GRPO sums the weighted rewards first and normalizes the sum inside the group;
   GRPO without std only subtracts the group mean. Neither batch-normalizes unless asked.
+
+Leave-one-out (``leave_one_out=True``, NeMo-RL's ``use_leave_one_out_baseline``): a rollout's
+baseline is the mean of the *other* valid rollouts of its group and its scale the unbiased
+std of those others, per rollout. Where the others are all equal (always in a group of 2)
+the centered value is kept undivided, as NeMo-RL does; a group of one valid rollout still
+contributes 0. ``normalize_rewards=False`` centers without dividing in either case (GRPO
+without std is GRPO with ``normalize_rewards=False``).
 """
 from __future__ import annotations
 
@@ -81,6 +88,27 @@ class LocalReduction:
 
 
 @dataclass
+class OneOutSums:
+    """Per-segment sums from which every row's leave-one-out statistics follow, ``[S, C]`` each.
+
+    Removing one row from a segment is a cheap update of the segment's sums except where the
+    row is the segment's only maximum or only minimum: there the others' spread can be far
+    smaller than the segment's, and a downdate would cancel. For those two rows the squared
+    deviations of the others are summed directly, about the others' own mean, which is taken
+    from their sum relative to the extreme on their side (never relative to the outlier).
+    """
+
+    hi: torch.Tensor  # segment max (0 for an empty segment); also the shift of ``shifted_sum``
+    lo: torch.Tensor  # segment min (0 for an empty segment)
+    shifted_sum: torch.Tensor  # sum of (value - hi)
+    count_hi: torch.Tensor  # rows equal to hi
+    count_lo: torch.Tensor  # rows equal to lo
+    m2: torch.Tensor  # squared deviations from the segment mean
+    m2_without_hi: torch.Tensor  # of the rows != hi, about their mean (used where count_hi == 1)
+    m2_without_lo: torch.Tensor  # of the rows != lo, about their mean (used where count_lo == 1)
+
+
+@dataclass
 class SegmentStats:
     """Per-segment statistics of the columns of a ``[N, C]`` tensor."""
 
@@ -88,6 +116,13 @@ class SegmentStats:
     mean: torch.Tensor  # [S, C]
     std: torch.Tensor  # [S, C] unbiased; 0 where count < 2
     zero_spread: torch.Tensor  # [S, C] bool: count < 2 or all values equal
+    shift: torch.Tensor  # [S, C] segment max (0 for an empty segment)
+    shifted_mean: torch.Tensor  # [S, C] mean - shift, without the rounding of mean at shift's magnitude
+    one_out: OneOutSums | None = None  # only when asked for (leave-one-out baselines)
+
+    def deviations(self, values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """``values - mean`` of each row's segment, as (value - shift) - (mean - shift)."""
+        return (values - self.shift[index]) - self.shifted_mean[index]
 
 
 @dataclass
@@ -144,6 +179,8 @@ def compute_advantages(
     nonfinite: str = "raise",
     count_distinct: bool = True,
     reduction: Reduction | None = None,
+    leave_one_out: bool = False,
+    normalize_rewards: bool = True,
 ) -> AdvantageResult:
     """Advantages for ``N`` rollouts with ``K`` rewards each.
 
@@ -164,10 +201,13 @@ def compute_advantages(
             the one statistic whose communication grows with the number of rollouts.
         reduction: how statistics combine across processes; default all rollouts are local.
             ``gdpo_megatron.distributed.compute_advantages`` passes an all-reduce.
+        leave_one_out: baseline and scale of a rollout from the other rollouts of its group
+            (see the module docstring).
+        normalize_rewards: divide by the group (or leave-one-out) std; ``False`` only centers.
     """
     reduction = reduction or LocalReduction()
     rewards, group_ids, mask, weights, conditions = _validate(
-        rewards, group_ids, mask, weights, mode, eps, conditions, nonfinite
+        rewards, group_ids, mask, weights, mode, eps, conditions, nonfinite, leave_one_out, normalize_rewards
     )
     out_dtype = rewards.dtype
     # float64 inside: rewards like 1e6 + noise must keep their small differences.
@@ -187,21 +227,29 @@ def compute_advantages(
     # One pass over the groups gives the per-reward statistics (every mode logs them) and,
     # for the GRPO modes, those of the weighted sum they normalize (column K).
     columns = r if mode == "gdpo" else torch.cat([r, (r @ w).unsqueeze(1)], dim=1)
-    stats = segment_stats(columns, index, ids.numel(), mask, reduction)
-    mean, std, flat = stats.mean[index], stats.std[index], stats.zero_spread[index]
-
-    if mode == "gdpo":
-        per_reward = _normalized(r, mean[:, :K], std[:, :K], flat[:, :K], eps)
-        contributions = per_reward * w  # [N, K]
+    stats = segment_stats(columns, index, ids.numel(), mask, reduction, one_out=leave_one_out)
+    if leave_one_out:
+        deviation, spread, flat = leave_one_out_stats(columns, index, stats)
     else:
-        centered = (r - mean[:, :K]) * w  # the sum of these is the centered total, exactly
-        if mode == "grpo":
-            scale = torch.where(flat[:, K], 0.0, 1.0 / (std[:, K] + eps))
-        else:
-            scale = torch.where(flat[:, K], 0.0, 1.0)
-        contributions = centered * scale.unsqueeze(1)
-    contributions = contributions * mask.unsqueeze(1)
-    summed = contributions.sum(dim=1)
+        deviation, spread, flat = stats.deviations(columns, index), stats.std[index], stats.zero_spread[index]
+
+    # What multiplies each centered value: 1 / (std + eps), or 1 without normalization; where
+    # the values the baseline comes from are all equal, 0 for the group mean (the centered
+    # value is 0 anyway) and 1 for leave-one-out (NeMo-RL keeps it undivided); 0 when alone.
+    divide = normalize_rewards and mode != "grpo_no_std"
+    scale = 1.0 / (spread + eps) if divide else torch.ones_like(spread)
+    scale = torch.where(flat, float(leave_one_out), scale)
+    scale = torch.where((stats.count[index] < 2).unsqueeze(1), 0.0, scale)
+    centered = deviation[:, :K] * w
+    valid = mask.unsqueeze(1)
+    if mode == "gdpo":
+        contributions = torch.where(valid, centered * scale, 0.0)
+        summed = contributions.sum(dim=1)
+    else:
+        # The total is centered on its own column (exact where its baseline is); the
+        # per-reward parts, which add up to it, only feed the variance-share diagnostic.
+        contributions = torch.where(valid, centered * scale[:, K:], 0.0)
+        summed = torch.where(mask, deviation[:, K] * scale[:, K], 0.0)
 
     single = torch.zeros_like(index)
     batch = segment_stats(summed.unsqueeze(1), single, 1, mask, reduction)
@@ -254,12 +302,16 @@ def segment_stats(
     num_segments: int,
     mask: torch.Tensor,
     reduction: Reduction,
+    one_out: bool = False,
 ) -> SegmentStats:
     """Count, mean, unbiased std and zero-spread flag of each column inside each segment.
 
     Three reductions: max/min (the spread flag, and a shift that keeps the sums small),
     then count and sum of shifted values, then squared deviations from the mean. Exact for
-    any split of the rows, and robust to a large common offset such as 1e6 + noise.
+    any split of the rows, and robust to a large common offset such as 1e8 + noise: every
+    deviation is formed from shifted values, never from a mean rounded at the offset.
+    ``one_out`` adds :class:`OneOutSums` to the same three reductions (they get wider, not
+    more numerous).
     """
     N, C = values.shape
     dtype, device = values.dtype, values.device
@@ -274,18 +326,75 @@ def segment_stats(
     shift = torch.where(torch.isfinite(hi), hi, 0.0)
 
     m = mask.to(dtype).unsqueeze(1)
-    count_sum = torch.zeros(num_segments, C + 1, dtype=dtype, device=device)
-    count_sum.index_add_(0, index, torch.cat([m, (values - shift[index]) * m], dim=1))
-    count_sum = reduction.sum(count_sum)
-    count = count_sum[:, 0]
-    mean = shift + count_sum[:, 1:] / count.clamp(min=1).unsqueeze(1)
+    floor = torch.where(torch.isfinite(lo), lo, 0.0)
+    parts = [m, (values - shift[index]) * m]
+    if one_out:
+        not_hi, not_lo = valid & (values != shift[index]), valid & (values != floor[index])
+        parts += [(valid & (values == shift[index])).to(dtype), (valid & (values == floor[index])).to(dtype),
+                  torch.where(not_hi, values - floor[index], 0.0), torch.where(not_lo, values - shift[index], 0.0)]
+    sums = torch.zeros(num_segments, 1 + len(parts[1:]) * C, dtype=dtype, device=device)
+    sums.index_add_(0, index, torch.cat(parts, dim=1))
+    sums = reduction.sum(sums)
+    count, shifted_sum = sums[:, 0], sums[:, 1 : C + 1]
+    shifted_mean = shifted_sum / count.clamp(min=1).unsqueeze(1)
 
-    m2 = torch.zeros(num_segments, C, dtype=dtype, device=device)
-    m2.index_add_(0, index, (values - mean[index]).square() * m)
+    squares = [((values - shift[index]) - shifted_mean[index]).square() * m]
+    if one_out:
+        others = (count - 1).clamp(min=1).unsqueeze(1)
+        # The rows other than the one maximum, about their mean taken relative to the minimum,
+        # and the rows other than the one minimum, relative to the maximum: sums of values
+        # near the extreme on their own side, so a far outlier costs no precision.
+        above_lo, below_hi = sums[:, 3 * C + 1 : 4 * C + 1], sums[:, 4 * C + 1 :]
+        for keep, base, rel_sum in ((not_hi, floor, above_lo), (not_lo, shift, below_hi)):
+            deviation = (values - base[index]) - (rel_sum / others)[index]
+            squares.append(torch.where(keep, deviation, 0.0).square())
+    m2 = torch.zeros(num_segments, len(squares) * C, dtype=dtype, device=device)
+    m2.index_add_(0, index, torch.cat(squares, dim=1))
     m2 = reduction.sum(m2)
     zero_spread = (hi <= lo) | (count < 2).unsqueeze(1)
-    std = torch.where(zero_spread, 0.0, (m2 / (count - 1).clamp(min=1).unsqueeze(1)).sqrt())
-    return SegmentStats(count=count, mean=mean, std=std, zero_spread=zero_spread)
+    std = torch.where(zero_spread, 0.0, (m2[:, :C] / (count - 1).clamp(min=1).unsqueeze(1)).sqrt())
+    stats = SegmentStats(count=count, mean=shift + shifted_mean, std=std, zero_spread=zero_spread, shift=shift,
+                         shifted_mean=shifted_mean)
+    if one_out:
+        stats.one_out = OneOutSums(
+            hi=shift, lo=floor, shifted_sum=shifted_sum, count_hi=sums[:, C + 1 : 2 * C + 1],
+            count_lo=sums[:, 2 * C + 1 : 3 * C + 1], m2=m2[:, :C], m2_without_hi=m2[:, C : 2 * C],
+            m2_without_lo=m2[:, 2 * C :],
+        )
+    return stats
+
+
+def leave_one_out_stats(
+    values: torch.Tensor, index: torch.Tensor, stats: SegmentStats
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row ``[N, C]``: its value minus the mean of the *other* valid rows of its segment,
+    their unbiased std, and whether those others are all equal (then the std is 0 and the
+    difference is exact).
+
+    Computed from :class:`OneOutSums`, so it is exact for any split of the rows. Whether the
+    others are equal is decided on the values (count of the max and of the min), never on a
+    rounded sum: with two distinct values, the one holder of a value sees only the other.
+    """
+    s = stats.one_out
+    if s is None:
+        raise ValueError("leave_one_out_stats: segment_stats was called without one_out=True")
+    n = stats.count[index].unsqueeze(1)
+    hi, lo, count_hi, count_lo = s.hi[index], s.lo[index], s.count_hi[index], s.count_lo[index]
+    only_hi = (values == hi) & (count_hi == 1)
+    only_lo = (values == lo) & (count_lo == 1)
+    constant = hi <= lo
+    others_equal = constant | (n <= 2) | ((count_hi + count_lo == n) & (only_hi | only_lo))
+
+    others = (n - 1).clamp(min=1)
+    from_hi = values - hi  # exact when the value is near hi, e.g. under a large offset
+    deviation = from_hi - (s.shifted_sum[index] - from_hi) / others
+    deviation = torch.where(others_equal, torch.where(only_hi & ~constant, values - lo, from_hi), deviation)
+    # Away from a lone extreme the others keep at least 1 / (2 n) of the segment's squared
+    # deviations, so the downdate loses at most a few bits.
+    downdate = (s.m2[index] - n / others * stats.deviations(values, index).square()).clamp(min=0)
+    m2 = torch.where(only_hi, s.m2_without_hi[index], torch.where(only_lo, s.m2_without_lo[index], downdate))
+    std = torch.where(others_equal, 0.0, (m2 / (n - 2).clamp(min=1)).sqrt())
+    return deviation, std, others_equal
 
 
 def _normalized(x, mean, std, zero_spread, eps):
@@ -350,7 +459,7 @@ def _raise_nonfinite(rewards: torch.Tensor, rows: torch.Tensor) -> None:
     )
 
 
-def _validate(rewards, group_ids, mask, weights, mode, eps, conditions, nonfinite):
+def _validate(rewards, group_ids, mask, weights, mode, eps, conditions, nonfinite, leave_one_out, normalize_rewards):
     if not isinstance(rewards, torch.Tensor):
         rewards = torch.as_tensor(rewards)
     if rewards.dim() != 2:
@@ -382,6 +491,9 @@ def _validate(rewards, group_ids, mask, weights, mode, eps, conditions, nonfinit
         raise ValueError(f"eps: expected a finite value >= 0, got {eps}")
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite: expected one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+    for name, flag in (("leave_one_out", leave_one_out), ("normalize_rewards", normalize_rewards)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name}: expected True or False, got {flag!r}")
     parsed = []
     for c in conditions or ():
         c = c if isinstance(c, Condition) else Condition(*c)

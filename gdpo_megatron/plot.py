@@ -15,6 +15,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from gdpo_megatron.errors import InputError, UsageError  # noqa: E402
 from gdpo_megatron.metrics import read_metrics  # noqa: E402
 
 
@@ -82,18 +83,18 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[str]
     each run's trailing mean over that many steps.
     """
     if not run_dirs:
-        raise ValueError("run_dirs: expected at least one run directory")
+        raise UsageError("run_dirs: expected at least one run directory")
     labels = labels or [Path(d).name for d in run_dirs]
     if len(labels) != len(run_dirs):
-        raise ValueError(f"labels: expected {len(run_dirs)} labels, got {len(labels)}")
+        raise UsageError(f"labels: expected {len(run_dirs)} labels, got {len(labels)}")
     if smooth < 1:
-        raise ValueError(f"smooth: expected a window of >= 1 steps, got {smooth}")
+        raise UsageError(f"smooth: expected a window of >= 1 steps, got {smooth}")
     runs: dict[str, list[list[dict]]] = {}
     for label, d in zip(labels, run_dirs):
         runs.setdefault(label, []).append(read_metrics(d))
     names = list(dict.fromkeys(n for group in runs.values() for records in group for n in reward_names(records)))
     if not names:
-        raise ValueError(f"{run_dirs[0]}: no reward/<name>/mean metrics to plot")
+        raise InputError(f"{run_dirs[0]}: no reward/<name>/mean metrics to plot")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 

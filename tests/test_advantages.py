@@ -139,16 +139,92 @@ def test_grpo_distinct_values_show_the_collapse():
     assert len({round(v, 6) for v in gdpo.advantages.tolist()}) == 4
 
 
-def test_large_offset_keeps_relative_precision():
+@pytest.mark.parametrize("leave_one_out", [False, True])
+def test_large_offset_keeps_relative_precision(leave_one_out):
     gen = torch.Generator().manual_seed(0)
     rewards = 1e6 + 0.01 * torch.randn(64, 3, generator=gen, dtype=torch.float64)
     groups = torch.arange(64) % 8
     for mode in ("gdpo", "grpo", "grpo_no_std"):
-        got = compute_advantages(rewards, groups, mode=mode, batch_norm=True, eps=0.0).advantages
+        got = compute_advantages(rewards, groups, mode=mode, batch_norm=True, eps=0.0,
+                                 leave_one_out=leave_one_out).advantages
         want = torch.tensor(reference_advantages(rewards.tolist(), groups.tolist(), [True] * 64, [1.0] * 3, mode,
-                                                 True, eps=0.0), dtype=torch.float64)
+                                                 True, eps=0.0, leave_one_out=leave_one_out), dtype=torch.float64)
         # 1e-6 relative to the advantage scale (elementwise relative error is meaningless near 0)
         assert (got - want).abs().max() <= 1e-6 * want.abs().max(), mode
+
+
+def _loo(rewards, groups, **kw):
+    kw.setdefault("batch_norm", False)
+    rewards = torch.tensor(rewards, dtype=torch.float64)
+    return compute_advantages(rewards.reshape(len(rewards), -1), torch.tensor(groups), leave_one_out=True,
+                              **kw).advantages.tolist()
+
+
+def test_leave_one_out_by_hand():
+    e = 1e-4
+    # [0, 1, 3]: others of 0 are [1, 3] (mean 2, std sqrt 2); of 1 [0, 3] (1.5, 3/sqrt 2); of 3 [0, 1] (0.5, 1/sqrt 2)
+    want = [(0 - 2) / (math.sqrt(2) + e), (1 - 1.5) / (3 / math.sqrt(2) + e), (3 - 0.5) / (1 / math.sqrt(2) + e)]
+    assert _loo([0, 1, 3], [0, 0, 0]) == pytest.approx(want, abs=1e-12)
+    assert _loo([0, 1, 3], [0, 0, 0], normalize_rewards=False) == pytest.approx([-2.0, -0.5, 2.5], abs=1e-12)
+    # [1, 0, 0]: the others of the 1 are equal, so it keeps 1 - 0 undivided; each 0 sees [1, 0]
+    z = -0.5 / (1 / math.sqrt(2) + e)
+    assert _loo([1, 0, 0], [0, 0, 0]) == pytest.approx([1.0, z, z], abs=1e-12)
+
+
+def test_leave_one_out_groups_of_two_and_one():
+    # A group of 2 sees one other rollout: no spread, so the difference, undivided (NeMo-RL's
+    # rule); a rollout alone in its group gets 0; masked rollouts leave their group.
+    got = _loo([3.0, 1.0, 5.0, 2.0, 2.0, 7.0, 9.0], [0, 0, 1, 2, 2, 3, 3],
+               mask=torch.tensor([True, True, True, True, True, True, False]))
+    assert got == [2.0, -2.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    # GDPO over two rewards, then batch normalization over the five valid rollouts
+    res = compute_advantages(torch.tensor([[1.0, 0.0], [0.0, 0.0], [4.0, 1.0], [0.5, 1.0], [0.5, -2.0]]),
+                             torch.tensor([0, 0, 1, 2, 2]), leave_one_out=True, eps=0.0)
+    # group 0: reward 0 gives 1 - 0 and 0 - 1; group 2: reward 1 gives 1 - (-2) and -2 - 1
+    summed = [1.0, -1.0, 0.0, 3.0, -3.0]
+    m, sd = statistics.fmean(summed), statistics.stdev(summed)
+    assert res.advantages.tolist() == pytest.approx([(v - m) / sd for v in summed], abs=1e-6)
+
+
+def test_leave_one_out_constant_and_two_valued_groups_are_exact():
+    # Non-dyadic constants: every rollout's others are equal, the baseline is exactly 0.1.
+    assert _loo([0.1, 0.1, 0.1], [0, 0, 0]) == [0.0, 0.0, 0.0]
+    # Two values: the lone 0.3 sees [0.1, 0.1] exactly; each 0.1 sees [0.3, 0.1].
+    z = (0.1 - 0.2) / (statistics.stdev([0.3, 0.1]) + 1e-4)
+    assert _loo([0.3, 0.1, 0.1], [0, 0, 0]) == pytest.approx([0.3 - 0.1, z, z], rel=1e-12)
+    assert _loo([0.3, 0.1, 0.1], [0, 0, 0])[0] == 0.3 - 0.1
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_leave_one_out_lone_extreme_keeps_the_others_spread(sign):
+    # The others of the outlier spread over 1e-9 while the group spreads over 1e3: removing
+    # the outlier from the group's sums would cancel; the others' own deviations do not.
+    values = [sign * v for v in (0.0, 1e-9, 2e-9, 1000.0)]
+    got = _loo(values, [0] * 4, eps=0.0)
+    want = reference_advantages([[v] for v in values], [0] * 4, [True] * 4, [1.0], "gdpo", False, eps=0.0,
+                                leave_one_out=True)
+    assert got == pytest.approx(want, rel=1e-9)
+    assert abs(got[3]) == pytest.approx(1e12, rel=1e-6)  # (1000 - 1e-9) / 1e-9
+
+
+def test_leave_one_out_in_the_grpo_modes():
+    # Worked example totals (0, 1) and (0, 2): with one other rollout each, the differences.
+    for mode in ("grpo", "grpo_no_std"):
+        assert _adv(mode, leave_one_out=True) == [-1.0, 1.0, -2.0, 2.0]
+    # A group whose total is constant while its rewards are not: the total's baseline is exact
+    # (summing the per-reward leave-one-out baselines would leave about 3e-17, which batch
+    # normalization would blow up to +-1).
+    rewards = torch.tensor([[0.1, 0.2], [0.2, 0.1], [0.2, 0.1]], dtype=torch.float64)
+    res = compute_advantages(rewards, torch.zeros(3, dtype=torch.long), mode="grpo", leave_one_out=True,
+                             batch_norm=True)
+    assert res.advantages.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_new_options_are_checked():
+    with pytest.raises(ValueError, match="leave_one_out: expected True or False"):
+        compute_advantages(torch.zeros(2, 1), torch.zeros(2, dtype=torch.long), leave_one_out=1)
+    with pytest.raises(ValueError, match="normalize_rewards: expected True or False"):
+        compute_advantages(torch.zeros(2, 1), torch.zeros(2, dtype=torch.long), normalize_rewards="no")
 
 
 def test_nonfinite_rewards_raise_by_default_naming_rows():
@@ -217,13 +293,14 @@ def batches(draw):
         conditions = [(draw(st.integers(1, k - 1)), 0, draw(st.sampled_from([0.5, 1.0])))]
     mode = draw(st.sampled_from(["gdpo", "grpo", "grpo_no_std"]))
     batch_norm = draw(st.booleans())
-    return rewards, groups, mask, weights, conditions, mode, batch_norm
+    options = dict(leave_one_out=draw(st.booleans()), normalize_rewards=draw(st.booleans()))
+    return rewards, groups, mask, weights, conditions, mode, batch_norm, options
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batches())
 def test_matches_per_group_loop(batch):
-    rewards, groups, mask, weights, conditions, mode, batch_norm = batch
+    rewards, groups, mask, weights, conditions, mode, batch_norm, options = batch
     res = compute_advantages(
         torch.tensor(rewards, dtype=torch.float64),
         torch.tensor(groups),
@@ -232,7 +309,9 @@ def test_matches_per_group_loop(batch):
         mode=mode,
         batch_norm=batch_norm,
         conditions=conditions,
+        **options,
     )
-    expected = reference_advantages(rewards, groups, mask, weights, mode, batch_norm, conditions=conditions)
+    expected = reference_advantages(rewards, groups, mask, weights, mode, batch_norm, conditions=conditions,
+                                    **options)
     assert res.advantages.tolist() == pytest.approx(expected, rel=1e-7, abs=1e-7)
     assert res.variance_share.sum().item() == pytest.approx(1.0 if res.variance_share.any() else 0.0, abs=1e-6)

@@ -98,3 +98,14 @@ def test_shipped_configs_load(path):
 
     cfg = load_config(TrainConfig, path)
     assert cfg.rewards.names and cfg.advantage.resolve_conditions(cfg.rewards.names) is not None
+
+
+def test_advantage_leave_one_out_and_normalization_options():
+    from gdpo_megatron.config import TrainConfig
+
+    cfg = load_config(TrainConfig, "configs/tiny_cpu.yaml",
+                      ["advantage.leave_one_out=true", "advantage.normalize_rewards=false"])
+    assert cfg.advantage.leave_one_out is True and cfg.advantage.normalize_rewards is False
+    assert load_config(TrainConfig, "configs/tiny_cpu.yaml").advantage.leave_one_out is False
+    with pytest.raises(ConfigError, match=r"advantage.leave_one_out"):
+        from_dict(AdvantageConfig, {"leave_one_out": "sometimes"}, "advantage")

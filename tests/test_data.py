@@ -1,4 +1,4 @@
-"""JSONL prompt loaders for the three families, and chat rendering with a tokenizer's template."""
+"""The project's own JSONL prompt files for math, tool and code, and chat rendering with a tokenizer's template."""
 import json
 from pathlib import Path
 
@@ -6,7 +6,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from gdpo_megatron.data import encode_prompt, load_jsonl, render_prompt
+from gdpo_megatron.data import encode_prompt, load_samples, render_prompt
 from gdpo_megatron.data.samples import CODE_SYSTEM_PROMPT, MATH_SYSTEM_PROMPT
 from gdpo_megatron.rewards.coding import code_no_bug, code_pass
 
@@ -26,7 +26,7 @@ def records(path):
 ])
 def test_example_datasets_load(family, truth_keys):
     path = EXAMPLES / f"{family}.jsonl"
-    samples = load_jsonl(path, family)
+    samples = load_samples(path, family)
     raw = records(path)
     assert [s.id for s in samples] == [r["id"] for r in raw]
     for sample, record in zip(samples, raw):
@@ -51,7 +51,7 @@ def test_messages_metadata_ids_and_system_prompt_override(tmp_path):
         json.dumps({"messages": chat, "answer": 4, "level": 3}) + "\n\n"
         + json.dumps({"id": "q2", "prompt": "3+3?", "answer": "6"}) + "\n"
     )
-    first, second = load_jsonl(path, "math", system_prompt="Answer in \\boxed{}.")
+    first, second = load_samples(path, "math", system_prompt="Answer in \\boxed{}.")
     assert first.id == "chat-1"
     assert first.messages == [{"role": "system", "content": "Be brief.\n\nAnswer in \\boxed{}."}, chat[1]]
     assert (first.ground_truth, first.metadata) == ({"answer": 4}, {"level": 3})
@@ -59,19 +59,19 @@ def test_messages_metadata_ids_and_system_prompt_override(tmp_path):
     assert second.messages == [
         {"role": "system", "content": "Answer in \\boxed{}."}, {"role": "user", "content": "3+3?"},
     ]
-    (bare,) = load_jsonl(path, "math", system_prompt="")[1:]
+    (bare,) = load_samples(path, "math", system_prompt="")[1:]
     assert bare.messages == [{"role": "user", "content": "3+3?"}]
-    (default,) = load_jsonl(path, "math")[:1]
+    (default,) = load_samples(path, "math")[:1]
     assert default.messages[0]["content"] == f"Be brief.\n\n{MATH_SYSTEM_PROMPT}"
 
 
 @pytest.mark.parametrize("family,line,match", [
     ("math", "{not json", r"bad\.jsonl:2: not valid JSON"),
     ("math", "[1, 2]", r"bad\.jsonl:2: expected a JSON object"),
-    ("math", '{"prompt": "x"}', r"bad\.jsonl:2: missing 'answer'"),
-    ("math", '{"answer": "1"}', r"bad\.jsonl:2: expected 'messages'"),
-    ("math", '{"prompt": "x", "answer": true}', "'answer' must be a string or a number"),
-    ("math", '{"messages": [{"role": "user"}], "answer": "1"}', "'messages' must be"),
+    ("math", '{"prompt": "x"}', r"bad\.jsonl:2: missing the math ground truth 'answer' or 'expected_answer'"),
+    ("math", '{"answer": "1"}', r"bad\.jsonl:2: expected a prompt in one of 'messages', 'prompt'"),
+    ("math", '{"prompt": "x", "answer": true}', "'answer' \\(the answer\\) must be a string or a number"),
+    ("math", '{"messages": [{"role": "user"}], "answer": "1"}', "'messages' must be a string or a non-empty list"),
     ("tool", '{"prompt": "x", "tool_calls": [{"name": "f"}]}', "'tool_calls' must be"),
     ("code", '{"prompt": "x", "tests": [{"input": "1"}]}', "'tests' must be"),
 ])
@@ -81,17 +81,17 @@ def test_bad_records_are_named_with_file_and_line(tmp_path, family, line, match)
             "code": '{"prompt": "ok", "tests": [{"assert": "pass"}]}'}[family]
     path.write_text(good + "\n" + line + "\n")
     with pytest.raises(ValueError, match=match):
-        load_jsonl(path, family)
+        load_samples(path, family)
 
 
 def test_bad_family_and_missing_file(tmp_path):
     with pytest.raises(ValueError, match="family"):
-        load_jsonl(EXAMPLES / "math.jsonl", "poetry")
+        load_samples(EXAMPLES / "math.jsonl", "poetry")
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
-        load_jsonl(tmp_path / "missing.jsonl", "math")
+        load_samples(tmp_path / "missing.jsonl", "math")
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(ValueError, match="no samples"):
-        load_jsonl(tmp_path / "empty.jsonl", "math")
+        load_samples(tmp_path / "empty.jsonl", "math")
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +127,7 @@ REFERENCE_PROGRAMS = {
 
 
 def test_example_code_tasks_are_solvable():
-    samples = load_jsonl(EXAMPLES / "code.jsonl", "code")
+    samples = load_samples(EXAMPLES / "code.jsonl", "code")
     assert sorted(s.id for s in samples) == sorted(REFERENCE_PROGRAMS)
     for sample in samples:
         completion = f"```python\n{REFERENCE_PROGRAMS[sample.id]}\n```"

@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 
 from gdpo_megatron.config import TrainConfig, load_config
-from gdpo_megatron.data.samples import load_jsonl
+from gdpo_megatron.data.samples import load_samples
 from gdpo_megatron.demo import exact_task, task
 from gdpo_megatron.rewards.registry import get_reward, load_reward_file
 from gdpo_megatron.rewards.tool_call import tool_correctness, tool_format
@@ -17,7 +17,7 @@ def test_committed_prompt_file_is_what_the_generator_writes(tmp_path):
 
 
 def test_demonstrations_earn_each_reward_only_part_of_the_time():
-    samples = load_jsonl("examples/data/tool_demo.jsonl", "tool", "")
+    samples = load_samples("examples/data/tool_demo.jsonl", "tool", "")
     rng = random.Random(0)
     records = task.make_examples(400, 3)
     texts = [task.demonstration(r, rng) for r in records]

@@ -77,6 +77,45 @@ def test_two_ranks_random_split_matches_single_process(gloo_world_2, mode):
     assert got.tolist() == pytest.approx(expected, abs=1e-9)
 
 
+@pytest.mark.parametrize("mode, options", [
+    ("gdpo", dict(leave_one_out=True)),
+    ("gdpo", dict(leave_one_out=True, normalize_rewards=False)),
+    ("gdpo", dict(normalize_rewards=False)),
+    ("grpo", dict(leave_one_out=True)),
+    ("grpo_no_std", dict(leave_one_out=True)),
+])
+def test_two_ranks_leave_one_out_and_unnormalized_match_single_process(gloo_world_2, mode, options):
+    rewards, groups, mask, gen = _random_batch(seed=6, num_prompts=8, group_size=4, k=3)
+    groups[:2] = 8  # a group of 2 ...
+    groups[2] = 9  # ... and a group of 1
+    owner = torch.randint(0, 2, (rewards.shape[0],), generator=gen)
+    kwargs = dict(mode=mode, weights=[1.0, 0.5, 2.0], conditions=[(2, 0, 0.5)], **options)
+    results = gloo_world_2.run(_on_rank, rewards, groups, mask, owner, kwargs)
+    got = _check_equal(results, rewards, groups, mask, kwargs)
+    expected = reference_advantages(rewards.tolist(), groups.tolist(), mask.tolist(), [1.0, 0.5, 2.0], mode,
+                                    mode == "gdpo", conditions=[(2, 0, 0.5)], **options)
+    assert got.tolist() == pytest.approx(expected, abs=1e-9)
+
+
+def test_leave_one_out_lone_maximum_on_another_rank(gloo_world_2):
+    # The outlier of group 0 sits alone on rank 1; its others' tiny spread must survive, and
+    # group 1 (1e6 + noise) is split over both ranks.
+    gen = torch.Generator().manual_seed(7)
+    values = torch.cat([torch.tensor([0.0, 1e-9, 2e-9, 1000.0], dtype=torch.float64),
+                        1e6 + 0.01 * torch.randn(6, dtype=torch.float64, generator=gen)]).unsqueeze(1)
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 1, 1])
+    owner = torch.tensor([0, 0, 0, 1, 0, 1, 0, 1, 0, 1])
+    mask = torch.ones(10, dtype=torch.bool)
+    kwargs = dict(leave_one_out=True, eps=0.0, batch_norm=False)
+    results = gloo_world_2.run(_on_rank, values, groups, mask, owner, kwargs)
+    got = torch.zeros(10, dtype=torch.float64)
+    for r in results:
+        got[r["rows"]] = r["advantages"]
+    want = reference_advantages(values.tolist(), groups.tolist(), [True] * 10, [1.0], "gdpo", False, eps=0.0,
+                                leave_one_out=True)
+    assert got.tolist() == pytest.approx(want, rel=1e-7)
+
+
 def test_four_ranks_with_an_empty_rank_and_a_group_on_every_rank(gloo_world_4):
     rewards, groups, mask, gen = _random_batch(seed=2, num_prompts=5, group_size=8, k=2)
     owner = torch.randint(0, 3, (rewards.shape[0],), generator=gen)  # rank 3 holds nothing
@@ -132,3 +171,27 @@ def test_nan_on_one_rank_raises_on_every_rank_without_hanging(gloo_world_2):
 def test_negative_prompt_ids_are_rejected_on_every_rank(gloo_world_2):
     errors = gloo_world_2.run(_expect_error, torch.zeros(4, 1), torch.tensor([0, -1, 1, 1]), {})
     assert all("expected global prompt ids >= 0" in e for e in errors)
+
+
+@pytest.mark.parametrize("leave_one_out, normalize_rewards", [(True, True), (True, False), (False, True)])
+def test_four_uneven_ranks_match_nemo_rls_formulas_exactly(gloo_world_4, leave_one_out, normalize_rewards):
+    # Rank 0 holds one rollout, rank 3 only masked ones. Group 0's lone maximum (over a 1e-9
+    # spread) sits alone on rank 0; group 1's maximum is tied across ranks 1 and 2; group 2 is
+    # a pair split over two ranks; group 3 one rollout; group 4 1e6 + noise over three ranks;
+    # group 5 a constant 0.1 with a masked outlier.
+    from nemo_rl_reference import nemo_rl_gdpo
+
+    noise = [1e6 + 1e-3 * v for v in (0.3, -1.2, 0.7, 2.1, -0.4)]
+    values = [1e3, 0.0, 1e-9, 3e-9, 0.5, 0.5, 0.1, 0.2, 0.7, 0.9, 0.4, *noise, 0.1, 0.1, 0.1, 5.0]
+    groups = [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 3, 4, 4, 4, 4, 4, 5, 5, 5, 5]
+    owner = [0, 1, 2, 1, 1, 2, 1, 1, 1, 2, 2, 1, 2, 1, 2, 2, 1, 1, 2, 3]
+    mask = [True] * 19 + [False]
+    owner, mask = torch.tensor(owner), torch.tensor(mask)
+    rewards = torch.tensor(values, dtype=torch.float64).unsqueeze(1)
+    kwargs = dict(leave_one_out=leave_one_out, normalize_rewards=normalize_rewards, eps=1e-6)
+    results = gloo_world_4.run(_on_rank, rewards, torch.tensor(groups), mask, owner, kwargs)
+    got = torch.zeros(20, dtype=torch.float64)
+    for r in results:
+        got[r["rows"]] = r["advantages"]
+    want = nemo_rl_gdpo(groups[:19], [values[:19]], [1.0], leave_one_out, normalize_rewards, batch_eps=1e-6) + [0.0]
+    assert got.tolist() == pytest.approx(want, rel=1e-9, abs=1e-12)

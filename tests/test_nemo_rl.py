@@ -1,23 +1,27 @@
 """The NeMo-RL estimator on inputs built the way NeMo-RL's GRPO loop builds them.
 
-NeMo-RL repeats each prompt ``G`` times (``repeat_interleave``), flattens the prompt
+Read from NeMo-RL at commit 7ea279abfbeb698b092856d0dab61e7cf39bc909 (not installable here):
+``grpo_train`` repeats each prompt ``G`` times (``repeat_interleave``), flattens the prompt
 messages into right-padded token ids ``[B, S]``, builds ``mask = token_mask *
-sample_mask[:, None]`` over the full sequence ``[B, T]`` (prompt tokens 0, response
-tokens 1), and passes the batch dict with one ``reward/<name>`` tensor per reward. The
-expected advantages come from a plain-Python GDPO written here.
+sample_mask[:, None]`` over the full sequence ``[B, T]`` (prompt tokens 0, response tokens
+1), and passes the batch dict with one ``reward/<name>`` tensor per reward. The expected
+advantages come from NeMo-RL's GDPO formulas written out here in plain Python
+(``calculate_baseline_and_std_per_prompt``: baseline and unbiased std of the other rollouts,
+or of all; divide where that std is > 0; then the batch step).
 """
 import math
 import statistics
 import types
 from collections import defaultdict
 
+import pydantic
 import pytest
 import torch
 
-from gdpo_megatron.integrations.nemo_rl import GDPOMegatronEstimator, install, prompt_groups
+from gdpo_megatron.integrations.nemo_rl import GDPOMegatronEstimator, install, last_built_estimator, prompt_groups
 
 PAD = 0
-EPS = 1e-4
+NEMO_RL_EPS = 1e-6
 
 
 def nemo_rl_inputs(prompts, group_size, rewards, response_lengths, sample_mask=None, order=None):
@@ -45,8 +49,18 @@ def nemo_rl_inputs(prompts, group_size, rewards, response_lengths, sample_mask=N
     return prompt_ids, token_mask * sample.unsqueeze(-1), batch, rows
 
 
-def reference_gdpo(groups, rewards, valid, weights, conditions=(), eps=EPS):
-    """GDPO by the definition, one rollout at a time (conditions read the raw rewards)."""
+def _centered(values, i, members, leave_one_out, normalize, eps):
+    """NeMo-RL's per-rollout rule: baseline and unbiased std of the others (or of all)."""
+    pool = [values[j] for j in members if j != i] if leave_one_out else [values[j] for j in members]
+    mean = statistics.fmean(pool)
+    std = statistics.stdev(pool) if len(pool) >= 2 else 0.0
+    return (values[i] - mean) / (std + eps) if normalize and std > 0 else values[i] - mean
+
+
+def reference_gdpo(groups, rewards, valid, weights, conditions=(), leave_one_out=True, normalize=True,
+                   eps=NEMO_RL_EPS, batch_eps=0.0):
+    """GDPO by NeMo-RL's definition, one rollout at a time (``batch_eps=0``: NeMo-RL's batch
+    step; ``eps``: this project's). Conditions read the raw rewards."""
     r = {k: list(v) for k, v in rewards.items()}
     for target, on, threshold, fill in conditions:
         r[target] = [x if y >= threshold else fill for x, y in zip(rewards[target], rewards[on])]
@@ -57,15 +71,13 @@ def reference_gdpo(groups, rewards, valid, weights, conditions=(), eps=EPS):
     summed = [0.0] * len(groups)
     for name, values in r.items():
         for idx in members.values():
-            vals = [values[i] for i in idx]
-            if len(vals) < 2 or max(vals) == min(vals):
-                continue
-            mean, std = statistics.fmean(vals), statistics.stdev(vals)
+            if len(idx) < 2:
+                continue  # NeMo-RL: baseline = reward
             for i in idx:
-                summed[i] += weights[name] * (values[i] - mean) / (std + eps)
+                summed[i] += weights[name] * _centered(values, i, idx, leave_one_out, normalize, eps)
     kept = [summed[i] for i in range(len(groups)) if valid[i]]
     mean, std = statistics.fmean(kept), statistics.stdev(kept)
-    return [(summed[i] - mean) / (std + eps) if valid[i] else 0.0 for i in range(len(groups))]
+    return [(summed[i] - mean) / (std + batch_eps) if valid[i] else 0.0 for i in range(len(groups))]
 
 
 PROMPTS = [[11, 12], [11, 12, 13], [7, 3, 9, 4]]  # the first is a prefix of the second
@@ -76,43 +88,114 @@ REWARDS = {
 }
 LENGTHS = [3, 5, 1, 4, 2, 5, 3, 3, 4, 1, 2, 5]
 WEIGHTS = {"correctness": 1.0, "format": 0.5, "length": 0.25}
+WEIGHT_LIST = [WEIGHTS[k] for k in sorted(WEIGHTS)]  # NeMo-RL's form: sorted reward names
 CONFIG = {
     "name": "gdpo",
     "implementation": "gdpo_megatron",
-    "reward_weights": WEIGHTS,
+    "reward_weights": WEIGHT_LIST,
     "conditions": [{"target": "length", "gate": "correctness", "threshold": 1.0}],
-    "use_leave_one_out_baseline": True,  # NeMo-RL's default for its own estimator; not read
 }
 SHUFFLED = [5, 0, 11, 3, 8, 1, 10, 6, 2, 9, 4, 7]
 
 
-def test_advantages_match_gdpo_and_cover_every_token():
+def _expect(values):
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def test_defaults_are_nemo_rls():
+    est = GDPOMegatronEstimator({})
+    assert (est.leave_one_out, est.normalize_rewards, est.eps, est.reward_weights, est.batch_norm) == (
+        True, True, NEMO_RL_EPS, None, True)
+
+
+def test_a_pydantic_config_like_nemo_rls_gets_its_defaults_and_rejects_mapping_weights():
+    class AdvEstimatorConfig(pydantic.BaseModel, extra="allow"):  # the schema at the commit read
+        name: str = "grpo"
+        normalize_rewards: bool = True
+        use_leave_one_out_baseline: bool = True
+        reward_weights: list[float] | None = None
+        minus_baseline: bool = True
+
+    cfg = AdvEstimatorConfig(name="gdpo", implementation="gdpo_megatron", reward_weights=WEIGHT_LIST,
+                             conditions=CONFIG["conditions"])
+    est = GDPOMegatronEstimator(cfg)
+    assert (est.leave_one_out, est.normalize_rewards, est.reward_weights) == (True, True, WEIGHT_LIST)
+    assert est.conditions[0]["target"] == "length"
+    with pytest.raises(pydantic.ValidationError):
+        AdvEstimatorConfig(reward_weights=WEIGHTS)  # why the estimator takes lists only
+    with pytest.raises(ValueError, match=r"name: the gdpo_megatron implementation computes GDPO.*'grpo'"):
+        GDPOMegatronEstimator(AdvEstimatorConfig(implementation="gdpo_megatron"))  # name left at NeMo-RL's default
+
+
+def test_leave_one_out_by_hand_with_groups_of_two_and_one():
+    # Prompt 0 has 2 rollouts, prompt 1 one, prompt 2 three; rewards a and b, weights [2, 1].
+    rewards = {"a": [1, 0, 5, 1, 0, 0], "b": [0, 0, 5, 1, 1, 0]}
+    prompt_ids = torch.tensor([[4], [4], [6], [8], [8], [8]])
+    mask = torch.ones(6, 3)
+    batch = {f"reward/{k}": torch.tensor(v, dtype=torch.float32) for k, v in rewards.items()}
+    est = GDPOMegatronEstimator({"reward_weights": [2.0, 1.0]})  # NeMo-RL's defaults otherwise
+    out = est.compute_advantage(prompt_ids, None, mask, batch)[:, 0]
+
+    s = 0.5 / (math.sqrt(0.5) + NEMO_RL_EPS)  # 0.5 off the mean of two others {0, 1}, over their std
+    summed = [
+        2 * 1 + 0, 2 * -1 + 0,  # a group of 2: each rollout minus the other one, undivided
+        0,  # alone: no baseline but itself
+        2 * (1 - 0) + s,  # a: the others {0, 0} are equal, undivided; b: others {1, 0}
+        2 * -s + s,  # a: others {1, 0}; b: others {1, 0}
+        2 * -s + (0 - 1),  # a: others {1, 0}; b: others {1, 1} are equal
+    ]
+    mean, std = statistics.fmean(summed), statistics.stdev(summed)
+    torch.testing.assert_close(out, _expect([(v - mean) / std for v in summed]), atol=1e-5, rtol=0)
+
+    # normalize_rewards: false only centers; batch normalization stays.
+    out = GDPOMegatronEstimator({"reward_weights": [2.0, 1.0], "normalize_rewards": False}).compute_advantage(
+        prompt_ids, None, mask, batch)[:, 0]
+    summed = [2, -2, 0, 2 * 1 + 0.5, 2 * -0.5 + 0.5, 2 * -0.5 - 1]
+    mean, std = statistics.fmean(summed), statistics.stdev(summed)
+    torch.testing.assert_close(out, _expect([(v - mean) / std for v in summed]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("leave_one_out", [True, False])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_every_option_matches_nemo_rls_formulas(leave_one_out, normalize):
+    prompt_ids, mask, batch, rows = nemo_rl_inputs(PROMPTS, 4, REWARDS, LENGTHS, order=SHUFFLED)
+    config = {"name": "gdpo", "reward_weights": WEIGHT_LIST, "use_leave_one_out_baseline": leave_one_out,
+              "normalize_rewards": normalize}
+    out = GDPOMegatronEstimator(config).compute_advantage(prompt_ids, batch["total_reward"], mask, batch)
+    rewards = {k: [v[i] for i in SHUFFLED] for k, v in REWARDS.items()}
+    expected = reference_gdpo([tuple(p) for p in rows], rewards, [True] * 12, WEIGHTS, leave_one_out=leave_one_out,
+                              normalize=normalize)
+    # NeMo-RL's batch step adds no eps: the difference is eps / std, ~1e-6 relative.
+    torch.testing.assert_close(out, _expect(expected).unsqueeze(1).expand_as(out), atol=1e-5, rtol=0)
+    assert len(set(torch.tensor(expected).round(decimals=4).tolist())) > 6  # the case is not degenerate
+
+
+def test_conditions_and_every_token():
     prompt_ids, mask, batch, rows = nemo_rl_inputs(PROMPTS, 4, REWARDS, LENGTHS, order=SHUFFLED)
     est = GDPOMegatronEstimator(CONFIG, loss_config={})
     out = est.compute_advantage(prompt_ids=prompt_ids, rewards=batch["total_reward"], mask=mask, repeated_batch=batch)
 
-    groups = [tuple(p) for p in rows]
     rewards = {k: [v[i] for i in SHUFFLED] for k, v in REWARDS.items()}
-    expected = torch.tensor(
-        reference_gdpo(groups, rewards, [True] * 12, WEIGHTS, [("length", "correctness", 1.0, 0.0)])
-    )
+    expected = reference_gdpo([tuple(p) for p in rows], rewards, [True] * 12, WEIGHTS,
+                              [("length", "correctness", 1.0, 0.0)], batch_eps=NEMO_RL_EPS)
     assert out.shape == mask.shape and out.dtype == mask.dtype and out.is_contiguous()
-    torch.testing.assert_close(out, expected.unsqueeze(1).expand_as(out).float(), atol=1e-5, rtol=0)
-    assert len(set(expected.round(decimals=4).tolist())) > 6  # the case is not degenerate
+    torch.testing.assert_close(out, _expect(expected).unsqueeze(1).expand_as(out), atol=1e-6, rtol=0)
 
 
-def test_masked_rollouts_get_zero_and_leave_the_statistics():
+@pytest.mark.parametrize("leave_one_out", [True, False])
+def test_masked_rollouts_get_zero_and_leave_the_statistics(leave_one_out):
     sample_mask = [1.0] * 12
     sample_mask[1] = sample_mask[6] = 0.0  # e.g. dropped for a large logprob error
     prompt_ids, mask, batch, rows = nemo_rl_inputs(PROMPTS, 4, REWARDS, LENGTHS, sample_mask=sample_mask)
     valid_mask = torch.ones(12)
-    valid_mask[9] = 0.0  # a placeholder row NeMo-RL keeps out of its siblings' baselines
-    est = GDPOMegatronEstimator({"reward_weights": WEIGHTS})
+    valid_mask[9] = 0.0  # a placeholder row to keep out of its siblings' baselines
+    est = GDPOMegatronEstimator({"reward_weights": WEIGHT_LIST, "use_leave_one_out_baseline": leave_one_out})
     out = est.compute_advantage(prompt_ids, batch["total_reward"], mask, batch, valid_mask=valid_mask)
 
     valid = [s == 1.0 and i != 9 for i, s in enumerate(sample_mask)]
-    expected = reference_gdpo([tuple(p) for p in rows], REWARDS, valid, WEIGHTS)
-    torch.testing.assert_close(out[:, 0], torch.tensor(expected, dtype=torch.float32), atol=1e-5, rtol=0)
+    expected = reference_gdpo([tuple(p) for p in rows], REWARDS, valid, WEIGHTS, leave_one_out=leave_one_out,
+                              batch_eps=NEMO_RL_EPS)
+    torch.testing.assert_close(out[:, 0], _expect(expected), atol=1e-6, rtol=0)
     assert out[[1, 6, 9]].abs().sum() == 0
 
 
@@ -121,18 +204,21 @@ def test_gdpo_keeps_reward_combinations_apart():
     # GDPO gives the second prompt exactly twice the advantages of the first.
     rewards = {"a": [0, 1, 0, 1], "b": [0, 0, 0, 1]}
     prompt_ids, mask, batch, _ = nemo_rl_inputs([[5], [6]], 2, rewards, [2, 2, 2, 2])
-    out = GDPOMegatronEstimator({}).compute_advantage(prompt_ids, batch["total_reward"], mask, batch)[:, 0]
-    torch.testing.assert_close(out[2:], 2 * out[:2], atol=1e-6, rtol=0)
-    assert out[1] > 0 > out[0]
+    for loo in (True, False):
+        est = GDPOMegatronEstimator({"use_leave_one_out_baseline": loo})
+        out = est.compute_advantage(prompt_ids, batch["total_reward"], mask, batch)[:, 0]
+        torch.testing.assert_close(out[2:], 2 * out[:2], atol=1e-6, rtol=0)
+        assert out[1] > 0 > out[0]
 
 
 def test_list_weights_follow_sorted_names_and_group_ids_may_be_given_directly():
     prompt_ids, mask, batch, rows = nemo_rl_inputs(PROMPTS, 4, REWARDS, LENGTHS)
-    by_name = GDPOMegatronEstimator({"reward_weights": WEIGHTS}).compute_advantage(prompt_ids, None, mask, batch)
-    as_list = [WEIGHTS[k] for k in sorted(WEIGHTS)]
+    by_ids = GDPOMegatronEstimator({"reward_weights": WEIGHT_LIST}).compute_advantage(prompt_ids, None, mask, batch)
     group_ids = torch.tensor([PROMPTS.index(p) for p in rows])
-    by_list = GDPOMegatronEstimator({"reward_weights": as_list}).compute_advantage(group_ids, None, mask, batch)
-    torch.testing.assert_close(by_list, by_name, atol=0, rtol=0)
+    by_groups = GDPOMegatronEstimator({"reward_weights": WEIGHT_LIST}).compute_advantage(group_ids, None, mask, batch)
+    torch.testing.assert_close(by_groups, by_ids, atol=0, rtol=0)
+    expected = reference_gdpo([tuple(p) for p in rows], REWARDS, [True] * 12, WEIGHTS, batch_eps=NEMO_RL_EPS)
+    torch.testing.assert_close(by_ids[:, 0], _expect(expected), atol=1e-6, rtol=0)
 
 
 def test_prompt_groups_compare_whole_padded_rows():
@@ -162,18 +248,25 @@ def test_nonfinite_reward_is_masked_when_asked():
     prompt_ids, mask, batch, rows = nemo_rl_inputs(PROMPTS, 4, rewards, LENGTHS)
     with pytest.raises(ValueError, match="NaN"):
         GDPOMegatronEstimator({}).compute_advantage(prompt_ids, None, mask, batch)
-    est = GDPOMegatronEstimator({"nonfinite": "mask", "reward_weights": WEIGHTS})
+    est = GDPOMegatronEstimator({"nonfinite": "mask", "reward_weights": WEIGHT_LIST})
     out = est.compute_advantage(prompt_ids, None, mask, batch)[:, 0]
-    expected = reference_gdpo([tuple(p) for p in rows], rewards, [i != 4 for i in range(12)], WEIGHTS)
-    torch.testing.assert_close(out, torch.tensor(expected, dtype=torch.float32), atol=1e-5, rtol=0)
+    expected = reference_gdpo([tuple(p) for p in rows], rewards, [i != 4 for i in range(12)], WEIGHTS,
+                              batch_eps=NEMO_RL_EPS)
+    torch.testing.assert_close(out, _expect(expected), atol=1e-6, rtol=0)
     assert est.last_metrics["advantage/nonfinite_rollouts"] == 1
 
 
 @pytest.mark.parametrize(
     "config, match",
     [
+        ({"reward_weights": WEIGHTS}, r"reward_weights: NeMo-RL's schema takes a list .* not a mapping"),
         ({"reward_weights": "1,2"}, r"reward_weights: expected a list"),
         ({"reward_weights": [1.0, "x"]}, r"reward_weights\[1\]"),
+        ({"name": "grpo"}, r"name: the gdpo_megatron implementation computes GDPO"),
+        ({"minus_baseline": False}, r"minus_baseline: false applies to NeMo-RL's reinforce_plus_plus"),
+        ({"use_leave_one_out": False}, r"unknown key\(s\) \['use_leave_one_out'\]"),
+        ({"use_leave_one_out_baseline": "no"}, r"use_leave_one_out_baseline: expected true or false"),
+        ({"normalize_rewards": 0}, r"normalize_rewards: expected true or false"),
         ({"conditions": [{"target": "length", "gate": "correctness"}]}, r"conditions\[0\].*missing \['threshold'\]"),
         ({"conditions": [{"target": "a", "gate": "b", "threshold": 1, "when": 2}]}, r"unknown \['when'\]"),
         ({"eps": -1.0}, r"eps: expected a value >= 0"),
@@ -200,8 +293,8 @@ def _call(config, batch_edit=None, prompt_rows=None, mask_1d=False):
     [
         ({"config": {}, "batch_edit": lambda b: [b.pop(k) for k in list(b) if k.startswith("reward/")]},
          r"no reward components.*total_reward"),
-        ({"config": {"reward_weights": {"correctness": 1.0, "format": 1.0}}}, r"missing \['length'\]"),
-        ({"config": {"reward_weights": [1.0, 2.0]}}, r"2 weights for 3 rewards"),
+        ({"config": {"reward_weights": [1.0, 2.0]}},
+         r"2 weights for 3 rewards; give one per reward in sorted name order: \['correctness', 'format', 'length'\]"),
         ({"config": {"conditions": [{"target": "len", "gate": "correctness", "threshold": 1}]}},
          r"conditions\[0\]\.target: 'len' is not a reward"),
         ({"config": {}, "batch_edit": lambda b: b.update({"reward/format": torch.ones(5)})},
@@ -223,7 +316,8 @@ def test_install_routes_the_selected_implementation_only():
     install(grpo)  # idempotent: the second call must not wrap the wrapper
 
     selected = grpo._create_advantage_estimator({"grpo": {"adv_estimator": CONFIG}, "loss_fn": {}})
-    assert isinstance(selected, GDPOMegatronEstimator) and selected.reward_weights == WEIGHTS
+    assert isinstance(selected, GDPOMegatronEstimator) and selected.reward_weights == WEIGHT_LIST
+    assert last_built_estimator() is selected
     assert grpo._create_advantage_estimator({"grpo": {"adv_estimator": {"name": "grpo"}}}) == ("nemo_rl", "grpo")
     pydantic_like = types.SimpleNamespace(
         grpo=types.SimpleNamespace(adv_estimator=types.SimpleNamespace(name="gdpo", implementation="gdpo_megatron")),
@@ -239,8 +333,8 @@ def test_reward_columns_of_mixed_dtypes_and_a_bool_mask():
     prompt_ids, mask, batch, rows = nemo_rl_inputs(PROMPTS, 4, REWARDS, LENGTHS)
     batch["reward/correctness"] = batch["reward/correctness"].to(torch.int64)  # e.g. from a verifier
     batch["reward/length"] = batch["reward/length"].to(torch.float64)
-    est = GDPOMegatronEstimator({"reward_weights": WEIGHTS})
+    est = GDPOMegatronEstimator({"reward_weights": WEIGHT_LIST})
     out = est.compute_advantage(prompt_ids, None, mask.bool(), batch)
-    expected = reference_gdpo([tuple(p) for p in rows], REWARDS, [True] * 12, WEIGHTS)
+    expected = reference_gdpo([tuple(p) for p in rows], REWARDS, [True] * 12, WEIGHTS, batch_eps=NEMO_RL_EPS)
     assert out.dtype == torch.float32 and out.shape == mask.shape
-    torch.testing.assert_close(out[:, -1], torch.tensor(expected, dtype=torch.float32), atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[:, -1], _expect(expected), atol=1e-6, rtol=0)

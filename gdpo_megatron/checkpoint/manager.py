@@ -12,20 +12,25 @@ Layout under the checkpoint root::
 
 Every rank calls :meth:`CheckpointManager.save` / :meth:`CheckpointManager.load` (collective).
 A checkpoint is written under a temporary name and renamed to ``step_<N>`` when every rank has
-finished, so a ``step_<N>`` directory is always complete; resume takes the newest one. The
-model and optimizer are stored by megatron-core's ``dist_checkpointing``, so they load under a
-different tensor/pipeline-parallel layout than they were saved with.
+finished, so a ``step_<N>`` directory is always complete; resume takes the newest one.
+
+Layouts. The model and optimizer are stored by megatron-core's ``dist_checkpointing``. The
+model's weights, and the plain optimizer's state (kept per model parameter), load under any
+tensor/pipeline/data-parallel layout. The distributed optimizer's state is stored in one of
+megatron-core's formats (``optimizer_sharding``): ``dp_reshardable`` (its own bucket layout,
+written by every rank without communication) reloads under another data-parallel size only;
+``fully_reshardable`` (gathered into per-parameter tensors when saving) reloads under any
+layout. A checkpoint records its format and TP/PP sizes, and loading the distributed optimizer
+under another TP/PP from ``dp_reshardable`` is a clear error before anything is read.
 """
 from __future__ import annotations
 
 import json
 import os
 import random
-import re
 import shutil
 import warnings
 import zlib
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,43 +38,30 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.strategies.torch import (
     MCoreSavePlanner,
     TorchDistSaveShardedStrategy,
     _replace_state_dict_keys_with_sharded_keys,
     mcore_to_pyt_state_dict,
 )
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+from gdpo_megatron.checkpoint.state import (
+    STATE_FILE, TMP_PREFIX, CheckpointError, TrainingState, check_reshardable, complete_steps, read_json,
+    read_training_state,
+)
 from gdpo_megatron.checkpoint.weight_stream import unwrap
 from gdpo_megatron.policy import cpu_compat
 
-STEP_DIR = re.compile(r"step_(\d+)")
-TMP_PREFIX = ".tmp-"
 LATEST = "latest"
-STATE_FILE = "trainer_state.json"
 MANIFEST = "manifest.json"
 DIST_DIR = "dist"
 RNG_DIR = "rng"
 FORMAT_VERSION = 1
-# The distributed optimizer's state layout: "dp_reshardable" (fast, fully parallel; reloads
-# under another data-parallel size only) or "fully_reshardable" (gathers on save; reloads
-# under any layout).
+# megatron-core's formats of the distributed optimizer's state (see the module docstring).
+OPTIMIZER_SHARDINGS = ("dp_reshardable", "fully_reshardable")
 DEFAULT_OPTIMIZER_SHARDING = "dp_reshardable"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or corrupted (the message names the file)."""
-
-
-@dataclass
-class TrainingState:
-    """What a resumed run needs besides the model and optimizer."""
-
-    step: int
-    data_position: Any = None  # JSON value from the data loader (e.g. samples consumed)
-    config: dict = field(default_factory=dict)
-    world_size: int = 1  # ranks that saved it
 
 
 def _rank() -> int:
@@ -106,16 +98,6 @@ def _checksums(directory: Path, names: list[str]) -> dict[str, dict[str, int]]:
     parts: list[dict] = [None] * _world_size()
     dist.all_gather_object(parts, mine)
     return {k: v for part in parts for k, v in part.items()}
-
-
-def _read_json(path: Path, missing: str = "missing") -> Any:
-    """A JSON file of a checkpoint; CheckpointError naming it when it is missing or corrupted."""
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: {missing}") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: corrupted ({e})") from None
 
 
 def _write_json_atomic(path: Path, value: Any) -> None:
@@ -167,6 +149,18 @@ class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
         )
 
 
+def _is_distributed(optimizer) -> bool:
+    """Whether ``optimizer`` (possibly megatron's chain of optimizers) shards its state over DP."""
+    return any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _layout() -> dict | None:
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return {"tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+            "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size()}
+
+
 def _sharded_state_dict(model, optimizer, optimizer_sharding: str, is_loading: bool) -> dict:
     model_sd = unwrap(model).sharded_state_dict()
     state = {"model": model_sd}
@@ -189,8 +183,12 @@ class CheckpointManager:
 
     def __init__(self, root: str | os.PathLike, keep_last: int | None = 3,
                  optimizer_sharding: str = DEFAULT_OPTIMIZER_SHARDING):
+        """``optimizer_sharding``: the distributed optimizer's format for saving (loading reads
+        the format a checkpoint was saved in)."""
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last: expected None or >= 1, got {keep_last}")
+        if optimizer_sharding not in OPTIMIZER_SHARDINGS:
+            raise ValueError(f"optimizer_sharding: expected one of {OPTIMIZER_SHARDINGS}, got {optimizer_sharding!r}")
         self.root = Path(root)
         self.keep_last = keep_last
         self.optimizer_sharding = optimizer_sharding
@@ -202,15 +200,7 @@ class CheckpointManager:
 
     def complete_steps(self) -> list[int]:
         """Steps with a complete checkpoint, oldest first; warns about half-written ones."""
-        if not self.root.is_dir():
-            return []
-        steps = []
-        for entry in self.root.iterdir():
-            if entry.name.startswith(TMP_PREFIX):
-                warnings.warn(f"ignoring incomplete checkpoint {entry} (interrupted while being written)")
-            elif entry.is_dir() and (match := STEP_DIR.fullmatch(entry.name)):
-                steps.append(int(match.group(1)))
-        return sorted(steps)
+        return complete_steps(self.root)
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None when there is none."""
@@ -225,7 +215,8 @@ class CheckpointManager:
         final = self.step_dir(step)
         tmp = self.root / f"{TMP_PREFIX}{final.name}"
         state = {"format_version": FORMAT_VERSION, "step": step, "data_position": data_position,
-                 "config": config or {}, "world_size": _world_size()}
+                 "config": config or {}, "world_size": _world_size(), "layout": _layout(),
+                 "optimizer_sharding": self.optimizer_sharding if _is_distributed(optimizer) else None}
         try:
             state_text = json.dumps(state, indent=2, sort_keys=True)
         except TypeError as e:
@@ -272,7 +263,8 @@ class CheckpointManager:
              restore_rng: bool = True, verify: bool = True) -> TrainingState:
         """Load ``step`` (default: the newest complete) into the given objects (collective).
 
-        ``model`` may be built under another TP/PP layout than the one saved. RNG states are
+        ``model`` may be built under another TP/PP layout than the one saved, and so may a
+        plain optimizer or a distributed one saved ``fully_reshardable``. RNG states are
         restored when the world size matches the saved one (else a warning).
         """
         if step is None:
@@ -285,12 +277,15 @@ class CheckpointManager:
         if verify:
             self.verify(directory)
         state = read_training_state(directory)
+        sharding = state.optimizer_sharding or self.optimizer_sharding
+        if optimizer is not None and _is_distributed(optimizer):
+            check_reshardable(directory, state, _layout())
 
         with cpu_compat.device_scope():
-            sharded = _sharded_state_dict(model, optimizer, self.optimizer_sharding, is_loading=True)
+            sharded = _sharded_state_dict(model, optimizer, sharding, is_loading=True)
             try:
                 loaded = dist_checkpointing.load(sharded, str(directory / DIST_DIR))
-            except Exception as e:
+            except (Exception, dcp.api.CheckpointException) as e:  # the latter is a BaseException
                 raise CheckpointError(f"{directory / DIST_DIR}: cannot load the distributed checkpoint: {e}") from e
             unwrap(model).load_state_dict(loaded["model"])
             if optimizer is not None:
@@ -317,7 +312,7 @@ class CheckpointManager:
 
     def verify(self, directory: Path) -> None:
         """Raise :class:`CheckpointError` naming the first missing, extra-short or corrupted file."""
-        manifest = _read_json(directory / MANIFEST, missing="missing (the checkpoint is incomplete)")
+        manifest = read_json(directory / MANIFEST, missing="missing (the checkpoint is incomplete)")
         missing = [n for n in manifest if not (directory / n).is_file()]
         if missing:
             raise CheckpointError(f"{directory / missing[0]}: missing from the checkpoint")
@@ -328,14 +323,3 @@ class CheckpointManager:
                     f"{directory / name}: corrupted (size {actual[name]['size']}, crc32 {actual[name]['crc32']}; "
                     f"expected size {manifest[name]['size']}, crc32 {manifest[name]['crc32']})"
                 )
-
-
-def read_training_state(directory: str | os.PathLike) -> TrainingState:
-    """The step, data position, config and world size stored in a checkpoint directory."""
-    path = Path(directory) / STATE_FILE
-    state = _read_json(path)
-    fields = ("step", "data_position", "config", "world_size")
-    for key in fields:
-        if key not in state:
-            raise CheckpointError(f"{path}: missing the field {key!r}")
-    return TrainingState(**{key: state[key] for key in fields})

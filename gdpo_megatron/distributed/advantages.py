@@ -1,9 +1,13 @@
 """Advantages over rollouts split across data-parallel ranks, exact for any split.
 
 Runs the math of :mod:`gdpo_megatron.advantages` with an all-reduce :class:`Reduction`:
-per-prompt, per-reward (count, sum), then squared deviations, then max/min for the spread
-flag, and the same for the batch. Communication is O(prompts x rewards) per call, never
-O(rollouts); only the distinct-advantage diagnostic sends each rank's distinct values.
+per-prompt, per-reward max/min (the spread flag and a shift), then count and shifted sum,
+then squared deviations, and the same for the batch. Leave-one-out baselines widen the same
+three all-reduces (counts of the max and min, sums and squared deviations without a lone max
+or min),
+which gives every rollout the mean and std of its group's other rollouts on any rank.
+Communication is O(prompts x rewards) per call, never O(rollouts); only the
+distinct-advantage diagnostic sends each rank's distinct values.
 """
 from __future__ import annotations
 

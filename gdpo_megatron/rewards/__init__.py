@@ -1,21 +1,22 @@
 """Reward functions (registered by name) and the sharded reward stage that scores rollouts.
 
 Importing this package registers the built-in rewards: ``tool_format``,
-``tool_correctness``, ``math_correctness``, ``math_format``, ``length``, ``code_pass`` and
-``code_no_bug``.
+``tool_correctness``, ``toolrl_format``, ``toolrl_correctness``, ``math_correctness``,
+``math_format``, ``length``, ``code_pass`` and ``code_no_bug``.
 """
-from gdpo_megatron.rewards import coding, length, math_answer, tool_call  # noqa: F401  (registration)
+from gdpo_megatron.rewards import coding, length, math_answer, tool_call, toolrl  # noqa: F401  (registration)
 from gdpo_megatron.rewards.registry import (
     RewardSpec,
     get_reward,
     load_reward_file,
     register_reward,
     registered_rewards,
+    reward_bounds,
     validate_specs,
 )
 from gdpo_megatron.rewards.stage import RewardStage
 
 __all__ = [
     "RewardSpec", "RewardStage", "get_reward", "load_reward_file", "register_reward", "registered_rewards",
-    "validate_specs",
+    "reward_bounds", "validate_specs",
 ]

@@ -8,7 +8,6 @@ of B rollouts::
         rewards=...,         # [B] total reward (not used: GDPO needs the separate rewards)
         mask=...,            # [B, T] token_mask * sample_mask
         repeated_batch=...,  # dict-like batch, one [B] tensor per reward under "reward/<name>"
-        valid_mask=...,      # optional [B]; 0 keeps a rollout out of its siblings' statistics
         logprobs_policy=..., logprobs_reference=...,  # not used
     )
 
@@ -23,6 +22,7 @@ registry; :func:`install` adds this one, selected by ``implementation: gdpo_mega
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any
@@ -34,40 +34,72 @@ from gdpo_megatron.advantages import NONFINITE_POLICIES, AdvantageResult, Condit
 IMPLEMENTATION = "gdpo_megatron"
 REWARD_PREFIX = "reward/"
 CONFIG_PATH = "grpo.adv_estimator"
+NEMO_RL_EPS = 1e-6  # what NeMo-RL's GRPO and GDPO estimators add to a group's std
 _CONDITION_FIELDS = ("target", "gate", "threshold", "fill")  # not "on": YAML 1.1 reads it as true
+# NeMo-RL's AdvEstimatorConfig fields, then this estimator's own (AdvEstimatorConfig allows extras).
+_NEMO_RL_FIELDS = ("name", "normalize_rewards", "use_leave_one_out_baseline", "reward_weights", "minus_baseline")
+_OWN_FIELDS = ("implementation", "conditions", "eps", "batch_norm", "nonfinite")
+
+_last_built: weakref.ref | None = None  # the estimator the installed factory built last
 
 
 class GDPOMegatronEstimator:
-    """NeMo-RL advantage estimator computing GDPO with this project's conventions.
+    """NeMo-RL advantage estimator computing GDPO with this project's math.
 
-    Config keys (``grpo.adv_estimator``), all optional:
+    NeMo-RL's ``AdvEstimatorConfig`` fields, with NeMo-RL's defaults:
 
-    * ``reward_weights``: a mapping ``name -> weight``, or a list in the order of the
-      sorted reward names (NeMo-RL's convention); default 1 for every reward.
-    * ``conditions``: list of ``{target, gate, threshold, fill}`` with reward names: reward
-      ``target`` counts only where reward ``gate`` >= ``threshold``, else it is ``fill`` (0).
-    * ``eps`` (1e-4): added to every std. ``batch_norm`` (true): normalize the weighted sum
-      over the valid rollouts of the step. ``nonfinite`` ("raise" or "mask"): what a NaN/inf
-      reward does.
+    * ``name``: ``gdpo`` (the only value this estimator computes).
+    * ``use_leave_one_out_baseline`` (true): a rollout's baseline is the mean of the other
+      rollouts of its prompt and its scale their unbiased std; where those others are all
+      equal (always for 2 rollouts per prompt) the difference is kept undivided.
+    * ``normalize_rewards`` (true): divide each reward's centered value by the group (or
+      leave-one-out) std plus ``eps``; false only centers. Batch normalization still applies.
+    * ``reward_weights`` (null = all 1): a list, one weight per reward in the sorted order of
+      the reward names, as NeMo-RL's schema (``list[float] | None``) requires.
+    * ``minus_baseline`` belongs to Reinforce++; only its default (true) is accepted.
 
-    NeMo-RL's ``use_leave_one_out_baseline`` and ``normalize_rewards`` belong to its own
-    estimators and are not read: the baseline is the group mean, the scale the unbiased std.
-    A rollout counts when it has at least one unmasked token and ``valid_mask`` (if given)
-    is nonzero; the others get advantage 0 and stay out of every statistic.
+    This estimator's own keys: ``conditions`` (list of ``{target, gate, threshold, fill}``
+    with reward names: ``target`` counts only where ``gate`` >= ``threshold``, else ``fill``);
+    ``eps`` (1e-6, NeMo-RL's); ``batch_norm`` (true: normalize the weighted sum over the valid
+    rollouts of the step); ``nonfinite`` ("raise" or "mask"). Any other key is an error.
 
-    After each call, ``last_result`` holds the :class:`AdvantageResult` and
-    ``last_metrics`` its flat diagnostics (``reward/<name>/...``, ``advantage/...``).
+    Where it differs from NeMo-RL's own ``GDPOAdvantageEstimator``, by design: a rollout
+    counts only when it has an unmasked token (``mask = token_mask * sample_mask``; a
+    ``valid_mask`` argument can drop more), the others get advantage 0 and stay out of every
+    statistic (NeMo-RL keeps masked rollouts in its baselines); statistics are float64 and
+    "no spread" is decided on the values, not on a rounded std; the batch step adds ``eps``
+    to the batch std (NeMo-RL adds nothing, a relative difference of ``eps`` / std); one
+    reward is accepted (GDPO then equals GRPO plus batch normalization).
+
+    After each call, ``last_result`` holds the :class:`AdvantageResult` and ``last_metrics``
+    its flat diagnostics (``reward/<name>/...``, ``advantage/...``). NeMo-RL's asynchronous
+    loop logs ``last_metrics`` itself; for the synchronous loop wrap its logger in
+    :class:`~gdpo_megatron.integrations.nemo_rl.DiagnosticsLogger`.
     """
 
     def __init__(self, estimator_config: Any, loss_config: Any = None):
         del loss_config  # GDPO takes nothing from the loss; the argument is NeMo-RL's signature
-        self.reward_weights = _parse_weights(_get(estimator_config, "reward_weights", None))
-        self.conditions = _parse_conditions(_get(estimator_config, "conditions", None))
-        self.eps = _parse_eps(_get(estimator_config, "eps", 1e-4))
-        self.batch_norm = _get(estimator_config, "batch_norm", True)
-        if not isinstance(self.batch_norm, bool):
-            raise ValueError(f"{CONFIG_PATH}.batch_norm: expected true or false, got {self.batch_norm!r}")
-        self.nonfinite = _get(estimator_config, "nonfinite", "raise")
+        fields = _fields(estimator_config)
+        unknown = sorted(set(fields) - set(_NEMO_RL_FIELDS) - set(_OWN_FIELDS))
+        if unknown:
+            raise ValueError(
+                f"{CONFIG_PATH}: unknown key(s) {unknown}; NeMo-RL's keys are {list(_NEMO_RL_FIELDS)}, "
+                f"this estimator's own {list(_OWN_FIELDS)}"
+            )
+        name = fields.get("name", "gdpo")
+        if name != "gdpo":
+            raise ValueError(f"{CONFIG_PATH}.name: the {IMPLEMENTATION} implementation computes GDPO; set name: gdpo "
+                             f"(got {name!r})")
+        if _flag(fields, "minus_baseline", True) is not True:
+            raise ValueError(f"{CONFIG_PATH}.minus_baseline: false applies to NeMo-RL's reinforce_plus_plus "
+                             "estimator only; GDPO always subtracts a baseline")
+        self.leave_one_out = _flag(fields, "use_leave_one_out_baseline", True)
+        self.normalize_rewards = _flag(fields, "normalize_rewards", True)
+        self.reward_weights = _parse_weights(fields.get("reward_weights"))
+        self.conditions = _parse_conditions(fields.get("conditions"))
+        self.eps = _parse_eps(fields.get("eps", NEMO_RL_EPS))
+        self.batch_norm = _flag(fields, "batch_norm", True)
+        self.nonfinite = fields.get("nonfinite", "raise")
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"{CONFIG_PATH}.nonfinite: expected one of {NONFINITE_POLICIES}, got {self.nonfinite!r}")
         self.last_result: AdvantageResult | None = None
@@ -98,6 +130,8 @@ class GDPOMegatronEstimator:
             eps=self.eps,
             conditions=self._conditions_for(names),
             nonfinite=self.nonfinite,
+            leave_one_out=self.leave_one_out,
+            normalize_rewards=self.normalize_rewards,
         )
         self.last_result = result
         self.last_metrics = result.metrics(names)
@@ -106,24 +140,14 @@ class GDPOMegatronEstimator:
         return result.advantages.to(dtype).unsqueeze(1).expand(mask.shape).contiguous()
 
     def _weights_for(self, names: list[str]) -> list[float]:
-        weights = self.reward_weights
-        if weights is None:
+        if self.reward_weights is None:
             return [1.0] * len(names)
-        if isinstance(weights, dict):
-            missing = [n for n in names if n not in weights]
-            unknown = [n for n in weights if n not in names]
-            if missing or unknown:
-                raise ValueError(
-                    f"{CONFIG_PATH}.reward_weights: expected one weight per reward of the batch "
-                    f"{names}; missing {missing}, not in the batch {unknown}"
-                )
-            return [weights[n] for n in names]
-        if len(weights) != len(names):
+        if len(self.reward_weights) != len(names):
             raise ValueError(
-                f"{CONFIG_PATH}.reward_weights: {len(weights)} weights for {len(names)} rewards "
-                f"{names}; a list follows the sorted reward names (or give a mapping name -> weight)"
+                f"{CONFIG_PATH}.reward_weights: {len(self.reward_weights)} weights for {len(names)} rewards; "
+                f"give one per reward in sorted name order: {names}"
             )
-        return list(weights)
+        return list(self.reward_weights)
 
     def _conditions_for(self, names: list[str]) -> list[Condition]:
         column = {n: k for k, n in enumerate(names)}
@@ -144,9 +168,9 @@ def install(grpo_module: ModuleType | None = None) -> None:
     Wraps ``nemo_rl.algorithms.grpo._create_advantage_estimator``: a config whose
     ``grpo.adv_estimator.implementation`` is ``gdpo_megatron`` gets this estimator, any
     config without that key what NeMo-RL builds. Call it once at the top of the launch
-    script, before other ``nemo_rl.algorithms`` modules are imported (some import the
-    factory by name); calling it again changes nothing. It patches the calling process:
-    NeMo-RL's synchronous ``grpo_train`` builds its estimator there.
+    script, before other ``nemo_rl.algorithms`` modules are imported (``grpo_sync`` imports
+    the factory by name); calling it again changes nothing. It patches the calling process:
+    NeMo-RL's GRPO loops build their estimator on the driver.
     """
     if grpo_module is None:
         from nemo_rl.algorithms import grpo as grpo_module
@@ -155,16 +179,24 @@ def install(grpo_module: ModuleType | None = None) -> None:
         return
 
     def create_advantage_estimator(master_config):
+        global _last_built
         estimator_config = _get(_get(master_config, "grpo", {}), "adv_estimator", None)
         implementation = None if estimator_config is None else _get(estimator_config, "implementation", None)
         if implementation is None:
             return build_nemo_rl_estimator(master_config)
         if implementation != IMPLEMENTATION:
             raise ValueError(f"{CONFIG_PATH}.implementation: expected {IMPLEMENTATION!r}, got {implementation!r}")
-        return GDPOMegatronEstimator(estimator_config, _get(master_config, "loss_fn", None))
+        estimator = GDPOMegatronEstimator(estimator_config, _get(master_config, "loss_fn", None))
+        _last_built = weakref.ref(estimator)
+        return estimator
 
     create_advantage_estimator.builds_gdpo_megatron = True
     grpo_module._create_advantage_estimator = create_advantage_estimator
+
+
+def last_built_estimator() -> GDPOMegatronEstimator | None:
+    """The estimator the factory patched by :func:`install` built last in this process."""
+    return None if _last_built is None else _last_built()
 
 
 def reward_names(batch: Mapping) -> list[str]:
@@ -213,16 +245,33 @@ def _get(config: Any, key: str, default: Any) -> Any:
     return getattr(config, key, default)
 
 
-def _parse_weights(weights):
+def _fields(config: Any) -> dict:
+    """Every key of a dict, a pydantic model (with its extras) or a plain object."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    if hasattr(config, "model_dump"):
+        return config.model_dump()
+    return dict(vars(config))
+
+
+def _flag(fields: dict, key: str, default: bool) -> bool:
+    value = fields.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"{CONFIG_PATH}.{key}: expected true or false, got {value!r}")
+    return value
+
+
+def _parse_weights(weights) -> list[float] | None:
     if weights is None:
         return None
     if isinstance(weights, Mapping):
-        return {str(k): _number(v, f"{CONFIG_PATH}.reward_weights.{k}") for k, v in weights.items()}
+        raise ValueError(
+            f"{CONFIG_PATH}.reward_weights: NeMo-RL's schema takes a list (list[float] | None), one weight per "
+            f"reward in sorted name order, not a mapping: got {dict(weights)!r}"
+        )
     if isinstance(weights, Sequence) and not isinstance(weights, str):
         return [_number(v, f"{CONFIG_PATH}.reward_weights[{i}]") for i, v in enumerate(weights)]
-    raise ValueError(
-        f"{CONFIG_PATH}.reward_weights: expected a list of numbers or a mapping name -> weight, got {weights!r}"
-    )
+    raise ValueError(f"{CONFIG_PATH}.reward_weights: expected a list of numbers, got {weights!r}")
 
 
 def _parse_conditions(conditions) -> list[dict]:

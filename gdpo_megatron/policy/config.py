@@ -212,6 +212,10 @@ class OptimConfig:
     def __post_init__(self):
         _require(self.lr > 0, "optim.lr", "> 0", self.lr)
         _require(0 <= self.min_lr <= self.lr, "optim.min_lr", f"in [0, lr={self.lr}]", self.min_lr)
+        _require(self.weight_decay >= 0, "optim.weight_decay", ">= 0", self.weight_decay)
+        for name in ("adam_beta1", "adam_beta2"):
+            _require(0 <= getattr(self, name) < 1, f"optim.{name}", "in [0, 1)", getattr(self, name))
+        _require(self.adam_eps > 0, "optim.adam_eps", "> 0", self.adam_eps)
         _require(self.clip_grad >= 0, "optim.clip_grad", ">= 0", self.clip_grad)
         _require(self.lr_warmup_steps >= 0, "optim.lr_warmup_steps", ">= 0", self.lr_warmup_steps)
         _require(self.lr_decay_steps > self.lr_warmup_steps, "optim.lr_decay_steps",

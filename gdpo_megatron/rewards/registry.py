@@ -4,7 +4,9 @@ A reward function has the signature ``fn(completion, num_tokens, ground_truth, *
 float``: the completion text, its token count, the sample's ground truth/metadata dict, and
 the keyword arguments of its :class:`RewardSpec`. Built-in rewards register on import of
 ``gdpo_megatron.rewards``; users add their own in a Python file (``load_reward_file``) whose
-``@register_reward("name")`` decorators run when it is imported.
+``@register_reward("name")`` decorators run when it is imported. A reward whose kwargs need
+more than the signature says registers a ``check`` that raises ValueError for kwargs it would
+refuse, so that a config is refused before training instead of scoring every rollout as a failure.
 """
 from __future__ import annotations
 
@@ -20,18 +22,24 @@ from typing import Any, Callable, Sequence
 RewardFn = Callable[..., float]
 
 _REWARDS: dict[str, RewardFn] = {}
+_CHECKS: dict[str, Callable[..., None]] = {}
 
 
-def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator: make ``fn`` available as reward ``name``."""
+def register_reward(name: str, check: Callable[..., None] | None = None) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: make ``fn`` available as reward ``name``; ``check(**kwargs)`` (optional) raises
+    ValueError for kwargs ``fn`` would refuse."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"reward name: expected a non-empty string, got {name!r}")
 
     def add(fn: RewardFn) -> RewardFn:
+        if not callable(fn):
+            raise ValueError(f"reward {name!r}: expected a function, got {fn!r}")
         known = _REWARDS.get(name)
         if known is not None and _qualname(known) != _qualname(fn):
             raise ValueError(f"reward {name!r} is already registered by {_qualname(known)}")
         _REWARDS[name] = fn
+        if check is not None:
+            _CHECKS[name] = check
         return fn
 
     return add
@@ -97,7 +105,7 @@ class RewardSpec:
 
 
 def validate_specs(specs: Sequence[RewardSpec]) -> None:
-    """Names unique and registered; each spec's kwargs accepted by its function."""
+    """Names unique and registered; each spec's kwargs accepted by its function (and its check)."""
     if not specs:
         raise ValueError("rewards: expected at least one reward")
     seen = set()
@@ -110,6 +118,11 @@ def validate_specs(specs: Sequence[RewardSpec]) -> None:
             inspect.signature(fn).bind("", 0, {}, **spec.kwargs)
         except TypeError as e:
             raise ValueError(f"reward {spec.name!r}: kwargs {spec.kwargs} do not fit {_qualname(fn)}: {e}") from None
+        if spec.name in _CHECKS:
+            try:
+                _CHECKS[spec.name](**spec.kwargs)
+            except ValueError as e:
+                raise ValueError(f"{spec.name}: {e}") from None
 
 
 def _qualname(fn: Callable) -> str:

@@ -126,15 +126,15 @@ def _build_only(overrides):
 @cpu_only
 @pytest.mark.slow  # a process importing megatron-core and vLLM: ~20 s, more on a loaded machine
 def test_the_trainer_stops_at_start_up_on_a_mismatch(tiny_llamas, tmp_path):
-    """The preflight runs before the policy or the engine is built: its message, not the
-    policy worker's, stops a run whose config this machine cannot run."""
+    """A run whose precision this machine cannot run stops before the policy or the engine is
+    built, with the project's check's message (on a machine without CUDA, already among the
+    up-front checks), not the policy worker's."""
     from gdpo_megatron.distributed.local_world import WorkerError, run_local
 
     base = tmp_path / "base"  # a base model the up-front checks accept: its tokenizer has a chat template
     shutil.copytree(tiny_llamas["paths"]["base"], base)
     (base / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
     overrides = [f"base_model={base}", f"run_dir={tmp_path / 'run'}", "policy.precision.fp8=hybrid"]
-    with pytest.raises(WorkerError, match=r"gdpo-doctor: this machine does not match the pinned stack or the "
-                                          r"config:\n  precision: found fp32, fp8 hybrid"):
+    with pytest.raises(WorkerError, match=r"policy\.precision\.fp8='hybrid': FP8 needs a CUDA GPU"):
         run_local(_build_only, 1, overrides)
     assert not (tmp_path / "run").exists()

@@ -19,6 +19,7 @@ from gdpo_megatron.errors import UserError
 STEP_DIR = re.compile(r"step_(\d+)")
 TMP_PREFIX = ".tmp-"
 STATE_FILE = "trainer_state.json"
+MANIFEST = "manifest.json"  # file name -> size and CRC32 of every other file of the checkpoint
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -62,8 +63,32 @@ def read_training_state(directory: str | os.PathLike) -> TrainingState:
     """The step, data position, config and world size stored in a checkpoint directory."""
     path = Path(directory) / STATE_FILE
     state = read_json(path)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(state).__name__}")
     fields = ("step", "data_position", "config", "world_size")
     for key in fields:
         if key not in state:
             raise CheckpointError(f"{path}: missing the field {key!r}")
     return TrainingState(**{key: state[key] for key in fields})
+
+
+def model_section(config: dict) -> dict | None:
+    """The model shape a checkpoint's config holds: ``model`` (gdpo-convert) or ``policy.model`` (training)."""
+    section = config.get("model") or (config.get("policy") or {}).get("model")
+    return section if isinstance(section, dict) else None
+
+
+def check_files(directory: Path) -> dict:
+    """The checkpoint's manifest, every file it lists present at its size (no checksums: cheap to run first)."""
+    manifest = read_json(directory / MANIFEST, missing="missing (the checkpoint is incomplete)")
+    if not (isinstance(manifest, dict)
+            and all(isinstance(entry, dict) and isinstance(entry.get("size"), int) for entry in manifest.values())):
+        raise CheckpointError(f"{directory / MANIFEST}: corrupted (expected file name -> size and crc32)")
+    for name in sorted(manifest):
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing from the checkpoint")
+        size, expected = path.stat().st_size, manifest[name]["size"]
+        if size != expected:
+            raise CheckpointError(f"{path}: corrupted (size {size}, expected size {expected})")
+    return manifest

@@ -16,6 +16,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from gdpo_megatron.errors import InputError, UsageError  # noqa: E402
 from gdpo_megatron.metrics import read_metrics  # noqa: E402
 
+REWARDS_PNG, DIAGNOSTICS_PNG = "rewards.png", "diagnostics.png"
+
 
 def reward_names(records: list[dict]) -> list[str]:
     """Reward names found as ``reward/<name>/mean`` keys, in first-seen order."""
@@ -49,7 +51,7 @@ def _grid(n: int, title: str):
 
 
 def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[str] | None = None) -> list[Path]:
-    """Write ``rewards.png`` and ``diagnostics.png`` to ``out_dir``; return their paths."""
+    """Write :data:`REWARDS_PNG` and :data:`DIAGNOSTICS_PNG` to ``out_dir``; return their paths."""
     if not run_dirs:
         raise UsageError("run_dirs: expected at least one run directory")
     labels = labels or [Path(d).name for d in run_dirs]
@@ -70,7 +72,7 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[str]
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     axes[0].legend()
-    rewards_png = out_dir / "rewards.png"
+    rewards_png = out_dir / REWARDS_PNG
     _save(fig, rewards_png)
 
     fig, axes = _grid(len(names) + 1, "Advantage diagnostics")
@@ -88,7 +90,7 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[str]
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
     ax.legend()
-    diagnostics_png = out_dir / "diagnostics.png"
+    diagnostics_png = out_dir / DIAGNOSTICS_PNG
     _save(fig, diagnostics_png)
     return [rewards_png, diagnostics_png]
 

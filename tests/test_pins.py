@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
 
 from gdpo_megatron import pins as stack
 from gdpo_megatron.pins import cpu_requirements, cuda_major, gpu_requirements, read_pins, shared_requirements
@@ -39,6 +41,36 @@ def dockerfile_arg(name: str) -> str:
     match = re.search(rf"^ARG {name}=(\S+)$", DOCKERFILE, re.MULTILINE)
     assert match, f"Dockerfile: no ARG {name}"
     return match[1]
+
+
+def image_markers() -> dict[str, str]:
+    """PEP 508 marker values of the image: Ubuntu 24.04's CPython on x86-64 Linux."""
+    python = dockerfile_arg("PYTHON_VERSION")
+    return {"python_version": python, "python_full_version": f"{python}.0", "implementation_version": f"{python}.0",
+            "implementation_name": "cpython", "platform_python_implementation": "CPython", "os_name": "posix",
+            "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64"}
+
+
+def unmet_on_the_image(install: list[dict]) -> list[Requirement]:
+    """Requirements of the resolved distributions that hold on the image but that they do not meet.
+
+    pip evaluates environment markers for the Python running it, not for ``--python-version``
+    (pypa/pip#11010, #13296), so a resolution made on another Python can miss a requirement
+    such as vLLM's ``setuptools<81; python_version > "3.11"``.
+    """
+    environment = image_markers()
+    versions = {stack.normalize(i["metadata"]["name"]): Version(i["metadata"]["version"]) for i in install}
+    unmet = []
+    for item in install:
+        extras = ("", *item.get("requested_extras", ()))
+        for line in item["metadata"].get("requires_dist") or ():
+            requirement = Requirement(line)
+            if requirement.marker and not any(requirement.marker.evaluate({**environment, "extra": e}) for e in extras):
+                continue
+            found = versions.get(stack.normalize(requirement.name))
+            if found is None or not requirement.specifier.contains(found, prereleases=True):
+                unmet.append(requirement)
+    return unmet
 
 
 def test_setup_py_takes_every_pin_from_the_pin_file(project):
@@ -112,7 +144,10 @@ def test_gpu_pins_resolve_together_for_the_image(project, tmp_path):
         pytest.skip(f"package index unreachable: {network[0].strip()[:200]}")
     assert result.returncode == 0, output[-3000:]
 
-    installed = {stack.normalize(i["metadata"]["name"]): i for i in json.loads(report.read_text())["install"]}
+    install = json.loads(report.read_text())["install"]
+    # Every requirement that holds on the image's Python and platform is met by the resolution.
+    assert [str(r) for r in unmet_on_the_image(install)] == []
+    installed = {stack.normalize(i["metadata"]["name"]): i for i in install}
     for requirement in wheels:
         name, version = requirement.split("==")
         assert installed[name]["metadata"]["version"] == version, name

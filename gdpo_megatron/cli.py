@@ -1,49 +1,61 @@
-"""Console entry points: ``gdpo-train`` and ``gdpo-plot`` (``python -m gdpo_megatron.cli train|plot``)."""
+"""Console entry points: ``gdpo-train`` and ``gdpo-plot`` (``python -m gdpo_megatron.cli train|plot``).
+
+Errors and exit statuses follow :mod:`gdpo_megatron.errors`: a user error is one line on
+rank 0 and status 2, before anything heavy starts.
+"""
 from __future__ import annotations
 
-import argparse
 import os
 import sys
+
+from gdpo_megatron.errors import ArgumentParser, UsageError, console_entry
 
 # Exit status of a run stopped by SIGUSR1/SIGTERM after saving a checkpoint: EX_TEMPFAIL,
 # "try again later" (a Slurm script requeues the job on it).
 EXIT_INTERRUPTED = 75
 
 
-def train_main(argv: list[str] | None = None) -> int:
+@console_entry
+def train_main(argv: list[str]) -> int:
     """``gdpo-train --config FILE [key.sub=value ...]``: train under torchrun, srun or alone."""
-    parser = argparse.ArgumentParser(prog="gdpo-train", description="Multi-reward RL with GDPO on Megatron-core.")
+    parser = ArgumentParser(prog="gdpo-train", description="Multi-reward RL with GDPO on Megatron-core.")
     parser.add_argument("--config", required=True, help="YAML file (see configs/)")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides of the config")
     args = parser.parse_args(argv)
     quiet_defaults()
 
     from gdpo_megatron.config import TrainConfig, load_config
+    from gdpo_megatron.validation import check_training, launch_world_size
 
-    config = load_config(TrainConfig, args.config, args.overrides)  # config errors before any start-up cost
+    # Every check that needs no model, before the process group, the policy or vLLM exist.
+    config = load_config(TrainConfig, args.config, args.overrides)
+    inputs = check_training(config, launch_world_size())
 
     from gdpo_megatron.trainer import run
 
-    return EXIT_INTERRUPTED if run(config) == "interrupted" else 0
+    return EXIT_INTERRUPTED if run(config, inputs) == "interrupted" else 0
 
 
 def quiet_defaults() -> None:
-    """One OpenMP thread per process (several processes share the cores) and terse vLLM logs."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    """Terse vLLM logs. (Threads: each rank uses its share of the host's cores, see
+    :mod:`gdpo_megatron.distributed.threads`; ``OMP_NUM_THREADS`` overrides it.)"""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
-def plot_main(argv: list[str] | None = None) -> int:
+@console_entry
+def plot_main(argv: list[str]) -> int:
     """``gdpo-plot RUN_DIR [RUN_DIR ...] [--out DIR] [--labels A B ...]``."""
-    parser = argparse.ArgumentParser(prog="gdpo-plot", description="Plot rewards and advantage diagnostics of runs.")
+    parser = ArgumentParser(prog="gdpo-plot", description="Plot rewards and advantage diagnostics of runs.")
     parser.add_argument("run_dirs", nargs="+")
     parser.add_argument("--out", default=None, help="output directory (default: the first run's)")
     parser.add_argument("--labels", nargs="*", default=None, help="legend labels, one per run")
     args = parser.parse_args(argv)
 
     from gdpo_megatron.plot import plot_runs
+    from gdpo_megatron.validation import check_output_dir
 
-    for path in plot_runs(args.run_dirs, args.out or args.run_dirs[0], args.labels):
+    out = check_output_dir(args.out or args.run_dirs[0], "--out" if args.out else "RUN_DIR")
+    for path in plot_runs(args.run_dirs, out, args.labels):
         print(path)
     return 0
 
@@ -51,11 +63,11 @@ def plot_main(argv: list[str] | None = None) -> int:
 COMMANDS = {"train": train_main, "plot": plot_main}
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+@console_entry
+def main(argv: list[str]) -> int:
     if not argv or argv[0] not in COMMANDS:
-        print(f"usage: python -m gdpo_megatron.cli {{{','.join(COMMANDS)}}} ...", file=sys.stderr)
-        return 2
+        got = repr(argv[0]) if argv else "nothing"
+        raise UsageError(f"python -m gdpo_megatron.cli: expected a command, one of {', '.join(COMMANDS)}; got {got}")
     return COMMANDS[argv[0]](argv[1:])
 
 

@@ -19,11 +19,14 @@ import yaml
 
 from gdpo_megatron.advantages import MODES, NONFINITE_POLICIES, Condition
 from gdpo_megatron.data.samples import FAMILIES, Fields
+from gdpo_megatron.errors import UserError
 from gdpo_megatron.policy.config import PolicyConfig
 from gdpo_megatron.rewards.registry import RewardSpec
 
+ROLLOUT_QUANTIZATIONS = (None, "fp8")
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A configuration value is missing, unknown or invalid; the message names the key."""
 
 
@@ -81,7 +84,7 @@ class AdvantageConfig:
 class RolloutConfig:
     """Sampling and the colocated vLLM engine (see :mod:`gdpo_megatron.rollout.vllm_engine`)."""
 
-    group_size: int = 8  # completions per prompt (G)
+    group_size: int = 8  # completions per prompt (G); GDPO and GRPO normalize inside the group
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -95,15 +98,25 @@ class RolloutConfig:
     quantization: Optional[str] = None  # "fp8": FP8 rollouts on GPU
 
     def __post_init__(self):
-        _check(self.group_size >= 1, "rollout.group_size", ">= 1", self.group_size)
+        _check(self.group_size >= 2, "rollout.group_size",
+               ">= 2 (advantages compare the completions of a prompt; one alone gets advantage 0)", self.group_size)
         _check(self.temperature > 0, "rollout.temperature", "> 0 (training samples; gdpo-eval is greedy)",
                self.temperature)
+        _check(0 < self.top_p <= 1, "rollout.top_p", "in (0, 1]", self.top_p)
+        _check(self.top_k == -1 or self.top_k >= 1, "rollout.top_k", "-1 (off) or >= 1", self.top_k)
         if self.top_p < 1 or self.top_k > 0:
             warnings.warn("rollout.top_p / rollout.top_k: the policy's logprobs do not truncate the "
                           "distribution, so the importance ratio of the first update is biased")
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", self.max_new_tokens)
         _check(self.max_model_len > self.max_new_tokens, "rollout.max_model_len",
                f"> max_new_tokens={self.max_new_tokens}", self.max_model_len)
+        _check(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", ">= 1", self.tensor_parallel_size)
+        _check(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "in (0, 1]",
+               self.gpu_memory_utilization)
+        _check(self.kv_cache_gib is None or self.kv_cache_gib > 0, "rollout.kv_cache_gib", "> 0 or null",
+               self.kv_cache_gib)
+        _check(self.quantization in ROLLOUT_QUANTIZATIONS, "rollout.quantization", "null or 'fp8'",
+               self.quantization)
 
 
 @dataclasses.dataclass
@@ -119,6 +132,8 @@ class RewardsConfig:
         _check(len(self.rewards) > 0, "rewards.rewards", "at least one reward", self.rewards)
         names = [r.name for r in self.rewards]
         _check(len(set(names)) == len(names), "rewards.rewards", "unique names", names)
+        _check(self.num_workers >= 1, "rewards.num_workers", ">= 1 (reward worker processes)", self.num_workers)
+        _check(self.timeout_s > 0, "rewards.timeout_s", "> 0 seconds", self.timeout_s)
 
     @property
     def names(self) -> list[str]:
@@ -131,7 +146,8 @@ class DataConfig:
 
     train_path: str  # .jsonl, .json, .parquet, or a Hugging Face datasets directory (save_to_disk)
     family: str  # "tool", "math", "code" or "toolrl"
-    split: str = "train"  # the split of a datasets directory that holds several
+    # The split of a datasets directory; None: "train" of a DatasetDict, all of a single dataset.
+    split: Optional[str] = None
     # Field names, as verl's data.prompt_key; dotted names reach into nested fields. None: the
     # usual ones (messages / prompt / problem / question; the family's ground-truth fields).
     prompt_key: Optional[str] = None
@@ -147,6 +163,7 @@ class DataConfig:
     def __post_init__(self):
         _check(self.family in FAMILIES, "data.family", f"one of {FAMILIES}", self.family)
         _check(self.prompts_per_step >= 1, "data.prompts_per_step", ">= 1", self.prompts_per_step)
+        _check(self.max_prompt_tokens >= 1, "data.max_prompt_tokens", ">= 1", self.max_prompt_tokens)
         for key in ("prompt_key", "system_key", "ground_truth_key"):
             value = getattr(self, key)
             _check(value is None or (value and all(value.split("."))), f"data.{key}",
@@ -224,7 +241,7 @@ class TrainConfig:
             raise ConfigError(f"data.prompts_per_step: {self.data.prompts_per_step} is not divisible by the "
                               f"data-parallel size {dp}")
         per_replica = self.data.prompts_per_step // dp * self.rollout.group_size
-        if per_replica % self.policy.micro_batch_size:
+        if self.policy.micro_batch_tokens is None and per_replica % self.policy.micro_batch_size:
             raise ConfigError(f"policy.micro_batch_size: {self.policy.micro_batch_size} does not divide the "
                               f"{per_replica} rollouts of a data-parallel replica")
         return dp, per_replica
@@ -245,12 +262,13 @@ def load_config(cls: type, path: str | Path | None = None, overrides: list[str] 
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file {path}: not found")
-        with open(path, encoding="utf-8") as f:
-            try:
-                data = yaml.safe_load(f) or {}
-            except yaml.YAMLError as e:
-                raise ConfigError(f"config file {path}: not valid YAML: {e}") from e
+            raise ConfigError(f"config file {path}: {'a directory' if path.is_dir() else 'not found'}")
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path}: not UTF-8 ({e.reason} at byte {e.start})") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path}: not valid YAML: {e}") from e
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path}: expected a mapping at the top level, got {type(data).__name__}")
     for item in overrides or ():
@@ -310,7 +328,7 @@ def from_dict(cls: type, data: Any, path: str = ""):
     except ConfigError:
         raise
     except (ValueError, TypeError, NotImplementedError) as e:
-        raise ConfigError(_qualify(path, str(e))) from e
+        raise ConfigError(_qualify(path, str(e), fields)) from e
 
 
 def to_dict(config) -> dict:
@@ -322,13 +340,15 @@ def _join(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
-def _qualify(path: str, message: str) -> str:
-    """Prefix a section's own error ("model.x: ...") with where the section sits."""
+def _qualify(path: str, message: str, fields=()) -> str:
+    """Prefix a section's own error ("model.x: ..." or "x: ..." for its field x) with where the section sits."""
     if not path:
         return message
     parent, _, last = path.rpartition(".")
     if message.startswith(f"{last}.") or message.startswith(f"{last}:"):
         return f"{parent}.{message}" if parent else message
+    if message.partition(":")[0] in fields:
+        return f"{path}.{message}"
     return f"{path}: {message}"
 
 

@@ -22,7 +22,6 @@ anything; it raises with every mismatch in the message.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib
 import importlib.metadata
@@ -37,6 +36,7 @@ from packaging.version import Version
 
 from gdpo_megatron.cli import quiet_defaults
 from gdpo_megatron.config import ConfigError, TrainConfig, load_config
+from gdpo_megatron.errors import ArgumentParser, UsageError, UserError, console_entry
 from gdpo_megatron.pins import PIN_FILE, Pin, cuda_major, read_pins
 
 OK, MISMATCH, NOT_RUN = "ok", "MISMATCH", "not run"
@@ -69,7 +69,7 @@ class Target:
     world_size: int = 1
 
 
-class PreflightError(RuntimeError):
+class PreflightError(UserError, RuntimeError):
     """This machine does not match the pins or cannot run the config."""
 
 
@@ -256,8 +256,9 @@ def preflight(config: TrainConfig, world_size: int) -> None:
         raise PreflightError(f"gdpo-doctor: this machine does not match the pinned stack or the config:\n{reasons}")
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(
+@console_entry
+def main(argv: list[str]) -> int:
+    parser = ArgumentParser(
         prog="gdpo-doctor",
         description="Check this machine's libraries, GPU, NCCL and memory against the pins and a config.")
     parser.add_argument("--config", help="training YAML: also check its precision and memory plan here")
@@ -269,14 +270,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     quiet_defaults()
     if args.overrides and not args.config:
         parser.error("overrides need --config")
-    try:
-        config = load_config(TrainConfig, args.config, args.overrides) if args.config else None
-        if args.nodes < 1:
-            raise ValueError(f"--nodes: expected >= 1, got {args.nodes}")
-        pins = read_pins()
-    except (ConfigError, ValueError, OSError) as e:
-        print(f"gdpo-doctor: {e}", file=sys.stderr)
-        return 2
+    if args.nodes < 1:
+        raise UsageError(f"--nodes: expected >= 1, got {args.nodes}")
+    config = load_config(TrainConfig, args.config, args.overrides) if args.config else None
+    pins = read_pins()
     world_size = args.nodes * max(torch.cuda.device_count(), 1)
     rows = run_checks(Target(pins, config, world_size), args.only)
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU"

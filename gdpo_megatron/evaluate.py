@@ -9,13 +9,13 @@ left for the answer are skipped and counted, never cut.
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Sequence
 
 from gdpo_megatron.data.chat import encode_prompt
-from gdpo_megatron.data.samples import FAMILIES, Sample
+from gdpo_megatron.data.samples import FAMILIES, Fields, Sample
+from gdpo_megatron.errors import ArgumentParser, UsageError, console_entry, positive_int
 from gdpo_megatron.rewards.registry import RewardSpec
 
 
@@ -59,9 +59,10 @@ def evaluate(model_dir: str | Path, samples: Sequence[Sample], rewards: Sequence
     return metrics, texts
 
 
-def main(argv: list[str] | None = None) -> int:
+@console_entry
+def main(argv: list[str]) -> int:
     """``gdpo-eval --model DIR (--bfcl | --data PATH --family F [--prompt-key K ...]) [--rewards a,b] [--limit N]``."""
-    parser = argparse.ArgumentParser(prog="gdpo-eval", description="Evaluate a Hugging Face checkpoint.")
+    parser = ArgumentParser(prog="gdpo-eval", description="Evaluate a Hugging Face checkpoint.")
     parser.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--bfcl", action="store_true", help="the BFCL single-turn categories")
@@ -69,36 +70,62 @@ def main(argv: list[str] | None = None) -> int:
                                        "(see gdpo_megatron.data.samples)")
     parser.add_argument("--family", choices=FAMILIES, help="with --data")
     parser.add_argument("--system-prompt", default=None, help="with --data: instructions ('' for none)")
-    parser.add_argument("--split", default="train", help="with --data: the split of a datasets directory")
+    parser.add_argument("--split", default=None, help="with --data: the split of a datasets directory "
+                                                      "(default: train of a DatasetDict, all of a single dataset)")
     for key in ("prompt", "system", "ground-truth"):
         parser.add_argument(f"--{key}-key", default=None, help=f"with --data: the {key.replace('-', ' ')} field")
     parser.add_argument("--rewards", default="", help="comma-separated reward names to report")
-    parser.add_argument("--limit", type=int, default=None, help="at most this many prompts (per BFCL category)")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--limit", type=positive_int, default=None,
+                        help="at most this many prompts (per BFCL category)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=256)
+    parser.add_argument("--max-model-len", type=positive_int, default=None,
+                        help="context of the engine (default: the model's max_position_embeddings)")
     parser.add_argument("--out", default=None, help="also write the metrics to this JSON file")
     args = parser.parse_args(argv)
+    if args.data is not None and args.family is None:
+        parser.error("--data needs --family")
 
     from gdpo_megatron.cli import quiet_defaults
+    from gdpo_megatron.validation import (check_output_file, check_reward_specs, check_weights, load_prompts,
+                                          read_model_config)
 
     quiet_defaults()
+    # Every check before the engine starts.
+    max_model_len = _max_model_len(read_model_config(args.model, "--model"), args.max_model_len, args.max_new_tokens)
+    check_weights(args.model, "--model")
+    rewards = [RewardSpec(name) for name in args.rewards.split(",") if name]
+    check_reward_specs(rewards, "--rewards", in_config=False)
+    if args.out:
+        check_output_file(args.out, "--out")
     if args.bfcl:
         from gdpo_megatron.data.bfcl import load_bfcl
 
         samples = load_bfcl(limit=args.limit)
     else:
-        if args.family is None:
-            parser.error("--data needs --family")
-        from gdpo_megatron.data.samples import Fields, load_samples
-
         fields = Fields(args.prompt_key, args.system_key, args.ground_truth_key)
-        samples = load_samples(args.data, args.family, args.system_prompt, fields=fields, split=args.split)
-        samples = samples[: args.limit]
-    rewards = [RewardSpec(name) for name in args.rewards.split(",") if name]
+        samples = load_prompts(args.data, args.family, args.system_prompt, "--data", fields=fields,
+                               split=args.split)[: args.limit]
+
     metrics, _ = evaluate(args.model, samples, rewards, bfcl=args.bfcl, max_new_tokens=args.max_new_tokens,
-                          max_model_len=args.max_model_len)
+                          max_model_len=max_model_len)
     text = json.dumps(metrics, indent=2, sort_keys=True)
     print(text)
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text + "\n")
     return 0
+
+
+def _max_model_len(hf_config: dict, requested: int | None, max_new_tokens: int) -> int:
+    """The engine's context: ``requested``, else the model's positions; room for the answer either way."""
+    positions = hf_config.get("max_position_embeddings")
+    if requested is None and positions is None:
+        raise UsageError("--max-model-len: the model's config.json has no max_position_embeddings; give it")
+    if requested is not None and positions is not None and requested > positions:
+        raise UsageError(f"--max-model-len: expected <= {positions}, the model's max_position_embeddings, "
+                         f"got {requested}")
+    length = requested or positions
+    if length <= max_new_tokens:
+        raise UsageError(f"--max-model-len: {length} leaves no room for a prompt before --max-new-tokens="
+                         f"{max_new_tokens}; lower --max-new-tokens")
+    return length

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gdpo_megatron.errors import InputError
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -53,9 +55,12 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     """
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no metrics file (is {run_dir} a run directory?)")
+        raise InputError(f"{path}: no metrics file (is {run_dir} a run directory?)")
     by_step: dict[int, dict] = {}
-    lines = path.read_text(encoding="utf-8").splitlines()
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not UTF-8 ({e})") from None
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -64,8 +69,12 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
         except json.JSONDecodeError as e:
             if number == len(lines):
                 break
-            raise ValueError(f"{path}:{number}: not a JSON record: {e}") from e
-        by_step[int(record["step"])] = record
+            raise InputError(f"{path}:{number}: not a JSON record: {e}") from e
+        step = record.get("step") if isinstance(record, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise InputError(f"{path}:{number}: expected a JSON object with an integer 'step', got "
+                             f"{line.strip()[:60]!r}")
+        by_step[step] = record
     return [by_step[s] for s in sorted(by_step)]
 
 

@@ -28,7 +28,6 @@ What is counted, per GPU (the assumptions are printed with the table):
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import sys
@@ -38,6 +37,7 @@ from typing import Optional
 import yaml
 
 from gdpo_megatron.config import ConfigError, TrainConfig, apply_override, load_config
+from gdpo_megatron.errors import ArgumentParser, UsageError, console_entry
 from gdpo_megatron.policy.config import ModelConfig, ParallelConfig, check_model_parallel
 
 GIB = 2**30
@@ -60,11 +60,11 @@ class Cluster:
     def __post_init__(self):
         for name in ("nodes", "gpus_per_node"):
             if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(self, name)}")
+                raise UsageError(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(self, name)}")
         if not self.gpu_memory_gib > 0:
-            raise ValueError(f"--gpu-memory: expected > 0 GiB, got {self.gpu_memory_gib}")
+            raise UsageError(f"--gpu-memory: expected > 0 GiB, got {self.gpu_memory_gib}")
         if not self.overhead_gib >= 0:
-            raise ValueError(f"--overhead: expected >= 0 GiB, got {self.overhead_gib}")
+            raise UsageError(f"--overhead: expected >= 0 GiB, got {self.overhead_gib}")
 
     @property
     def world_size(self) -> int:
@@ -321,8 +321,9 @@ def load_for_gpu(path: str | Path, overrides: list[str]) -> TrainConfig:
     return load_config(TrainConfig, path, [*overrides, *gpu_defaults])
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+@console_entry
+def main(argv: list[str]) -> int:
+    parser = ArgumentParser(
         prog="gdpo-plan", description="Per-GPU memory of a training config, and whether it fits, before submitting.")
     parser.add_argument("--config", required=True, help="training YAML (see configs/)")
     parser.add_argument("--gpus-per-node", type=int, required=True)
@@ -333,12 +334,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="per-GPU allowance for the CUDA context, NCCL and fragmentation")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides of the config")
     args = parser.parse_args(argv)
-    try:
-        cluster = Cluster(args.nodes, args.gpus_per_node, args.gpu_memory, args.overhead)
-        plan = plan_memory(load_for_gpu(args.config, args.overrides), cluster)
-    except (ConfigError, ValueError) as e:
-        print(f"gdpo-plan: {e}", file=sys.stderr)
-        return 2
+    cluster = Cluster(args.nodes, args.gpus_per_node, args.gpu_memory, args.overhead)
+    plan = plan_memory(load_for_gpu(args.config, args.overrides), cluster)
     print(format_plan(plan))
     return 0 if plan.fits(plan.distributed_optimizer) else 1
 

@@ -13,6 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from gdpo_megatron.errors import InputError, UsageError  # noqa: E402
 from gdpo_megatron.metrics import read_metrics  # noqa: E402
 
 
@@ -50,14 +51,14 @@ def _grid(n: int, title: str):
 def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[str] | None = None) -> list[Path]:
     """Write ``rewards.png`` and ``diagnostics.png`` to ``out_dir``; return their paths."""
     if not run_dirs:
-        raise ValueError("run_dirs: expected at least one run directory")
+        raise UsageError("run_dirs: expected at least one run directory")
     labels = labels or [Path(d).name for d in run_dirs]
     if len(labels) != len(run_dirs):
-        raise ValueError(f"labels: expected {len(run_dirs)} labels, got {len(labels)}")
+        raise UsageError(f"labels: expected {len(run_dirs)} labels, got {len(labels)}")
     runs = [(label, read_metrics(d)) for label, d in zip(labels, run_dirs)]
     names = list(dict.fromkeys(n for _, records in runs for n in reward_names(records)))
     if not names:
-        raise ValueError(f"{run_dirs[0]}: no reward/<name>/mean metrics to plot")
+        raise InputError(f"{run_dirs[0]}: no reward/<name>/mean metrics to plot")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 

@@ -32,36 +32,39 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from tqdm import tqdm
 
-from gdpo_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
 from gdpo_megatron.checkpoint.hf_io import load_hf_weights, save_hf_checkpoint
 from gdpo_megatron.checkpoint.manager import CheckpointManager
 from gdpo_megatron.checkpoint.weight_stream import iter_hf_weights
-from gdpo_megatron.config import ConfigError, TrainConfig, to_dict
+from gdpo_megatron.config import TrainConfig, to_dict
 from gdpo_megatron.data.chat import encode_prompt
-from gdpo_megatron.data.samples import load_samples
 from gdpo_megatron.distributed import compute_advantages
+from gdpo_megatron.distributed.threads import use_rank_threads
 from gdpo_megatron.doctor import preflight
-from gdpo_megatron.experience import (PromptSchedule, Rollouts, leader_broadcast, leader_call, reward_inputs,
+from gdpo_megatron.experience import (PromptSchedule, Rollouts, leader_broadcast, leader_call, reward_submitter,
                                       sampling_seed, to_policy_batch)
 from gdpo_megatron.metrics import MetricsLogger
 from gdpo_megatron.policy.worker import PolicyWorker
-from gdpo_megatron.rewards.registry import load_reward_file, validate_specs
 from gdpo_megatron.rewards.stage import RewardStage
 from gdpo_megatron.rollout.engine import SamplingConfig
-from gdpo_megatron.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+from gdpo_megatron.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig, kv_cache_gib
+from gdpo_megatron.validation import CHECKPOINT_DIR, TrainingInputs, check_training
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)  # Slurm's time-limit warning, preemption / scancel
-CHECKPOINT_DIR = "checkpoints"
 HF_EXPORT_DIR = "hf"
 
 
 class Trainer:
-    """Builds the policy, the engine, the reward stage and the data order; runs the loop."""
+    """Builds the policy, the engine, the reward stage and the data order; runs the loop.
 
-    def __init__(self, config: TrainConfig):
+    ``inputs``: what :func:`~gdpo_megatron.validation.check_training` returned for ``config``
+    (checked here when not given).
+    """
+
+    def __init__(self, config: TrainConfig, inputs: TrainingInputs | None = None):
         if not dist.is_initialized():
             raise RuntimeError("Trainer: torch.distributed is not initialized")
         self.config = config
+        self.inputs = inputs
         self.run_dir = Path(config.run_dir)
         self.is_rank0 = dist.get_rank() == 0
         # From here on a stop request is remembered, also one that arrives during start-up.
@@ -77,30 +80,23 @@ class Trainer:
     def _build(self) -> None:
         config = self.config
         # What can be checked without building anything is checked first, on every rank.
-        config.layout(dist.get_world_size())
+        inputs = self.inputs or check_training(config, dist.get_world_size())
+        _, rollouts_per_replica = config.layout(dist.get_world_size())
+        use_rank_threads()  # before vLLM starts (it pins torch's thread count)
         rewards = config.rewards
-        for path in rewards.reward_files:
-            load_reward_file(path)
-        validate_specs(rewards.rewards)
         self.reward_names = rewards.names
         self.reward_weights = [r.weight for r in rewards.rewards]
-        self.conditions = config.advantage.resolve_conditions(self.reward_names)
-        self.samples = load_samples(config.data.train_path, config.data.family, config.data.system_prompt,
-                                    fields=config.data.fields(), split=config.data.split)
+        self.conditions = inputs.conditions
+        self.samples = inputs.samples
         self.schedule = PromptSchedule(len(self.samples), config.data.prompts_per_step, config.data.shuffle_seed)
-        self.hf_config = read_hf_config(config.base_model)
-        model = model_config_from_hf(
-            self.hf_config, make_vocab_size_divisible_by=config.policy.model.make_vocab_size_divisible_by)
+        self.hf_config, model = inputs.hf_config, inputs.model
         _warn_on_shape_drift(config.policy.model, model, config.base_model)
         self.policy_config = dataclasses.replace(config.policy, model=model, seed=config.seed,
                                                  temperature=config.rollout.temperature)
         # Libraries against the pins, GPU, precision, NCCL, memory plan: gdpo-doctor's checks.
         preflight(dataclasses.replace(config, policy=self.policy_config), dist.get_world_size())
         self.checkpoints = CheckpointManager(self.run_dir / CHECKPOINT_DIR, keep_last=config.checkpoint.keep_last)
-        latest = self.checkpoints.latest_step()
-        if latest is not None and not config.checkpoint.resume:
-            raise ConfigError(f"checkpoint.resume: false, but {self.checkpoints.root} holds step_{latest}; "
-                              "choose another run_dir or remove its checkpoints")
+        latest = self.checkpoints.latest_step()  # resume and its data position are checked with the inputs
 
         self.worker = PolicyWorker(self.policy_config,
                                    init_weights=lambda m: load_hf_weights(m, model, config.base_model))
@@ -118,10 +114,6 @@ class Trainer:
         self.start_step = 0
         if latest is not None:
             state = self.checkpoints.load(self.worker.model, self.worker.optimizer, self.worker.scheduler)
-            expected = state.step * config.data.prompts_per_step
-            if state.data_position != expected:
-                raise ConfigError(f"data.prompts_per_step: the checkpoint of step {state.step} was taken after "
-                                  f"{state.data_position} prompts, this config would resume after {expected}")
             self.start_step = state.step
 
         self.engine = VLLMEngine(VLLMEngineConfig(
@@ -130,7 +122,7 @@ class Trainer:
             dtype="auto" if torch.cuda.is_available() else "float32",
             max_model_len=config.rollout.max_model_len,
             gpu_memory_utilization=config.rollout.gpu_memory_utilization,
-            kv_cache_gib=config.rollout.kv_cache_gib,
+            kv_cache_gib=self._kv_cache_gib(rollouts_per_replica),
             enforce_eager=config.rollout.enforce_eager,
             quantization=config.rollout.quantization,
             seed=config.seed,
@@ -189,14 +181,17 @@ class Trainer:
                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                 max_new_tokens=cfg.rollout.max_new_tokens, stop=tuple(cfg.rollout.stop),
                 seed=sampling_seed(cfg.seed, step, self.dp_rank))
-            completions = [c for group in self.engine.generate(prompt_ids, G, sampling) for c in group]
-            completions = leader_broadcast(completions, self.mp_group)
+            # The leader scores each completion as soon as the engine finishes it.
+            scoring = self.reward_stage.begin(len(samples) * G) if self.is_leader else None
+            with _timed(times, "generate"):
+                groups = self.engine.generate(prompt_ids, G, sampling,
+                                              on_completion=scoring and reward_submitter(scoring, samples, G))
+            completions = leader_broadcast([c for group in groups for c in group], self.mp_group)
             group_ids = torch.tensor(global_ids, device=self.device).repeat_interleave(G)
             rollouts = Rollouts(prompt_ids, group_ids, completions)
 
-        with _timed(times, "reward"):
-            rewards, stage_metrics = self._on_every_rank(lambda: leader_call(
-                lambda: self.reward_stage.score(*reward_inputs(rollouts, samples, G)), self.mp_group))
+        with _timed(times, "reward"):  # what is left to score once generation is done
+            rewards, stage_metrics = self._on_every_rank(lambda: leader_call(lambda: scoring.collect(), self.mp_group))
             rewards = rewards.to(self.device)
 
         with _timed(times, "advantage"):
@@ -274,6 +269,15 @@ class Trainer:
         position = torch.searchsorted(result.group_ids, group_ids)
         kept = informative.sum().item() / max(present.sum().item(), 1)
         return compute_advantages(rewards, group_ids, result.mask & informative[position], **kwargs), kept
+
+    def _kv_cache_gib(self, rollouts_per_replica: int) -> float | None:
+        """``rollout.kv_cache_gib``, or on CPU (where vLLM would take half of the host's memory)
+        the cache that one step's rollouts fill at most."""
+        rollout = self.config.rollout
+        if rollout.kv_cache_gib is not None or torch.cuda.is_available():
+            return rollout.kv_cache_gib
+        return kv_cache_gib(self.config.base_model, "float32", rollouts_per_replica,
+                            self.config.data.max_prompt_tokens + rollout.max_new_tokens, rollout.max_model_len)
 
     def _sync_weights(self) -> None:
         self.engine.update_weights(iter_hf_weights(self.worker.gpt_model, self.policy_config.model))
@@ -373,12 +377,12 @@ class Trainer:
             signal.signal(s, handler)
 
 
-def run(config: TrainConfig) -> str:
+def run(config: TrainConfig, inputs: TrainingInputs | None = None) -> str:
     """Join the launcher's process group (torchrun, srun, or a single process), train, clean up."""
     from gdpo_megatron.distributed.launch import init_distributed
 
     init_distributed()
-    trainer = Trainer(config)
+    trainer = Trainer(config, inputs)
     try:
         return trainer.train()
     finally:

@@ -34,8 +34,9 @@ def test_bfcl_skips_prompts_that_do_not_fit_and_scores_the_rest(demo_base_model,
     fits = [s for s in samples if len(encode_prompt(tokenizer, s.messages)) + 32 <= 1024]
     assert 0 < len(fits) < len(samples)
     out = tmp_path / "bfcl.json"
+    # the context defaults to the model's 1024 positions
     assert main(["--model", demo_base_model, "--bfcl", "--limit", "3", "--max-new-tokens", "32",
-                 "--max-model-len", "1024", "--out", str(out)]) == 0
+                 "--out", str(out)]) == 0
     metrics = json.loads(out.read_text())
     assert metrics["eval/prompts"] == len(fits)
     assert metrics["eval/skipped_too_long"] == len(samples) - len(fits)

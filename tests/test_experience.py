@@ -31,6 +31,7 @@ def test_policy_batch_places_tokens_logprobs_and_loss_mask():
     assert batch.old_logprobs[0, 2:4].tolist() == [-0.5, -0.25]
     assert batch.old_logprobs[2, 0:3].tolist() == pytest.approx([-0.1, -0.2, -0.3])
     assert batch.old_logprobs[3, 0].item() == -2.0
+    assert batch.lengths.tolist() == [5, 4, 4, 2]  # prompt + completion, before the padding
     batch.validate(vocab_size=16)
 
 

@@ -4,6 +4,7 @@ import json
 import pytest
 
 from gdpo_megatron.cli import plot_main
+from gdpo_megatron.errors import InputError
 from gdpo_megatron.metrics import METRICS_FILE, MetricsLogger, read_metrics
 from gdpo_megatron.plot import plot_runs, reward_names
 
@@ -42,7 +43,7 @@ def test_corrupt_line_in_the_middle_names_the_line(tmp_path):
     (tmp_path / METRICS_FILE).write_text("\n".join([lines[0], "{oops", lines[1]]) + "\n")
     with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON record"):
         read_metrics(tmp_path)
-    with pytest.raises(FileNotFoundError, match="no metrics file"):
+    with pytest.raises(InputError, match="no metrics file"):
         read_metrics(tmp_path / "elsewhere")
 
 

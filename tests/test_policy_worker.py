@@ -72,7 +72,7 @@ def make_batch(seed=0) -> PolicyBatch:
     # rollout-engine logprobs near the model's (~log 1/500) with spread: clipping on both sides
     old = -6.2 + 0.4 * torch.randn(B, T - 1, generator=g)
     adv = torch.randn(B, generator=g)
-    return PolicyBatch(ids, mask, adv, old_logprobs=old)
+    return PolicyBatch(ids, mask, adv, old_logprobs=old, lengths=(prompt + completion).clamp(max=T))
 
 
 def data_parallel_share(batch: PolicyBatch) -> PolicyBatch:
@@ -274,6 +274,59 @@ def test_other_model_variants_match_plain_pytorch(gloo_world_2, initial, expecte
 def test_tp2_pp2_update_matches_plain_pytorch(gloo_world_4, initial, expected):
     results = gloo_world_4.run(megatron_steps, initial["llama"], dict(tp=2, pp=2, mbs=1), False)
     check_matches(results, expected())
+
+
+def one_backward(full: dict, config_kwargs: dict, split: bool) -> dict:
+    """Gradients (after megatron's finalize: DP all-reduce, division by the global token
+    count), metrics and logprobs of one forward-backward, plus the micro-batch shapes."""
+    config = tiny_config(**config_kwargs)
+    with PolicyWorker(config, init_weights=loader(full)) as worker:
+        batch = make_batch()
+        logprobs = worker.compute_logprobs(batch)
+        if split:
+            batch = data_parallel_share(batch)
+        worker.model.zero_grad_buffer()
+        _, micro_batches = worker._split(batch)
+        outputs = worker._run(worker.model, micro_batches, worker._loss, forward_only=False)
+        grads = {global_name(worker.gpt_model, n): p.main_grad.clone() for n, p in worker.gpt_model.named_parameters()}
+        return dict(grads=grads, metrics=worker._reduce_metrics(outputs), logprobs=logprobs,
+                    shapes=[tuple(m.input_ids.shape) for m in micro_batches])
+
+
+TOKEN_BUDGET_LAYOUTS = {
+    "tp1-dp2-uneven-shards": (dict(), True),
+    "tp2-sequence-parallel": (dict(tp=2, sp=True), False),
+    "pp2-1f1b": (dict(pp=2), False),
+}
+
+
+@pytest.mark.parametrize("layout,agg", [
+    ("tp1-dp2-uneven-shards", "seq_mean_token_mean"), ("tp2-sequence-parallel", "token_mean"),
+    ("pp2-1f1b", "token_mean"), ("pp2-1f1b", "seq_mean_token_mean")])
+def test_token_budget_micro_batches_give_the_loss_and_gradients_of_fixed_ones(gloo_world_2, initial, layout, agg):
+    """Micro-batches of at most 40 tokens (rows sorted by length, each cut to its longest row)
+    against 2 rows each at full width: same loss, metrics, gradients and logprobs up to fp32
+    summation order."""
+    config_kwargs, split = TOKEN_BUDGET_LAYOUTS[layout]
+    common = {**config_kwargs, "loss": dict(loss_agg_mode=agg)}
+    fixed = gloo_world_2.run(one_backward, initial["llama"], {**common, "mbs": 2}, split)
+    budget = gloo_world_2.run(one_backward, initial["llama"], {**common, "micro_batch_tokens": 40}, split)
+    lengths, mask = make_batch().lengths, make_batch().target_mask
+    assert len({width for b in budget for _, width in b["shapes"]}) > 1  # widths follow the rows' lengths
+    for f, b in zip(fixed, budget):
+        assert all(rows * width <= 40 or rows == 1 for rows, width in b["shapes"])
+        assert sum(r * w for r, w in b["shapes"]) < sum(r * w for r, w in f["shapes"])  # less padding
+        assert f["grads"].keys() == b["grads"].keys()
+        for name, grad in f["grads"].items():
+            assert grad.abs().max() > 0, name
+            # fp32, other GEMM shapes: entries agree to ~1e-5 of the tensor's largest one
+            scale = grad.abs().max().item()
+            torch.testing.assert_close(b["grads"][name], grad, rtol=1e-5, atol=1e-5 * scale, msg=name)
+        for key, value in f["metrics"].items():
+            assert b["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+        inside = torch.arange(T - 1) < (lengths - 1).unsqueeze(1)  # targets before each row's padding
+        torch.testing.assert_close(b["logprobs"][inside], f["logprobs"][inside], rtol=0, atol=1e-5)
+        assert mask[~inside].sum() == 0  # padding: its logprobs mean nothing in either run
 
 
 def test_ppo_epochs_recompute_old_logprobs_and_kl_enters_the_loss(gloo_world_2, initial):

@@ -121,30 +121,39 @@ def test_mismatched_inputs_are_named(stage):
         stage.score(["a", "b"], [1], [{}, {}])
 
 
-@pytest.mark.skipif(sandbox.isolation() != "namespaces", reason="the sweep by user id needs the namespaces level")
+@pytest.mark.skipif(not sandbox.isolation().guarantees["process_tree_ends_with_run"],
+                    reason="the active sandbox level does not guarantee it")
 def test_sandboxed_program_of_a_killed_worker_is_killed_too():
-    code = "```python\nimport time\ntime.sleep(600)\n```"
+    word = f"gdpo-stage-test-{os.getpid()}"
+    code = f"```python\nimport os, sys\nos.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(600)', {word!r}])\n```"
     spec = RewardSpec("code_pass", timeout_s=1.0, failure_value=-1.0, kwargs={"limits": {"wall_s": 600, "cpu_s": 600}})
     with RewardStage([spec], num_workers=1) as stage:
         killed = stage._workers[0].process.pid
         rewards, metrics = stage.score([code], [1], [{"tests": [{"input": "", "output": ""}]}])
     assert rewards.tolist() == [[-1.0]] and metrics["reward/code_pass/timeouts"] == 1
-    assert _live_sandbox_processes() == []
+    assert _live_processes_with(word) == []
     assert list(Path(tempfile.gettempdir()).glob(f"gdpo-sandbox-{killed}-*")) == []  # its working directory
 
 
-def _live_sandbox_processes():
-    alive = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                if entry.stat().st_uid >= sandbox.sandbox_uid(0):
+def _live_processes_with(word):
+    """Processes (not zombies) whose command line contains ``word``, waiting up to 5 s for
+    those that are dying."""
+    deadline = time.monotonic() + 5
+    while True:
+        alive = []
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                try:
+                    with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                        found = word.encode() in f.read()
                     with open(f"/proc/{entry.name}/stat") as f:
-                        if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                        if found and f.read().rsplit(")", 1)[1].split()[0] != "Z":
                             alive.append(int(entry.name))
-            except FileNotFoundError:
-                pass
-    return alive
+                except (FileNotFoundError, ProcessLookupError):
+                    pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -178,3 +187,146 @@ def test_a_worker_that_died_while_idle_is_replaced(stage):
     rewards, metrics = stage.score(COMPLETIONS[:1], NUM_TOKENS[:1], METADATA[:1])
     torch.testing.assert_close(rewards, expected_rewards()[:1], rtol=0, atol=0)
     assert all(metrics[f"reward/{name}/failures"] == 0 for name in stage.names)
+
+
+DAMAGING_REWARDS = '''
+import subprocess
+from gdpo_megatron.rewards import register_reward
+from gdpo_megatron.rewards.sandbox import SandboxLimits, run_python
+
+@register_reward("stage_sandbox_fails_on_1")
+def sandbox_fails_on_1(completion, num_tokens, ground_truth):
+    limits = SandboxLimits(memory_bytes=1 << 20) if ground_truth["i"] == 1 else SandboxLimits()
+    return float(run_python("print(7)", "", limits).stdout)
+
+@register_reward("stage_leaves_a_process_on_2")
+def leaves_a_process_on_2(completion, num_tokens, ground_truth):
+    if ground_truth["i"] == 2:  # as if a sandboxed program had escaped its run
+        subprocess.Popen(["sleep", "300", ground_truth["word"]])
+    return 1.0
+'''
+
+
+def test_sandbox_failures_are_failures_and_damaged_workers_are_replaced(tmp_path):
+    path = tmp_path / "damaging.py"
+    path.write_text(DAMAGING_REWARDS)
+    word = f"gdpo-stage-escaped-{os.getpid()}"
+    specs = [RewardSpec("stage_sandbox_fails_on_1", failure_value=-1.0), RewardSpec("stage_leaves_a_process_on_2"),
+             RewardSpec("length", kwargs={"max_tokens": 2})]
+    metadata = [{"i": i, "word": word} for i in range(4)]
+    with RewardStage(specs, num_workers=1, reward_files=[path]) as stage:
+        first = stage._workers[0].process.pid
+        rewards, metrics = stage.score(["a"] * 4, [1, 2, 3, 1], metadata)
+        replacements = [first, stage._workers[0].process.pid]
+    assert rewards.tolist() == [[7.0, 1.0, 1.0], [-1.0, 1.0, 1.0], [7.0, 1.0, 0.0], [7.0, 1.0, 1.0]]
+    assert metrics["reward/stage_sandbox_fails_on_1/failures"] == 1
+    assert metrics["reward/stage_leaves_a_process_on_2/failures"] == 0
+    assert replacements[0] != replacements[1]
+    assert _live_processes_with(word) == []
+
+
+def test_zombies_a_program_leaves_do_not_fail_later_programs():
+    """A program that forks 31 children and exits, then correct programs that start processes."""
+    forker = "```python\nimport os\nfor _ in range(31):\n    if os.fork() == 0:\n        os._exit(0)\nprint(3)\n```"
+    correct = "```python\nimport subprocess\na, b = map(int, input().split())\nsubprocess.run(['true'], check=True)\nprint(a + b)\n```"
+    spec = RewardSpec("code_pass", kwargs={"limits": {"processes": 32, "wall_s": 20.0}})
+    truth = {"tests": [{"input": "1 2\n", "output": "3\n"}]}
+    with RewardStage([spec], num_workers=1) as stage:
+        rewards, metrics = stage.score([forker] + [correct] * 3, [1] * 4, [truth] * 4)
+    expected = 1.0 if sandbox.isolation().level == "bwrap" else 0.0  # the basic level blocks subprocess
+    assert rewards.tolist() == [[1.0]] + [[expected]] * 3
+    assert metrics["reward/code_pass/failures"] == 0
+
+
+def test_rollouts_submitted_one_by_one_in_any_order_score_as_a_batch(stage):
+    batch = stage.begin(N)
+    for i in reversed(range(N)):
+        batch.submit(i, COMPLETIONS[i], NUM_TOKENS[i], METADATA[i])
+    rewards, metrics = batch.collect()
+    torch.testing.assert_close(rewards, expected_rewards(), rtol=0, atol=0)
+    assert metrics["reward/stage_hangs_on_odd/timeouts"] == 3 and metrics["reward/stage_exits_on_4/failures"] == 1
+
+
+def test_a_submitted_rollout_is_scored_before_collect_is_called(tmp_path):
+    marker = tmp_path / "scored"
+    path = tmp_path / "marking.py"
+    path.write_text(
+        "from pathlib import Path\n"
+        "from gdpo_megatron.rewards import register_reward\n"
+        "@register_reward('stage_marks')\n"
+        "def marks(completion, num_tokens, ground_truth):\n"
+        f"    Path({str(marker)!r}).write_text(completion)\n"
+        "    return 7.0\n"
+    )
+    with RewardStage([RewardSpec("stage_marks")], num_workers=1, reward_files=[path]) as stage:
+        stage.score(["warm-up"], [1], [{}])  # the worker is up (as in training, started at build)
+        batch = stage.begin(1)
+        batch.submit(0, "first", 1, {})
+        deadline = time.monotonic() + 60
+        while marker.read_text() != "first" and time.monotonic() < deadline:  # the caller is busy
+            time.sleep(0.05)
+        assert marker.read_text() == "first"  # scored before collect() was called
+        rewards, _ = batch.collect()
+    assert rewards.tolist() == [[7.0]]
+
+
+def test_bad_submissions_are_named(stage):
+    batch = stage.begin(2)
+    batch.submit(0, "x", 1, METADATA[0])
+    with pytest.raises(ValueError, match="rollout 0 .* submitted twice"):
+        batch.submit(0, "x", 1, METADATA[0])
+    with pytest.raises(ValueError, match="rollout 2 is out of"):
+        batch.submit(2, "x", 1, METADATA[0])
+    with pytest.raises(ValueError, match="1 of 2 rollouts"):
+        batch.collect()
+    batch.submit(1, "x", 1, METADATA[1])
+    assert batch.collect()[0].shape == (2, len(SPECS))
+
+
+def test_a_stage_that_cannot_start_fails_at_collect_not_at_submit(tmp_path):
+    path = tmp_path / "worker_only_failure.py"
+    path.write_text(
+        "import multiprocessing\n"
+        "if multiprocessing.parent_process() is not None:\n"
+        "    raise ImportError('missing dependency in the workers')\n"
+    )
+    stage = RewardStage([RewardSpec("length")], num_workers=1, reward_files=[path])
+    batch = stage.begin(3)
+    for i in range(3):
+        time.sleep(0.2)
+        batch.submit(i, "x", 1, {})  # never raises mid-generation
+    with pytest.raises(RuntimeError, match="could not start(.|\n)*missing dependency in the workers"):
+        batch.collect()
+
+
+BOUNDED_REWARDS = '''
+from gdpo_megatron.rewards import register_reward
+
+@register_reward("stage_bounded_raises_on_1", bounds=(-3, 3))
+def bounded_raises_on_1(completion, num_tokens, ground_truth):
+    if ground_truth["i"] == 1:
+        raise RecursionError("as a completion nested too deeply might make it")
+    return 1.0
+
+@register_reward("stage_out_of_bounds_on_0", bounds=(0, 1))
+def out_of_bounds_on_0(completion, num_tokens, ground_truth):
+    return 2.0 if ground_truth["i"] == 0 else 0.5
+
+@register_reward("stage_unbounded_raises_on_1")
+def unbounded_raises_on_1(completion, num_tokens, ground_truth):
+    if ground_truth["i"] == 1:
+        raise ValueError("no reward for rollout 1")
+    return -7.0
+'''
+
+
+def test_a_failure_scores_the_declared_low_bound_and_a_value_outside_the_bounds_fails(tmp_path):
+    path = tmp_path / "bounded.py"
+    path.write_text(BOUNDED_REWARDS)
+    specs = [RewardSpec("stage_bounded_raises_on_1"), RewardSpec("stage_out_of_bounds_on_0"),
+             RewardSpec("stage_unbounded_raises_on_1")]
+    with RewardStage(specs, num_workers=1, reward_files=[path]) as stage:
+        rewards, metrics = stage.score(["a", "b"], [1, 1], [{"i": 0}, {"i": 1}])
+    # Failing pays the bound's low end (not 0, above an honest -3); undeclared bounds fail to 0.
+    assert rewards.tolist() == [[1.0, 0.0, -7.0], [-3.0, 0.5, 0.0]]
+    assert [metrics[f"reward/{spec.name}/failures"] for spec in specs] == [1, 1, 1]

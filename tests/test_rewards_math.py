@@ -23,6 +23,19 @@ CORRECTNESS_CASES = [
     ("\\frac{1}{2}", "<answer>0.5</answer> \\boxed{3}", 1.0),  # answer tags win over boxes
     ("\\frac{1}{2}", "The answer is 1/2.", 0.0),  # no final answer given
     ("\\frac{1}{2}", "\\boxed{\\frac{1}{2}", 0.0),  # unbalanced box
+    # An escaped \$ is a dollar sign (currency), not a math delimiter.
+    ("\\$18.90", "\\boxed{18.90}", 1.0),
+    ("\\$32,348", "\\boxed{\\$32,348}", 1.0),
+    ("\\$32,348", "<answer>\\$32,348</answer>", 1.0),
+    ("\\$18.90", "\\boxed{18.91}", 0.0),
+    ("$\\frac{1}{2}$", "\\boxed{0.5}", 1.0),  # real delimiters still delimit
+    # Numeric golds are read as the numbers they are, not as str() prints them (1e-05, 2e+16).
+    (1e-05, "\\boxed{0.00001}", 1.0),
+    (1e-05, "\\boxed{1}", 0.0),
+    (2e16, "\\boxed{20000000000000000}", 1.0),
+    (2e16, "\\boxed{2}", 0.0),
+    (0.1, "\\boxed{\\frac{1}{10}}", 1.0),
+    (-3, "\\boxed{-3}", 1.0),
 ]
 
 

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import bfcl_reference
 from gdpo_megatron.rewards.tool_call import best_assignment, parse_tool_calls, tool_correctness, tool_format
 
 
@@ -100,8 +101,8 @@ BERKELEY_CASES = [
     (BERKELEY, [call("find", a=1, city="NYC", unit="cm")], False, scaled(1 + 1 + 2, 5), "optional argument wrong"),
     (BERKELEY, [call("find", city="NYC")], False, scaled(1 + 2 / 3 + 2, 5), "required argument omitted"),
     (BERKELEY, [call("find", a=1, city="NYC", extra=5)], False, scaled(1 + 3 / 4 + 3, 5), "extra argument"),
-    (BERKELEY, [call("find", a=1.0, city="new york")], False, scaled(1 + 1 + 2, 5), "strings compared exactly"),
-    (BERKELEY, [call("find", a=1.0, city="new-york")], True, 3.0, "strings normalized like BFCL"),
+    (BERKELEY, [call("find", a=1.0, city="new-york")], False, 3.0, "strings always normalized like BFCL"),
+    (BERKELEY, [call("find", a=1, city="NYC", unit="")], False, scaled(1 + 1 + 2, 5), '"" is not a value'),
     (NESTED, [call("query", conditions={"department": "Science", "school": "Bluebird HS"})], False, 3.0, "nested"),
     (NESTED, [call("query", conditions={"department": "Science", "school": "Bluebird HS", "year": 2024})],
      False, 3.0, "nested optional key given"),
@@ -157,3 +158,76 @@ def test_bad_ground_truth_is_named():
         tool_correctness(completion([]), 0, {"calls": []})
     with pytest.raises(ValueError, match="'arguments' or 'accepted'"):
         tool_correctness(completion([]), 0, {"tool_calls": [{"name": "f"}]})
+
+
+def test_plain_ground_truth_strings_normalize_like_bfcl_when_asked():
+    truth = {"tool_calls": [call("say", text='He said "hi", bye')]}
+    given = completion([call("say", text="he said 'HI' bye")])
+    assert tool_correctness(given, 0, truth) < 3.0
+    assert tool_correctness(given, 0, truth, normalize_strings=True) == 3.0
+
+
+# ---- Against BFCL's own checker (bfcl-eval's ast_checker) on BFCL's data ----
+
+@pytest.fixture(scope="module")
+def bfcl():
+    from gdpo_megatron.data.bfcl import load_bfcl
+
+    return {s.id: s for s in load_bfcl()}, bfcl_reference.load_ast_checker()
+
+
+def exact(sample, calls):
+    return tool_correctness(bfcl_reference.completion(calls), 0, sample.ground_truth) == 3.0
+
+
+def first_listed(sample_id):
+    return lambda samples: bfcl_reference.listed_calls(samples[sample_id])
+
+
+# (sample, calls, BFCL's verdict written out, why): each one the project decided differently before.
+BFCL_RULES = [
+    ("simple_python_2", [call("math.hypot", x=4, y=5, z="")], False, '"" in the answers means "may be omitted" only'),
+    ("simple_python_2", [call("math.hypot", x=4, y=5)], True, "an optional argument omitted"),
+    ("simple_python_0", [call("calculate_triangle_area", base=10.0, height=5)], False, "a float for an integer"),
+    ("simple_python_13", [call("calculate_area_under_curve", function="x**2", interval=[1, 3])], False,
+     "ints inside a float array (a nested type error stays one)"),
+    ("simple_python_17", None, False, 'a required argument omitted although its answers list ""'),
+    ("live_multiple_121-46-0", "first", True, "a plain dict inside a BFCL dict, and a list of dicts"),
+    ("live_multiple_121-46-0", "dict list dropped", False, "a list of dicts one short"),
+    ("parallel_multiple_12", "first", False, "an answer listing an argument the schema does not declare"),
+]
+
+
+@pytest.mark.parametrize("sample_id,calls,valid,why", BFCL_RULES, ids=[c[3] for c in BFCL_RULES])
+def test_bfcl_rules(bfcl, sample_id, calls, valid, why):
+    samples, checker = bfcl
+    sample = samples[sample_id]
+    if calls == "first":
+        calls = bfcl_reference.listed_calls(sample)
+    elif calls == "dict list dropped":
+        calls = bfcl_reference.perturbations(sample)["lists of dicts: last dict dropped"]
+    elif calls is None:
+        calls = bfcl_reference.perturbations(sample)["optional arguments omitted"]
+    assert bfcl_reference.bfcl_valid(checker, sample, calls) == valid
+    assert exact(sample, calls) == valid
+
+
+def test_quotes_are_normalized_like_bfcl(bfcl):
+    samples, checker = bfcl
+    sample = samples["simple_python_0"]
+    sample = type(sample)(**{**sample.__dict__, "ground_truth": {**sample.ground_truth, "tool_calls": [
+        {"name": "calculate_triangle_area", "accepted": {"base": [10], "height": [5], "unit": ['"square" units']}}]}})
+    calls = [call("calculate_triangle_area", base=10, height=5, unit="'Square' units")]
+    assert bfcl_reference.bfcl_valid(checker, sample, calls) and exact(sample, calls)
+
+
+def test_exact_calls_agree_with_bfcl_on_every_seventh_question(bfcl):
+    """The listed answers and edits of them (tests/bfcl_reference.py), every category."""
+    samples, checker = bfcl
+    disagreements, checked = [], 0
+    for sample in list(samples.values())[::7]:
+        for name, calls in bfcl_reference.perturbations(sample).items():
+            checked += 1
+            if exact(sample, calls) != bfcl_reference.bfcl_valid(checker, sample, calls):
+                disagreements.append((sample.id, name))
+    assert checked > 5000 and disagreements == []

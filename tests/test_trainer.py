@@ -93,8 +93,10 @@ def test_data_parallel_run_resumes_and_exports(base_model, tmp_path):
 
 @pytest.mark.parametrize("layout", [
     ("policy.parallel.tensor_model_parallel_size=2", "advantage.mode=grpo", "dynamic_sampling=true"),
-    ("policy.parallel.pipeline_model_parallel_size=2", "advantage.leave_one_out=true"),
-], ids=["tp2-grpo-dynamic-sampling", "pp2-gdpo-leave-one-out"])
+    # also token-budget micro-batches under 1F1B, and the KV cache sized to the step's rollouts
+    ("policy.parallel.pipeline_model_parallel_size=2", "advantage.leave_one_out=true",
+     "policy.micro_batch_tokens=160", "rollout.kv_cache_gib=null"),
+], ids=["tp2-grpo-dynamic-sampling", "pp2-gdpo-leave-one-out-token-budget"])
 def test_model_parallel_runs_export_loadable_checkpoints(base_model, tmp_path, layout):
     run_dir = tmp_path / "mp"
     results = run_local(_train, 2, _overrides(base_model, run_dir, 1, *layout))
@@ -114,7 +116,7 @@ def test_model_parallel_runs_export_loadable_checkpoints(base_model, tmp_path, l
     "override, message",
     [
         ("advantage.mode=ppo", r"advantage.mode: expected one of"),
-        ("rollout.group_size=0", r"rollout.group_size: expected >= 1"),
+        ("rollout.group_size=1", r"rollout.group_size: expected >= 2"),
         ("rewards.rewards.2.name=", r"reward name: expected a non-empty string"),
         ("advantage.conditions.0.gate=speed", r"advantage.conditions.0.gate: 'speed' is not a configured reward"),
         ("policy.optim.lr=fast", r"policy.optim.lr: expected a number, got 'fast'"),

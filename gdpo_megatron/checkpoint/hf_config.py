@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from gdpo_megatron.errors import InputError
 from gdpo_megatron.policy.config import ModelConfig
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
@@ -18,17 +19,23 @@ _UNSUPPORTED = (
     ("use_sliding_window", False),
     ("rope_scaling", None),
 )
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 def read_hf_config(hf_dir: str | Path) -> dict:
     """The ``config.json`` of a Hugging Face model directory."""
     path = Path(hf_dir) / "config.json"
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: missing (expected a Hugging Face model directory)") from None
+        raise InputError(f"{path}: missing (expected a Hugging Face model directory)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: cannot be read ({e})") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+        raise InputError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise InputError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    return config
 
 
 def architecture_of(hf_config: dict) -> str:
@@ -39,14 +46,16 @@ def architecture_of(hf_config: dict) -> str:
         by_type = {v: k for k, v in ARCHITECTURES.items()}
         if not archs and model_type in by_type:
             return by_type[model_type]
-        raise ValueError(f"config.json architectures: expected one of {sorted(ARCHITECTURES)}, got {archs!r}")
+        raise InputError(f"config.json architectures: expected one of {sorted(ARCHITECTURES)}, got {archs!r} "
+                         "(only these families convert to Megatron)")
     return archs[0]
 
 
 def _rope_theta(hf_config: dict) -> float:
     rope = hf_config.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"config.json rope_parameters.rope_type: only 'default' is supported, got {rope['rope_type']!r}")
+        raise InputError(f"config.json rope_parameters.rope_type: only 'default' is supported, "
+                         f"got {rope['rope_type']!r}")
     return float(rope.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
 
 
@@ -55,7 +64,10 @@ def model_config_from_hf(hf_config: dict, **overrides: Any) -> ModelConfig:
     arch = architecture_of(hf_config)
     for key, supported in _UNSUPPORTED:
         if hf_config.get(key, supported) != supported:
-            raise ValueError(f"config.json {key}: only {supported!r} is supported, got {hf_config[key]!r}")
+            raise InputError(f"config.json {key}: only {supported!r} is supported, got {hf_config[key]!r}")
+    missing = [key for key in _REQUIRED if key not in hf_config]
+    if missing:
+        raise InputError(f"config.json: missing {', '.join(map(repr, missing))}")
     heads = hf_config["num_attention_heads"]
     fields = dict(
         vocab_size=hf_config["vocab_size"],
@@ -71,7 +83,10 @@ def model_config_from_hf(hf_config: dict, **overrides: Any) -> ModelConfig:
         tie_word_embeddings=hf_config.get("tie_word_embeddings", False),
         add_qkv_bias=arch == "Qwen2ForCausalLM",
     )
-    return ModelConfig(**{**fields, **overrides})
+    try:
+        return ModelConfig(**{**fields, **overrides})
+    except ValueError as e:
+        raise InputError(f"config.json: {e}") from None
 
 
 def hf_config_from_model(model: ModelConfig, base: dict | None = None, dtype: torch.dtype = torch.float32) -> dict:

@@ -23,52 +23,20 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from gdpo_megatron.checkpoint.hf_config import hf_config_from_model
-from gdpo_megatron.checkpoint.layout import hf_names, rule_for, to_megatron, tp_shard
-from gdpo_megatron.checkpoint.weight_stream import iter_hf_weights, megatron_params, model_layout
+from gdpo_megatron.checkpoint.hf_files import INDEX_FILE, SINGLE_FILE, check_tensor_names, safetensors_index
+from gdpo_megatron.checkpoint.layout import hf_names, model_layout, rule_for, to_megatron, tp_shard
+from gdpo_megatron.checkpoint.weight_stream import iter_hf_weights, megatron_params
 from gdpo_megatron.policy.config import ModelConfig
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
     "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
 )
-# Tensors some checkpoints carry that the model recomputes: skipped on import.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def safetensors_index(hf_dir: str | Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it, for a Hugging Face model directory."""
-    hf_dir = Path(hf_dir)
-    index_path = hf_dir / INDEX_FILE
-    if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ValueError(f"{index_path}: expected JSON with a 'weight_map' ({e})") from None
-        return {name: hf_dir / file for name, file in weight_map.items()}
-    single = hf_dir / SINGLE_FILE
-    if not single.is_file():
-        raise FileNotFoundError(f"{hf_dir}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints are read)")
-    with safe_open(single, framework="pt") as f:
-        return {name: single for name in f.keys()}
-
-
-def _check_names(available: Iterable[str], expected: list[str], hf_dir: Path, tied: bool) -> None:
-    available = set(available)
-    missing = [n for n in expected if n not in available]
-    if missing:
-        raise KeyError(f"{hf_dir}: tensor {missing[0]!r} is missing ({len(missing)} missing in all)")
-    allowed = set(expected) | ({"lm_head.weight"} if tied else set())
-    extra = sorted(n for n in available - allowed if not n.endswith(_IGNORED_SUFFIXES))
-    if extra:
-        raise KeyError(f"{hf_dir}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all); "
-                       "is this a Llama / Qwen2 checkpoint of the configured shape?")
 
 
 @torch.no_grad()
@@ -79,7 +47,7 @@ def load_hf_weights(model: torch.nn.Module, config: ModelConfig, hf_dir: str | P
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     layout = model_layout(config, tp_size)
     index = safetensors_index(hf_dir)
-    _check_names(index, hf_names(layout, config.add_qkv_bias), hf_dir, config.tie_word_embeddings)
+    check_tensor_names(index, hf_names(layout, config.add_qkv_bias), hf_dir, config.tie_word_embeddings)
 
     params = megatron_params(model, tie_word_embeddings=False)  # a tied output layer loads the embedding
     with contextlib.ExitStack() as stack:

@@ -27,6 +27,8 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from gdpo_megatron.policy.config import ModelConfig
+
 
 @dataclass(frozen=True)
 class ModelLayout:
@@ -50,6 +52,19 @@ class ModelLayout:
             raise ValueError(
                 f"padded_vocab_size ({self.padded_vocab_size}) must be >= vocab_size ({self.vocab_size})"
             )
+
+
+def model_layout(config: ModelConfig, tp_size: int) -> ModelLayout:
+    """The sizes the layout functions need, for ``config`` at tensor-parallel size ``tp_size``."""
+    return ModelLayout(
+        num_layers=config.num_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_query_groups=config.num_query_groups,
+        head_dim=config.head_dim,
+        vocab_size=config.vocab_size,
+        padded_vocab_size=config.padded_vocab_size(tp_size),
+        tie_word_embeddings=config.tie_word_embeddings,
+    )
 
 
 # --- pure layout transforms on full tensors ---------------------------------------------------

@@ -21,11 +21,9 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import warnings
 import zlib
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +39,13 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     mcore_to_pyt_state_dict,
 )
 
+from gdpo_megatron.checkpoint.state import (
+    STATE_FILE, TMP_PREFIX, CheckpointError, TrainingState, complete_steps, read_json, read_training_state,
+)
 from gdpo_megatron.checkpoint.weight_stream import unwrap
 from gdpo_megatron.policy import cpu_compat
 
-STEP_DIR = re.compile(r"step_(\d+)")
-TMP_PREFIX = ".tmp-"
 LATEST = "latest"
-STATE_FILE = "trainer_state.json"
 MANIFEST = "manifest.json"
 DIST_DIR = "dist"
 RNG_DIR = "rng"
@@ -56,20 +54,6 @@ FORMAT_VERSION = 1
 # under another data-parallel size only) or "fully_reshardable" (gathers on save; reloads
 # under any layout).
 DEFAULT_OPTIMIZER_SHARDING = "dp_reshardable"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or corrupted (the message names the file)."""
-
-
-@dataclass
-class TrainingState:
-    """What a resumed run needs besides the model and optimizer."""
-
-    step: int
-    data_position: Any = None  # JSON value from the data loader (e.g. samples consumed)
-    config: dict = field(default_factory=dict)
-    world_size: int = 1  # ranks that saved it
 
 
 def _rank() -> int:
@@ -106,16 +90,6 @@ def _checksums(directory: Path, names: list[str]) -> dict[str, dict[str, int]]:
     parts: list[dict] = [None] * _world_size()
     dist.all_gather_object(parts, mine)
     return {k: v for part in parts for k, v in part.items()}
-
-
-def _read_json(path: Path, missing: str = "missing") -> Any:
-    """A JSON file of a checkpoint; CheckpointError naming it when it is missing or corrupted."""
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: {missing}") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: corrupted ({e})") from None
 
 
 def _write_json_atomic(path: Path, value: Any) -> None:
@@ -202,15 +176,7 @@ class CheckpointManager:
 
     def complete_steps(self) -> list[int]:
         """Steps with a complete checkpoint, oldest first; warns about half-written ones."""
-        if not self.root.is_dir():
-            return []
-        steps = []
-        for entry in self.root.iterdir():
-            if entry.name.startswith(TMP_PREFIX):
-                warnings.warn(f"ignoring incomplete checkpoint {entry} (interrupted while being written)")
-            elif entry.is_dir() and (match := STEP_DIR.fullmatch(entry.name)):
-                steps.append(int(match.group(1)))
-        return sorted(steps)
+        return complete_steps(self.root)
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None when there is none."""
@@ -317,7 +283,7 @@ class CheckpointManager:
 
     def verify(self, directory: Path) -> None:
         """Raise :class:`CheckpointError` naming the first missing, extra-short or corrupted file."""
-        manifest = _read_json(directory / MANIFEST, missing="missing (the checkpoint is incomplete)")
+        manifest = read_json(directory / MANIFEST, missing="missing (the checkpoint is incomplete)")
         missing = [n for n in manifest if not (directory / n).is_file()]
         if missing:
             raise CheckpointError(f"{directory / missing[0]}: missing from the checkpoint")
@@ -328,14 +294,3 @@ class CheckpointManager:
                     f"{directory / name}: corrupted (size {actual[name]['size']}, crc32 {actual[name]['crc32']}; "
                     f"expected size {manifest[name]['size']}, crc32 {manifest[name]['crc32']})"
                 )
-
-
-def read_training_state(directory: str | os.PathLike) -> TrainingState:
-    """The step, data position, config and world size stored in a checkpoint directory."""
-    path = Path(directory) / STATE_FILE
-    state = _read_json(path)
-    fields = ("step", "data_position", "config", "world_size")
-    for key in fields:
-        if key not in state:
-            raise CheckpointError(f"{path}: missing the field {key!r}")
-    return TrainingState(**{key: state[key] for key in fields})

@@ -13,23 +13,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from gdpo_megatron.checkpoint.layout import ModelLayout, to_hf, tp_full_shape, tp_unshard
+from gdpo_megatron.checkpoint.layout import model_layout, to_hf, tp_full_shape, tp_unshard
 from gdpo_megatron.policy.config import ModelConfig
 
 _LAYER_PREFIX = re.compile(r"decoder\.layers\.(\d+)\.")
-
-
-def model_layout(config: ModelConfig, tp_size: int) -> ModelLayout:
-    """The sizes the layout functions need, for ``config`` at tensor-parallel size ``tp_size``."""
-    return ModelLayout(
-        num_layers=config.num_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_query_groups=config.num_query_groups,
-        head_dim=config.head_dim,
-        vocab_size=config.vocab_size,
-        padded_vocab_size=config.padded_vocab_size(tp_size),
-        tie_word_embeddings=config.tie_word_embeddings,
-    )
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -1,11 +1,13 @@
 """The Berkeley Function Calling Leaderboard (BFCL) as a tool-calling evaluation set.
 
 Reads the question and possible-answer JSON files shipped in the ``bfcl-eval`` package
-(only its data; its code is never imported) for the single-turn categories ``simple``,
-``multiple``, ``parallel`` and ``parallel_multiple``. Each possible answer lists the
-acceptable values of every argument, ``""`` marking one that may be omitted; it becomes the
-``accepted`` form of ``tool_correctness``'s ground truth. A completion is correct when its
-calls match exactly (``tool_correctness == 3`` with BFCL's string normalization).
+(only its data; its code is never imported) for the single-turn categories with possible
+answers: ``simple``, ``multiple``, ``parallel``, ``parallel_multiple`` and their ``live_``
+counterparts. Each possible answer lists the acceptable values of every argument, ``""``
+marking one that may be omitted; with the question's function schemas it becomes the BFCL
+form of ``tool_correctness``'s ground truth. A completion is correct when
+``tool_correctness == 3``, which is BFCL's own checker's verdict (see
+:mod:`gdpo_megatron.rewards.tool_call` for the one difference).
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from typing import Sequence
 from gdpo_megatron.data.samples import Sample, make_sample
 from gdpo_megatron.rewards.tool_call import MAX_CORRECTNESS, tool_correctness
 
-CATEGORIES = ("simple", "multiple", "parallel", "parallel_multiple")
+CATEGORIES = ("simple", "multiple", "parallel", "parallel_multiple",
+              "live_simple", "live_multiple", "live_parallel", "live_parallel_multiple")
 # File stems by category, newest release first (v4 renamed "simple" to "simple_python").
 _FILE_STEMS = {"simple": ("simple_python", "simple")}
 
@@ -72,7 +75,7 @@ def bfcl_accuracy(samples: Sequence[Sample], completions: Sequence[str]) -> dict
     correct, total = defaultdict(int), defaultdict(int)
     for sample, completion in zip(samples, completions):
         category = sample.metadata.get("category", "unknown")
-        score = tool_correctness(completion, 0, sample.ground_truth, normalize_strings=True)
+        score = tool_correctness(completion, 0, sample.ground_truth)
         for key in (category, "overall"):
             total[key] += 1
             correct[key] += score == MAX_CORRECTNESS

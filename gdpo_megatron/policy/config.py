@@ -247,6 +247,9 @@ class PolicyConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     micro_batch_size: int = 1  # sequences per forward-backward micro-batch
+    # When set, micro-batches are formed by this budget of tokens (padding included) instead:
+    # rows sorted by length, each micro-batch cut to its longest row; micro_batch_size is unused.
+    micro_batch_tokens: Optional[int] = None
     ppo_epochs: int = 1  # optimizer passes over each batch; > 1 recomputes old logprobs
     temperature: float = 1.0  # the rollouts' sampling temperature; logits are divided by it
     seed: int = 1234
@@ -254,6 +257,8 @@ class PolicyConfig:
     def __post_init__(self):
         _require(self.temperature > 0, "temperature", "> 0", self.temperature)
         _require(self.micro_batch_size >= 1, "micro_batch_size", ">= 1", self.micro_batch_size)
+        _require(self.micro_batch_tokens is None or self.micro_batch_tokens >= 1, "micro_batch_tokens",
+                 "None or >= 1", self.micro_batch_tokens)
         _require(self.ppo_epochs >= 1, "ppo_epochs", ">= 1", self.ppo_epochs)
 
     def validate(self, world_size: int) -> None:

@@ -11,6 +11,7 @@ data-parallel ranks, so the update equals the single-process one whatever the la
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable, Optional
 
 import torch
@@ -23,7 +24,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from gdpo_megatron.policy import cpu_compat
-from gdpo_megatron.policy.batch import PolicyBatch
+from gdpo_megatron.policy.batch import PolicyBatch, merge_rows
 from gdpo_megatron.policy.config import PolicyConfig
 from gdpo_megatron.policy.logprobs import vocab_parallel_logprobs
 from gdpo_megatron.policy.loss import TOKEN_METRICS, policy_loss
@@ -90,6 +91,11 @@ class PolicyWorker:
             lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
             wd_incr_steps=optim.lr_decay_steps, wd_incr_style="constant",
         )
+        # Token-budget micro-batches differ in shape; under PP the stages then send each other
+        # the shape of every activation before it (megatron-core's variable_seq_lengths).
+        for built in (model, self.reference):
+            if built is not None:
+                built.config.variable_seq_lengths = config.micro_batch_tokens is not None
         model.config.no_sync_func = self.model.no_sync
         model.config.finalize_model_grads_func = finalize_model_grads
         model.config.grad_scale_func = self.optimizer.scale_loss
@@ -112,7 +118,10 @@ class PolicyWorker:
     # ---- public API -------------------------------------------------------------------
 
     def compute_logprobs(self, batch: PolicyBatch) -> torch.Tensor:
-        """``[B, T - 1]`` log-probabilities of the targets under the current policy, on every rank."""
+        """``[B, T - 1]`` log-probabilities of the targets under the current policy, on every rank.
+
+        Columns past a row's length are padding and mean nothing (0 where a token-budget
+        micro-batch was cut shorter than the batch)."""
         batch.validate(self.config.model.vocab_size)
         logprobs = self._forward_logprobs(self.gpt_model, batch.to(self.device))
         return self._from_last_stage(logprobs, (batch.size, batch.seq_length - 1))
@@ -140,7 +149,7 @@ class PolicyWorker:
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run(self.model, batch, self._loss, forward_only=False)
+        outputs = self._run(self.model, self._split(batch)[1], self._loss, forward_only=False)
         lr = self.optimizer.param_groups[0]["lr"]
         with cpu_compat.device_scope():
             ok, grad_norm, _ = self.optimizer.step()
@@ -152,20 +161,33 @@ class PolicyWorker:
                        update_skipped=float(not ok))
         return metrics
 
-    def _run(self, model, batch: PolicyBatch, loss_fn: Callable, forward_only: bool) -> list:
-        """Micro-batches of ``batch`` through megatron's forward-backward function."""
-        micro_batches = batch.micro_batches(self.config.micro_batch_size)
-        seq_length = batch.seq_length
+    def _split(self, batch: PolicyBatch) -> tuple[Optional[torch.Tensor], list[PolicyBatch]]:
+        """Micro-batches of ``micro_batch_size`` rows, or by the ``micro_batch_tokens`` budget
+        (then with the row order, see :meth:`PolicyBatch.split_by_tokens`)."""
+        if self.config.micro_batch_tokens is None:
+            return None, batch.micro_batches(self.config.micro_batch_size)
+        # Widths as the whole batch's: sequence parallelism splits the sequence over TP ranks,
+        # FP8 GEMMs want multiples of 16.
         parallel = self.config.parallel
-        if parallel.sequence_parallel and seq_length % parallel.tensor_model_parallel_size:
-            raise ValueError(f"batch.input_ids: sequence length {seq_length} must be a multiple of "
-                             f"tensor_model_parallel_size={parallel.tensor_model_parallel_size} "
-                             "with sequence_parallel (pad the batch)")
+        multiple = math.lcm(parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1,
+                            16 if self.config.precision.fp8 else 1)
+        return batch.split_by_tokens(self.config.micro_batch_tokens, multiple)
+
+    def _run(self, model, micro_batches: list[PolicyBatch], loss_fn: Callable, forward_only: bool) -> list:
+        """``micro_batches`` through megatron's forward-backward function."""
+        seq_length = max(m.seq_length for m in micro_batches)
+        parallel = self.config.parallel
+        for micro in micro_batches:
+            if parallel.sequence_parallel and micro.seq_length % parallel.tensor_model_parallel_size:
+                raise ValueError(f"batch.input_ids: sequence length {micro.seq_length} must be a multiple of "
+                                 f"tensor_model_parallel_size={parallel.tensor_model_parallel_size} "
+                                 "with sequence_parallel (pad the batch)")
         positions = torch.arange(seq_length, device=self.device).unsqueeze(0)
 
         def forward_step(data_iterator, module):
             micro = next(data_iterator)
-            output = module(micro.input_ids, positions.expand_as(micro.input_ids), None)
+            ids = micro.input_ids
+            output = module(ids, positions[:, : ids.shape[1]].expand_as(ids), None)
             return output, functools.partial(loss_fn, micro)
 
         with cpu_compat.device_scope(), torch.set_grad_enabled(not forward_only):
@@ -175,7 +197,7 @@ class PolicyWorker:
                 model=[model],
                 num_microbatches=len(micro_batches),
                 seq_length=seq_length,
-                micro_batch_size=self.config.micro_batch_size,
+                micro_batch_size=max(m.size for m in micro_batches),
                 forward_only=forward_only,
             )
 
@@ -204,8 +226,13 @@ class PolicyWorker:
             logprobs, _ = self._token_logprobs(logits, micro)
             return logits.new_zeros(()), torch.zeros((), dtype=torch.int, device=logits.device), logprobs
 
-        outputs = self._run(model, batch, collect, forward_only=True)
-        return torch.cat(outputs) if parallel_state.is_pipeline_last_stage() else None
+        order, micro_batches = self._split(batch)
+        outputs = self._run(model, micro_batches, collect, forward_only=True)
+        if not parallel_state.is_pipeline_last_stage():
+            return None
+        if order is None:
+            return torch.cat(outputs)
+        return merge_rows(order, outputs, (batch.size, batch.seq_length - 1))
 
     def _from_last_stage(self, tensor: Optional[torch.Tensor], shape) -> torch.Tensor:
         """Broadcast a float32 tensor held by the last pipeline stage to the whole PP group."""

@@ -8,20 +8,32 @@ is not a bug.
 The program is the last fenced code block (```python ... ``` or ``` ... ```) of the
 completion. Ground truth: ``{"tests": [...]}`` where a test is either
 ``{"input": stdin, "output": expected stdout}`` (compared line by line, trailing whitespace
-ignored) or ``{"assert": code}`` (run after the program; passes if no assertion fails).
-The sandbox limits come from the reward's ``limits`` kwarg (see ``SandboxLimits``).
+ignored) or ``{"assert": code}``: test code that calls the program's functions (e.g.
+``assert add(1, 2) == 3``, or HumanEval's ``def check(candidate): ...`` followed by
+``check(add)``). An assert test runs in a process of its own that receives the program's
+return values as plain data (see :mod:`gdpo_megatron.rewards.judge`), so nothing the program
+does (exiting early, patching builtins, objects equal to everything) can pass it; the
+program runs as module ``solution``, so its ``if __name__ == "__main__":`` block does not
+run, as in HumanEval's harness. A failed assertion of the test is a wrong answer; the
+program raising, dying or timing out is a bug.
+The sandbox limits come from the reward's ``limits`` kwarg (see ``SandboxLimits``); a
+failure of the sandbox itself raises, so the reward stage counts it as a failure.
 """
 from __future__ import annotations
 
 import functools
 import json
+import os
 import re
+import time
+from pathlib import Path
 
+from gdpo_megatron.rewards import judge
 from gdpo_megatron.rewards.registry import register_reward
-from gdpo_megatron.rewards.sandbox import SandboxLimits, run_python
+from gdpo_megatron.rewards.sandbox import SandboxLimits, run_python, start_python
 
 _FENCED = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
-_ASSERT_FAILED = 86  # exit status of an assert test that failed (the program itself ran fine)
+_JUDGE_SOURCE = Path(judge.__file__).read_text(encoding="utf-8")
 
 
 def extract_program(completion: str) -> str | None:
@@ -29,13 +41,13 @@ def extract_program(completion: str) -> str | None:
     return blocks[-1] if blocks else None
 
 
-@register_reward("code_pass")
+@register_reward("code_pass", bounds=(0.0, 1.0))
 def code_pass(completion: str, num_tokens: int, ground_truth: dict, limits: dict | None = None) -> float:
     outcomes = _outcomes(completion, ground_truth, limits)
     return sum(passed for passed, _ in outcomes) / len(outcomes) if outcomes else 0.0
 
 
-@register_reward("code_no_bug")
+@register_reward("code_no_bug", bounds=(0.0, 1.0))
 def code_no_bug(completion: str, num_tokens: int, ground_truth: dict, limits: dict | None = None) -> float:
     outcomes = _outcomes(completion, ground_truth, limits)
     return 1.0 if outcomes and all(ran for _, ran in outcomes) else 0.0
@@ -49,6 +61,10 @@ def _outcomes(completion: str, ground_truth: dict, limits: dict | None) -> tuple
     program = extract_program(completion)
     if program is None:
         return ()
+    try:
+        program.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates: no source file can hold it, so it is a compile error
+        return tuple((False, False) for _ in tests)
     return _run_tests(program, json.dumps(tests, sort_keys=True), SandboxLimits(**(limits or {})))
 
 
@@ -57,9 +73,8 @@ def _run_tests(program: str, tests_json: str, limits: SandboxLimits) -> tuple[tu
     outcomes = []
     for i, test in enumerate(json.loads(tests_json)):
         if isinstance(test, dict) and "assert" in test:
-            result = run_python(_with_assert(program, test["assert"]), "", limits)
-            failed_assert = result.returncode == _ASSERT_FAILED
-            outcomes.append((result.ok, result.ok or failed_assert))
+            verdict = run_assert_test(program, test["assert"], limits)
+            outcomes.append((verdict == "passed", verdict != "error"))
         elif isinstance(test, dict) and "input" in test and "output" in test:
             result = run_python(program, test["input"], limits)
             outcomes.append((result.ok and _lines(result.stdout) == _lines(test["output"]), result.ok))
@@ -68,21 +83,39 @@ def _run_tests(program: str, tests_json: str, limits: SandboxLimits) -> tuple[tu
     return tuple(outcomes)
 
 
-def _with_assert(program: str, test: str) -> str:
-    """The program followed by the test; an assertion of the test itself that fails (the
-    innermost frame is the test's) exits with _ASSERT_FAILED, any other error propagates."""
-    return (
-        f"{program}\n\n"
-        "try:\n"
-        f"    exec(compile({test!r}, '<test>', 'exec'), globals())\n"
-        "except AssertionError as __gdpo_error:\n"
-        "    __gdpo_tb = __gdpo_error.__traceback__\n"
-        "    while __gdpo_tb.tb_next is not None:\n"
-        "        __gdpo_tb = __gdpo_tb.tb_next\n"
-        "    if __gdpo_tb.tb_frame.f_code.co_filename != '<test>':\n"
-        "        raise\n"
-        f"    raise SystemExit({_ASSERT_FAILED})\n"
-    )
+def run_assert_test(program: str, test: str, limits: SandboxLimits) -> str:
+    """``"passed"``, ``"failed"`` (an assertion of the test failed) or ``"error"`` (the
+    program raised, died or ran out of a limit), decided by the judge process."""
+    requests_r, requests_w = os.pipe()
+    responses_r, responses_w = os.pipe()
+    verdict_r, verdict_w = os.pipe()
+    deadline = time.monotonic() + limits.wall_s
+    try:
+        judging = start_python({"main.py": f"{_JUDGE_SOURCE}\njudge({requests_w}, {responses_r}, {verdict_w})\n",
+                                "test.py": test}, "", limits, pass_fds=(requests_w, responses_r, verdict_w))
+        try:
+            serving = start_python({"main.py": f"{_JUDGE_SOURCE}\nserve({requests_r}, {responses_w})\n",
+                                    "solution.py": program}, "", limits, pass_fds=(requests_r, responses_w))
+        except BaseException:
+            judging.finish(time.monotonic())
+            raise
+        for fd in (requests_r, requests_w, responses_r, responses_w, verdict_w):
+            os.close(fd)
+        requests_r = requests_w = responses_r = responses_w = verdict_w = None
+        try:
+            judging.finish(deadline)
+        finally:
+            serving.finish(time.monotonic())  # the judge is done: the program has no more calls to serve
+        with os.fdopen(verdict_r, "rb") as f:
+            verdict_r, text = None, f.read()
+    finally:
+        for fd in (requests_r, requests_w, responses_r, responses_w, verdict_r, verdict_w):
+            if fd is not None:
+                os.close(fd)
+    try:
+        return json.loads(text)["verdict"]
+    except (ValueError, KeyError, TypeError):
+        return "error"  # the judge was stopped at the wall limit: the program kept it waiting
 
 
 def _lines(text: str) -> list[str]:

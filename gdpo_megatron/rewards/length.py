@@ -6,7 +6,7 @@ wrong answer earns nothing.
 from gdpo_megatron.rewards.registry import register_reward
 
 
-@register_reward("length")
+@register_reward("length", bounds=(0.0, 1.0))
 def length(completion: str, num_tokens: int, ground_truth: dict, max_tokens: int = 1024) -> float:
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"length: max_tokens must be a positive integer, got {max_tokens!r}")

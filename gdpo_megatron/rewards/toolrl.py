@@ -89,7 +89,7 @@ def parse_reference(answer: Any) -> tuple[dict[str, Any], ...] | None:
     return tuple(calls)
 
 
-@register_reward("toolrl_format")
+@register_reward("toolrl_format", bounds=(0.0, 1.0))
 def toolrl_format(completion: str, num_tokens: int, ground_truth: dict) -> float:
     """1 if the completion has the structure of the reference's kind of answer (module docstring)."""
     answer = _answer(ground_truth)
@@ -103,7 +103,7 @@ def toolrl_format(completion: str, num_tokens: int, ground_truth: dict) -> float
     return 0.0 if _STRUCTURE[expects_calls, expects_response].fullmatch(text) is None else 1.0
 
 
-@register_reward("toolrl_correctness")
+@register_reward("toolrl_correctness", bounds=(MIN_CORRECTNESS, MAX_CORRECTNESS))
 def toolrl_correctness(completion: str, num_tokens: int, ground_truth: dict, matching: str = "greedy") -> float:
     """ToolRL's matching score of the calls, in [-3, 3]; ``matching``: "greedy" or "optimal" (module docstring)."""
     if matching not in MATCHINGS:

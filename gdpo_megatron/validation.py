@@ -1,0 +1,276 @@
+"""What can be checked about a command's inputs before a model, an engine or a reward pool exists.
+
+Paths (readable inputs, writable or empty outputs), prompt files (encoding, every line's
+schema, prompt lengths under the base model's tokenizer and chat template), reward files
+(import, registration) and names, a Hugging Face directory (``config.json``, architecture,
+every safetensors file's header and tensor names), the parallel layout against the model's
+shape, and what a run directory already holds. Every check raises a
+:class:`~gdpo_megatron.errors.UserError` whose message starts with the config key or argument
+it is about, and nothing here writes a file.
+
+:func:`check_training` runs them all for a training run: ``gdpo-train`` calls it before the
+process group and the trainer exist, and :class:`~gdpo_megatron.trainer.Trainer` calls it when
+given none. ``gdpo-eval``, ``gdpo-convert`` and ``gdpo-plot`` use the single checks.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+from gdpo_megatron.advantages import Condition
+from gdpo_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
+from gdpo_megatron.checkpoint.hf_files import check_tensor_names, safetensors_index
+from gdpo_megatron.checkpoint.layout import hf_names, model_layout
+from gdpo_megatron.checkpoint.state import complete_steps, read_training_state
+from gdpo_megatron.config import ConfigError, TrainConfig
+from gdpo_megatron.data.samples import Fields, Sample, load_samples
+from gdpo_megatron.errors import InputError, UserError
+from gdpo_megatron.policy.config import ModelConfig, ParallelConfig, check_model_parallel
+from gdpo_megatron.rewards.registry import RewardSpec, load_reward_file, registered_rewards, validate_specs
+
+CHECKPOINT_DIR = "checkpoints"  # under run_dir
+
+
+@contextlib.contextmanager
+def about(key: str) -> Iterator[None]:
+    """Prefix the message of a UserError raised inside with ``key``."""
+    try:
+        yield
+    except UserError as e:
+        raise type(e)(f"{key}: {e}") from e
+
+
+# ---- paths ---------------------------------------------------------------------------------
+
+
+def check_input_file(path: str | os.PathLike, key: str) -> Path:
+    """An existing, readable file."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{key}: {path} {'is a directory' if path.is_dir() else 'does not exist'}"
+                         " (expected a file)")
+    if not os.access(path, os.R_OK):
+        raise InputError(f"{key}: {path} is not readable")
+    return path
+
+
+def check_output_dir(path: str | os.PathLike, key: str, *, empty: bool = False) -> Path:
+    """A directory that can be written: a writable one (with nothing in it if ``empty``), or one
+    that can be created."""
+    path = Path(path)
+    if not path.exists():
+        _require_creatable(path, key)
+    elif not path.is_dir():
+        raise InputError(f"{key}: {path} is a file, not a directory")
+    elif empty and any(path.iterdir()):
+        raise InputError(f"{key}: {path} exists and is not empty; give a new or empty directory")
+    else:
+        _require_writable(path, path, key)
+    return path
+
+
+def check_output_file(path: str | os.PathLike, key: str) -> Path:
+    """A file that can be written (replacing a file of that name, never a directory)."""
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{key}: {path} is a directory (expected a file name)")
+    if path.exists():
+        _require_writable(path, path, key)
+    else:
+        _require_creatable(path, key)
+    return path
+
+
+def _require_creatable(path: Path, key: str) -> None:
+    """The nearest existing parent of ``path`` is a writable directory."""
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise InputError(f"{key}: cannot create {path}: {parent} is a file")
+    _require_writable(parent, path, key)
+
+
+def _require_writable(existing: Path, target: Path, key: str) -> None:
+    if not os.access(existing, os.W_OK | (os.X_OK if existing.is_dir() else 0)):
+        raise InputError(f"{key}: cannot write {target}: {existing} is not writable")
+
+
+# ---- prompts ---------------------------------------------------------------------------------
+
+
+def load_prompts(path: str | os.PathLike, family: str, system_prompt: Optional[str], key: str, *,
+                 fields: Fields = Fields(), split: Optional[str] = None) -> list[Sample]:
+    """The samples of a prompt file or dataset directory; every row is decoded and checked."""
+    if not Path(path).exists():
+        raise InputError(f"{key}: {path} does not exist")
+    try:
+        return load_samples(path, family, system_prompt, fields=fields, split=split)
+    except ValueError as e:  # the readers' errors name the file and the line or row
+        raise InputError(f"{key}: {e}") from e
+
+
+def check_prompt_lengths(samples: Sequence[Sample], path: str, model_dir: str, max_prompt_tokens: int) -> None:
+    """Every prompt of ``path``, rendered by ``model_dir``'s tokenizer and chat template, fits ``max_prompt_tokens``."""
+    from transformers import AutoTokenizer
+
+    from gdpo_megatron.data.chat import encode_prompt
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as e:
+        raise InputError(f"base_model: cannot load the tokenizer of {model_dir} ({e})") from e
+    try:
+        lengths = [len(encode_prompt(tokenizer, s.messages)) for s in samples]
+    except ValueError as e:  # no chat template
+        raise InputError(f"base_model: {e}") from e
+    too_long = [(s, n) for s, n in zip(samples, lengths) if n > max_prompt_tokens]
+    if too_long:
+        sample, n = max(too_long, key=lambda item: item[1])
+        raise ConfigError(
+            f"data.max_prompt_tokens: {len(too_long)} prompt(s) of {path} are longer than {max_prompt_tokens} "
+            f"tokens, the longest {sample.id!r} with {n}; raise data.max_prompt_tokens (and "
+            "rollout.max_model_len) or drop them")
+
+
+# ---- rewards ---------------------------------------------------------------------------------
+
+
+def load_reward_files(paths: Sequence[str], key: str) -> None:
+    """Import each reward file, so that its rewards are registered."""
+    for i, path in enumerate(paths):
+        check_input_file(path, f"{key}.{i}")
+        try:
+            load_reward_file(path)
+        except Exception as e:  # whatever the user's module raises on import
+            raise InputError(f"{key}.{i}: importing {path} failed: {type(e).__name__}: {e}") from e
+
+
+def check_reward_specs(specs: Sequence[RewardSpec], key: str, *, in_config: bool = True) -> None:
+    """Each reward is registered and takes its kwargs. ``in_config``: ``key`` is the config's list
+    of rewards (errors name ``key.<i>.name`` / ``key.<i>.kwargs``), else a command-line argument."""
+    known = registered_rewards()
+    for i, spec in enumerate(specs):
+        name_key, kwargs_key = (f"{key}.{i}.name", f"{key}.{i}.kwargs") if in_config else (key, key)
+        if spec.name not in known:
+            hint = "; a reward of your own needs its file in rewards.reward_files" if in_config else ""
+            raise ConfigError(f"{name_key}: {spec.name!r} is not a registered reward "
+                              f"(registered: {', '.join(known)}){hint}")
+        try:
+            validate_specs([spec])
+        except ValueError as e:
+            raise ConfigError(f"{kwargs_key}: {e}") from e
+
+
+# ---- a Hugging Face model directory -------------------------------------------------------------
+
+
+def read_model_config(path: str | os.PathLike, key: str) -> dict:
+    """The ``config.json`` of a Hugging Face directory."""
+    if not Path(path).is_dir():
+        raise InputError(f"{key}: {path} is not a directory (expected a Hugging Face model directory)")
+    with about(key):
+        return read_hf_config(path)
+
+
+def model_shape(hf_config: dict, key: str, **overrides) -> ModelConfig:
+    """The policy's shape from a ``config.json`` (Llama and Qwen2 only)."""
+    with about(key):
+        return model_config_from_hf(hf_config, **overrides)
+
+
+def check_weights(path: str | os.PathLike, key: str, model: Optional[ModelConfig] = None) -> None:
+    """Every safetensors file present with a readable header (and, given ``model``, exactly its tensors)."""
+    with about(key):
+        index = safetensors_index(path)
+        if model is not None:
+            check_tensor_names(index, hf_names(model_layout(model, 1), model.add_qkv_bias), Path(path),
+                               model.tie_word_embeddings)
+
+
+def check_model_split(model: ModelConfig, parallel: ParallelConfig, world_size: int, key: str) -> None:
+    """``model`` splits evenly over ``parallel`` and the world holds whole model-parallel groups."""
+    try:
+        check_model_parallel(model, parallel)
+        parallel.data_parallel_size(world_size)
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from e
+
+
+# ---- a training run ---------------------------------------------------------------------------
+
+
+def launch_world_size() -> int:
+    """The number of ranks the launcher (torchrun, srun, or none) starts."""
+    from gdpo_megatron.distributed.launch import resolve_launch_env
+
+    try:
+        return resolve_launch_env().world_size
+    except ValueError as e:
+        raise InputError(f"launch environment: {e}") from e
+
+
+@dataclasses.dataclass
+class TrainingInputs:
+    """What the checks of a training run read, for the trainer to use."""
+
+    samples: list[Sample]
+    hf_config: dict  # base_model/config.json
+    model: ModelConfig  # the policy's shape, from hf_config
+    conditions: list[Condition]  # advantage.conditions as reward columns
+
+
+def check_machine(config: TrainConfig) -> None:
+    """Rollout settings a machine without CUDA cannot run. (The policy's precision, the GPU and the
+    installed libraries are gdpo-doctor's preflight, which the trainer runs once the device is set.)"""
+    import torch
+
+    if config.rollout.quantization and not torch.cuda.is_available():
+        raise ConfigError(f"rollout.quantization: {config.rollout.quantization!r} rollouts need a CUDA GPU; "
+                          "use null on this machine")
+
+
+def check_training(config: TrainConfig, world_size: int) -> TrainingInputs:
+    """Every check of a training run that needs no model; cheap ones first."""
+    config.layout(world_size)
+    check_machine(config)
+    check_output_dir(config.run_dir, "run_dir")
+    rewards = config.rewards
+    load_reward_files(rewards.reward_files, "rewards.reward_files")
+    check_reward_specs(rewards.rewards, "rewards.rewards")
+    conditions = config.advantage.resolve_conditions(rewards.names)
+
+    hf_config = read_model_config(config.base_model, "base_model")
+    model = model_shape(hf_config, "base_model",
+                        make_vocab_size_divisible_by=config.policy.model.make_vocab_size_divisible_by)
+    check_model_split(model, config.policy.parallel, world_size, "policy.parallel (base_model's shape)")
+    if config.rollout.max_model_len > model.max_position_embeddings:
+        raise ConfigError(f"rollout.max_model_len: expected <= {model.max_position_embeddings}, the "
+                          f"max_position_embeddings of base_model, got {config.rollout.max_model_len}")
+    check_weights(config.base_model, "base_model", model)
+
+    data = config.data
+    samples = load_prompts(data.train_path, data.family, data.system_prompt, "data.train_path",
+                           fields=data.fields(), split=data.split)
+    check_prompt_lengths(samples, data.train_path, config.base_model, data.max_prompt_tokens)
+    _check_resume(config)
+    return TrainingInputs(samples, hf_config, model, conditions)
+
+
+def _check_resume(config: TrainConfig) -> None:
+    """A run directory with checkpoints resumes only when allowed, and at this config's data position."""
+    root = Path(config.run_dir) / CHECKPOINT_DIR
+    steps = complete_steps(root)
+    if not steps:
+        return
+    if not config.checkpoint.resume:
+        raise ConfigError(f"checkpoint.resume: false, but {root} holds step_{steps[-1]}; "
+                          "choose another run_dir or remove its checkpoints")
+    state = read_training_state(root / f"step_{steps[-1]}")
+    expected = state.step * config.data.prompts_per_step
+    if state.data_position != expected:
+        raise ConfigError(f"data.prompts_per_step: the checkpoint of step {state.step} was taken after "
+                          f"{state.data_position} prompts, this config would resume after {expected}")

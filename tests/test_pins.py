@@ -104,6 +104,11 @@ def test_the_dockerfile_installs_the_pin_file_on_a_matching_base():
     base = re.fullmatch(r"nvidia/cuda:(\d+)\.\d+\.\d+-cudnn-devel-ubuntu24\.04", dockerfile_arg("BASE_IMAGE"))
     assert base and int(base[1]) == cuda_major(read_pins())
     assert dockerfile_arg("PYTHON_VERSION") == "3.12"
+    # Ubuntu's Python is externally managed (PEP 668): pip installs into a virtualenv on PATH.
+    assert re.search(r"^RUN python\$\{PYTHON_VERSION\} -m venv /opt/venv$", DOCKERFILE, re.MULTILINE)
+    assert "ENV PATH=/opt/venv/bin:$PATH" in DOCKERFILE
+    # The code reward's sandbox runs programs under Debian's bubblewrap.
+    assert re.search(r"apt-get install [^&]*\bbubblewrap\b", DOCKERFILE)
 
 
 def test_the_pins_script_splits_wheels_from_source_builds():

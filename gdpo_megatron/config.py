@@ -182,6 +182,10 @@ class CheckpointConfig:
     keep_last: int = 2
     resume: bool = True
     export_hf: bool = True  # write a Hugging Face directory at the end
+    # The distributed optimizer's state on disk (megatron-core's formats): "dp_reshardable"
+    # resumes under another data-parallel size only, "fully_reshardable" (gathered when saving)
+    # under any TP/PP/DP layout. The plain optimizer's state and the weights reshard either way.
+    optimizer_sharding: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
 
     def __post_init__(self):
         _check(self.save_every >= 0, "checkpoint.save_every", ">= 0", self.save_every)

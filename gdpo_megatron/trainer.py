@@ -8,8 +8,9 @@ Every rank runs :class:`Trainer` inside an initialized ``torch.distributed`` wor
 2. the leader scores them in its reward process pool;
 3. advantages come from :func:`gdpo_megatron.distributed.compute_advantages` over the
    data-parallel group (exact GDPO over the whole step, whatever the split);
-4. the engine sleeps, the Megatron policy takes its update, and the new weights stream into
-   the engine as Hugging Face-named tensors;
+4. the engine sleeps, the Megatron policy takes its update, gives its memory back (see
+   :meth:`PolicyWorker.release_memory`), and the new weights stream into the engine as Hugging
+   Face-named tensors before its KV cache returns;
 5. metrics go to ``run_dir/metrics.jsonl`` (and wandb), checkpoints to ``run_dir/checkpoints``.
 
 SIGUSR1 / SIGTERM (Slurm's warning before the time limit, or a preemption) make the loop save a
@@ -95,7 +96,8 @@ class Trainer:
                                                  temperature=config.rollout.temperature)
         # Libraries against the pins, GPU, precision, NCCL, memory plan: gdpo-doctor's checks.
         preflight(dataclasses.replace(config, policy=self.policy_config), dist.get_world_size())
-        self.checkpoints = CheckpointManager(self.run_dir / CHECKPOINT_DIR, keep_last=config.checkpoint.keep_last)
+        self.checkpoints = CheckpointManager(self.run_dir / CHECKPOINT_DIR, keep_last=config.checkpoint.keep_last,
+                                             optimizer_sharding=config.checkpoint.optimizer_sharding)
         latest = self.checkpoints.latest_step()  # resume and its data position are checked with the inputs
 
         self.worker = PolicyWorker(self.policy_config,
@@ -106,16 +108,14 @@ class Trainer:
         mp_group = parallel_state.get_model_parallel_group()
         self.mp_group = mp_group if dist.get_world_size(mp_group) > 1 else None
         self.is_leader = self.mp_group is None or dist.get_rank(mp_group) == 0
-        tp = self.policy_config.parallel.tensor_model_parallel_size
-        # Sequence parallelism splits the sequence over TP ranks; FP8 GEMMs want multiples of 16.
-        self.pad_multiple = math.lcm(tp if self.policy_config.parallel.sequence_parallel else 1,
-                                     16 if self.policy_config.precision.fp8 else 1)
+        self.pad_multiple = self.policy_config.sequence_multiple()  # sequence parallelism, FP8
 
         self.start_step = 0
         if latest is not None:
             state = self.checkpoints.load(self.worker.model, self.worker.optimizer, self.worker.scheduler)
             self.start_step = state.step
 
+        self.worker.release_memory()  # before vLLM sizes itself from the free memory, and the first rollout
         self.engine = VLLMEngine(VLLMEngineConfig(
             model_path=config.base_model,
             tensor_parallel_size=config.rollout.tensor_parallel_size,
@@ -201,18 +201,13 @@ class Trainer:
         with _timed(times, "train"):
             batch = to_policy_batch(rollouts, G, result.advantages.cpu(), result.mask.cpu(),
                                     self.tokenizer.pad_token_id or 0, self.pad_multiple)
-            # On-policy (one optimizer pass) the update itself measures the mismatch, before it
-            # changes the weights; with ppo_epochs > 1 it takes a separate forward pass.
-            on_policy = self.policy_config.ppo_epochs == 1
-            mismatch = math.nan if on_policy else self._logprob_mismatch(batch)
             # Every rollout of the step can be out (dynamic sampling, NaN rewards): no update then.
             train_metrics = self.worker.train_step(batch) if result.group_count.sum() > 0 else {"skipped": 1.0}
-            if on_policy:
-                mismatch = train_metrics.get("logprob_gap", math.nan)
+            mismatch = train_metrics.pop("logprob_mismatch", math.nan)  # measured before the update
         with _timed(times, "sync"):
+            self.worker.release_memory()  # the update's memory goes back before vLLM wakes its weights
             self._sync_weights()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()  # the update's cached blocks go back before vLLM's KV cache returns
+            self.worker.release_memory()  # and the sync's before its KV cache returns
             self.engine.wake_up()
         times["step"] = time.perf_counter() - started
 
@@ -305,12 +300,6 @@ class Trainer:
                             device=self.device)
         dist.all_reduce(sums, group=self.dp_group)
         return sums[0].item() / max(sums[1].item(), 1.0)
-
-    def _logprob_mismatch(self, batch) -> float:
-        """Mean |engine - policy| logprob over the completion tokens that train (before the update)."""
-        policy = self.worker.compute_logprobs(batch).cpu()
-        mask = batch.target_mask
-        return self._global_mean((policy - batch.old_logprobs).abs()[mask])
 
     def _rollout_metrics(self, rollouts: Rollouts, step_time: float) -> dict[str, float]:
         """Generated tokens and truncation over the whole step."""

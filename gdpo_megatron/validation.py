@@ -24,7 +24,7 @@ from gdpo_megatron.advantages import Condition
 from gdpo_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
 from gdpo_megatron.checkpoint.hf_files import check_tensor_names, safetensors_index
 from gdpo_megatron.checkpoint.layout import hf_names, model_layout
-from gdpo_megatron.checkpoint.state import complete_steps, read_training_state
+from gdpo_megatron.checkpoint.state import check_reshardable, complete_steps, read_training_state
 from gdpo_megatron.config import ConfigError, TrainConfig
 from gdpo_megatron.data.samples import Fields, Sample, load_samples
 from gdpo_megatron.errors import InputError, UserError
@@ -274,3 +274,8 @@ def _check_resume(config: TrainConfig) -> None:
     if state.data_position != expected:
         raise ConfigError(f"data.prompts_per_step: the checkpoint of step {state.step} was taken after "
                           f"{state.data_position} prompts, this config would resume after {expected}")
+    parallel = config.policy.parallel
+    if config.policy.optim.use_distributed_optimizer:
+        check_reshardable(root / f"step_{steps[-1]}", state, {
+            "tensor_model_parallel_size": parallel.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": parallel.pipeline_model_parallel_size})

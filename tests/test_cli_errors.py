@@ -176,6 +176,14 @@ def test_train_run_directory_with_checkpoints(base_model, tmp_path, capsys):
     expect_user_error(capsys, tmp_path, train(base_model, tmp_path / "run", "data.prompts_per_step=4"),
                       "data.prompts_per_step: the checkpoint of step 3 was taken after 24 prompts, this config "
                       "would resume after 12")
+    (step / "trainer_state.json").write_text(json.dumps(
+        {"step": 3, "data_position": 24, "config": {}, "world_size": 2, "optimizer_sharding": "dp_reshardable",
+         "layout": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1}}))
+    distributed = train(base_model, tmp_path / "run", "policy.optim.use_distributed_optimizer=true")
+    expect_user_error(capsys, tmp_path, distributed,
+                      f"{step}: the distributed optimizer's state was saved in megatron-core's dp_reshardable format, "
+                      "which reloads under another data-parallel size only, and this run changes "
+                      "tensor_model_parallel_size=2 -> 1")
 
 
 # ---- the convention itself ----------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 One row per rollout: prompt and completion token ids right-padded to a common length ``T``.
 Log-probabilities are aligned to the *targets* ``input_ids[:, 1:]``, hence ``T - 1`` columns:
-``old_logprobs[i, t]`` is log p(input_ids[i, t + 1] | input_ids[i, :t + 1]).
+``rollout_logprobs[i, t]`` is log p(input_ids[i, t + 1] | input_ids[i, :t + 1]).
 
 Micro-batches are either consecutive slices of a fixed number of rows, or formed by a token
 budget (:meth:`PolicyBatch.split_by_tokens`): rows sorted by length, each micro-batch cut to
@@ -27,8 +27,11 @@ class PolicyBatch:
         loss_mask: ``[B, T]`` bool, True on completion tokens (False on prompt and padding;
             position 0 is never a target and must be False).
         advantages: ``[B]`` one advantage per rollout (the GDPO output).
-        old_logprobs: ``[B, T - 1]`` log-probabilities of the targets under the sampling
-            policy (from the rollout engine), or None to use the current policy's.
+        rollout_logprobs: ``[B, T - 1]`` log-probabilities of the targets as the rollout engine
+            sampled them, or None.
+        old_logprobs: ``[B, T - 1]`` the PPO ratio's old-policy log-probabilities (filled in
+            by the worker: the policy's own, or ``rollout_logprobs``; see
+            ``PolicyConfig.old_logprobs``).
         ref_logprobs: ``[B, T - 1]`` log-probabilities under the frozen reference model
             (filled in by the worker when the KL penalty is on).
         lengths: ``[B]`` int64 tokens of each row before its padding (None: ``T`` for every
@@ -38,6 +41,7 @@ class PolicyBatch:
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     advantages: torch.Tensor
+    rollout_logprobs: Optional[torch.Tensor] = None
     old_logprobs: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None
     lengths: Optional[torch.Tensor] = None
@@ -75,7 +79,7 @@ class PolicyBatch:
             raise ValueError(f"batch.advantages: expected shape ({self.size},), got {tuple(self.advantages.shape)}")
         if not torch.isfinite(self.advantages).all():
             raise ValueError("batch.advantages: contains NaN or inf")
-        for name in ("old_logprobs", "ref_logprobs"):
+        for name in ("rollout_logprobs", "old_logprobs", "ref_logprobs"):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != targets:
                 raise ValueError(f"batch.{name}: expected shape {targets}, got {tuple(value.shape)}")
@@ -121,7 +125,8 @@ class PolicyBatch:
 
     def trim(self, width: int) -> "PolicyBatch":
         """The first ``width`` token positions of every row (``width - 1`` target columns)."""
-        columns = {"input_ids": width, "loss_mask": width, "old_logprobs": width - 1, "ref_logprobs": width - 1}
+        columns = {"input_ids": width, "loss_mask": width, "rollout_logprobs": width - 1, "old_logprobs": width - 1,
+                   "ref_logprobs": width - 1}
         values = {}
         for f in fields(self):
             value = getattr(self, f.name)

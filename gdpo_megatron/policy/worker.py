@@ -11,7 +11,7 @@ data-parallel ranks, so the update equals the single-process one whatever the la
 from __future__ import annotations
 
 import functools
-import math
+import gc
 from typing import Callable, Optional
 
 import torch
@@ -36,7 +36,8 @@ _SUMS = ("loss_sum", "count", "num_tokens", *TOKEN_METRICS)
 
 class PolicyWorker:
     """Builds the model (and a frozen reference when ``loss.kl_coef > 0``), megatron DDP, the
-    Adam optimizer and the LR schedule; runs :meth:`train_step` and :meth:`compute_logprobs`."""
+    Adam optimizer and the LR schedule; runs :meth:`train_step` and :meth:`compute_logprobs`,
+    and gives memory back to a colocated rollout engine with :meth:`release_memory`."""
 
     def __init__(self, config: PolicyConfig, init_weights: Optional[Callable[[GPTModel], None]] = None):
         """``init_weights(model)``, when given, sets the freshly built (random) weights of this
@@ -55,6 +56,7 @@ class PolicyWorker:
             raise
         self._forward_backward = get_forward_backward_func()
         self.steps = 0
+        self.offloaded = False  # grad buffers freed and optimizer state on the host
 
     def _build(self, init_weights) -> None:
         """Model (and reference), DDP, optimizer and scheduler; hooks them into megatron's schedules."""
@@ -129,21 +131,54 @@ class PolicyWorker:
     def train_step(self, batch: PolicyBatch) -> dict[str, float]:
         """``ppo_epochs`` optimizer steps on ``batch``; returns the last step's metrics.
 
-        Old log-probabilities are the batch's (from the rollout engine) when
-        ``ppo_epochs == 1`` (the current policy's, detached, when it has none) and are
-        recomputed with the policy before the first step when ``ppo_epochs > 1``.
+        The old logprobs are recomputed by the policy before the first step
+        (``old_logprobs: policy``) or are the batch's rollout logprobs (``rollout``; the
+        current policy's, detached, when the batch has none). ``logprob_mismatch`` in the
+        result is the mean |policy - rollout| logprob of the trained tokens before the update
+        (NaN without rollout logprobs).
         """
         batch.validate(self.config.model.vocab_size)
+        self._reload_training_state()
         batch = batch.to(self.device)
-        if self.config.ppo_epochs > 1:
+        if self.config.old_logprobs == "policy":
             batch.old_logprobs = self._forward_logprobs(self.gpt_model, batch)
+        else:
+            batch.old_logprobs = batch.rollout_logprobs
         if self.reference is not None:
             batch.ref_logprobs = self._forward_logprobs(self.reference, batch)
-        for _ in range(self.config.ppo_epochs):
+        for epoch in range(self.config.ppo_epochs):
             metrics = self._optimizer_step(batch)
+            if epoch == 0:  # the policy's logprobs before any update entered this pass
+                mismatch = metrics["rollout_gap"] if batch.rollout_logprobs is not None else float("nan")
+        metrics.pop("rollout_gap")
+        metrics["logprob_mismatch"] = mismatch
         return metrics
 
+    def release_memory(self) -> None:
+        """Before a colocated rollout engine takes the GPU: with ``offload_grads_and_optimizer``
+        free megatron's gradient buffers and move the optimizer state to host memory
+        (:meth:`train_step` brings both back); then hand PyTorch's cached CUDA blocks back to
+        the driver, where the engine can allocate them. Without CUDA only the freed grad
+        buffers change anything (the optimizer state is in host memory already).
+        """
+        if self.config.offload_grads_and_optimizer and not self.offloaded:
+            with cpu_compat.device_scope():
+                self.model.offload_grad_buffers(synchronize=True, empty_cache=False)
+                self.optimizer.offload_to_cpu()
+            self.offloaded = True
+        if torch.cuda.is_available():
+            gc.collect()  # tensors held only by reference cycles hold their blocks too
+            torch.cuda.empty_cache()
+
     # ---- internals ----------------------------------------------------------------------
+
+    def _reload_training_state(self) -> None:
+        """Undo :meth:`release_memory`'s offload (grad buffers come back zeroed)."""
+        if self.offloaded:
+            with cpu_compat.device_scope():
+                self.model.restore_grad_buffers(synchronize=True)
+                self.optimizer.restore_from_cpu()
+            self.offloaded = False
 
     def _optimizer_step(self, batch: PolicyBatch) -> dict[str, float]:
         self.model.train()
@@ -163,25 +198,20 @@ class PolicyWorker:
 
     def _split(self, batch: PolicyBatch) -> tuple[Optional[torch.Tensor], list[PolicyBatch]]:
         """Micro-batches of ``micro_batch_size`` rows, or by the ``micro_batch_tokens`` budget
-        (then with the row order, see :meth:`PolicyBatch.split_by_tokens`)."""
+        (then with the row order, see :meth:`PolicyBatch.split_by_tokens`), each as wide as a
+        multiple of :meth:`PolicyConfig.sequence_multiple` (sequence parallelism, FP8)."""
         if self.config.micro_batch_tokens is None:
             return None, batch.micro_batches(self.config.micro_batch_size)
-        # Widths as the whole batch's: sequence parallelism splits the sequence over TP ranks,
-        # FP8 GEMMs want multiples of 16.
-        parallel = self.config.parallel
-        multiple = math.lcm(parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1,
-                            16 if self.config.precision.fp8 else 1)
-        return batch.split_by_tokens(self.config.micro_batch_tokens, multiple)
+        return batch.split_by_tokens(self.config.micro_batch_tokens, self.config.sequence_multiple())
 
     def _run(self, model, micro_batches: list[PolicyBatch], loss_fn: Callable, forward_only: bool) -> list:
         """``micro_batches`` through megatron's forward-backward function."""
-        seq_length = max(m.seq_length for m in micro_batches)
-        parallel = self.config.parallel
+        seq_length, multiple = max(m.seq_length for m in micro_batches), self.config.sequence_multiple()
         for micro in micro_batches:
-            if parallel.sequence_parallel and micro.seq_length % parallel.tensor_model_parallel_size:
+            if micro.seq_length % multiple:
                 raise ValueError(f"batch.input_ids: sequence length {micro.seq_length} must be a multiple of "
-                                 f"tensor_model_parallel_size={parallel.tensor_model_parallel_size} "
-                                 "with sequence_parallel (pad the batch)")
+                                 f"{multiple} under these parallel and FP8 settings (pad the batch; see "
+                                 "PolicyConfig.sequence_multiple)")
         positions = torch.arange(seq_length, device=self.device).unsqueeze(0)
 
         def forward_step(data_iterator, module):
@@ -213,7 +243,7 @@ class PolicyWorker:
         logprobs, entropy = self._token_logprobs(logits, micro)
         old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
         terms = policy_loss(logprobs, old, micro.advantages, micro.target_mask, self.config.loss,
-                            ref_logprobs=micro.ref_logprobs, entropy=entropy)
+                            ref_logprobs=micro.ref_logprobs, entropy=entropy, rollout_logprobs=micro.rollout_logprobs)
         sums = torch.stack([terms.loss_sum.detach(), terms.count.float(), terms.num_tokens.float(),
                             *(terms.metric_sums[name].float() for name in TOKEN_METRICS)])
         extrema = torch.stack([-terms.ratio_min, terms.ratio_max])

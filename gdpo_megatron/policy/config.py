@@ -277,10 +277,11 @@ class PolicyConfig:
     # rows sorted by length, each micro-batch cut to its longest row; micro_batch_size is unused.
     micro_batch_tokens: Optional[int] = None
     ppo_epochs: int = 1  # optimizer passes over each batch
-    # The PPO ratio's old logprobs. "policy": recomputed by the policy before the update (one
-    # forward pass), so the ratio starts at 1 and only the policy's own kernels enter it;
-    # "rollout": the rollout engine's sampling logprobs, saving that pass, which is sound only
-    # where both engines compute the same numbers (fp32 on CPU: ~1e-7 apart). None: "policy",
+    # The PPO ratio's old logprobs. "policy": the policy's own before the update, so the ratio
+    # starts at 1 and only the policy's kernels enter it (with ppo_epochs > 1 one extra forward
+    # pass; with one epoch the training pass's logprobs, detached, at no cost); "rollout": the
+    # rollout engine's sampling logprobs, which is sound only where both engines compute the
+    # same numbers (fp32 on CPU: ~1e-7 apart). None: "policy",
     # except with fp32 parameters on a machine without CUDA and no loss.tis_cap.
     old_logprobs: Optional[str] = None
     # While the rollout engine generates: free megatron's gradient buffers and move the optimizer

@@ -35,7 +35,7 @@ def make_batch(model: ModelConfig, batch_size: int, seq_length: int) -> PolicyBa
     mask = torch.zeros(batch_size, seq_length, dtype=torch.bool)
     mask[:, seq_length // 4:] = True  # a quarter prompt, the rest completion
     old = -6.0 + 0.1 * torch.randn(batch_size, seq_length - 1, generator=g)
-    return PolicyBatch(ids, mask, torch.randn(batch_size, generator=g), old_logprobs=old)
+    return PolicyBatch(ids, mask, torch.randn(batch_size, generator=g), rollout_logprobs=old)
 
 
 def timed_steps(config: PolicyConfig, batch_size: int, seq_length: int, steps: int) -> float:

@@ -37,8 +37,8 @@ def train_main(argv: list[str]) -> int:
 
 
 def quiet_defaults() -> None:
-    """One OpenMP thread per process (several processes share the cores) and terse vLLM logs."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    """Terse vLLM logs. (Threads: each rank uses its share of the host's cores, see
+    :mod:`gdpo_megatron.distributed.threads`; ``OMP_NUM_THREADS`` overrides it.)"""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 

@@ -146,7 +146,8 @@ class DataConfig:
 
     train_path: str  # .jsonl, .json, .parquet, or a Hugging Face datasets directory (save_to_disk)
     family: str  # "tool", "math", "code" or "toolrl"
-    split: str = "train"  # the split of a datasets directory that holds several
+    # The split of a datasets directory; None: "train" of a DatasetDict, all of a single dataset.
+    split: Optional[str] = None
     # Field names, as verl's data.prompt_key; dotted names reach into nested fields. None: the
     # usual ones (messages / prompt / problem / question; the family's ground-truth fields).
     prompt_key: Optional[str] = None
@@ -182,6 +183,10 @@ class CheckpointConfig:
     keep_last: int = 2
     resume: bool = True
     export_hf: bool = True  # write a Hugging Face directory at the end
+    # The distributed optimizer's state on disk (megatron-core's formats): "dp_reshardable"
+    # resumes under another data-parallel size only, "fully_reshardable" (gathered when saving)
+    # under any TP/PP/DP layout. The plain optimizer's state and the weights reshard either way.
+    optimizer_sharding: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
 
     def __post_init__(self):
         _check(self.save_every >= 0, "checkpoint.save_every", ">= 0", self.save_every)
@@ -250,7 +255,7 @@ class TrainConfig:
             raise ConfigError(f"data.prompts_per_step: {self.data.prompts_per_step} is not divisible by the "
                               f"data-parallel size {dp}")
         per_replica = self.data.prompts_per_step // dp * self.rollout.group_size
-        if per_replica % self.policy.micro_batch_size:
+        if self.policy.micro_batch_tokens is None and per_replica % self.policy.micro_batch_size:
             raise ConfigError(f"policy.micro_batch_size: {self.policy.micro_batch_size} does not divide the "
                               f"{per_replica} rollouts of a data-parallel replica")
         return dp, per_replica

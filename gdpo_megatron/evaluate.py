@@ -70,7 +70,8 @@ def main(argv: list[str]) -> int:
                                        "(see gdpo_megatron.data.samples)")
     parser.add_argument("--family", choices=FAMILIES, help="with --data")
     parser.add_argument("--system-prompt", default=None, help="with --data: instructions ('' for none)")
-    parser.add_argument("--split", default=None, help="with --data: the split of a datasets directory (default: train)")
+    parser.add_argument("--split", default=None, help="with --data: the split of a datasets directory "
+                                                      "(default: train of a DatasetDict, all of a single dataset)")
     for key in ("prompt", "system", "ground-truth"):
         parser.add_argument(f"--{key}-key", default=None, help=f"with --data: the {key.replace('-', ' ')} field")
     parser.add_argument("--rewards", default="", help="comma-separated reward names to report")
@@ -109,7 +110,7 @@ def main(argv: list[str]) -> int:
     else:
         fields = Fields(args.prompt_key, args.system_key, args.ground_truth_key)
         samples = load_prompts(args.data, args.family, args.system_prompt, "--data", fields=fields,
-                               split=args.split or "train", split_key="--split")[: args.limit]
+                               split=args.split)[: args.limit]
     shortest = min(prompt_lengths(samples, args.model, "--model"))
     if shortest + args.max_new_tokens > max_model_len:
         raise UsageError(f"--max-model-len: none of the {len(samples)} prompts fits in {max_model_len} tokens with "

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from gdpo_megatron.data.samples import Sample
 from gdpo_megatron.policy.batch import PolicyBatch
+from gdpo_megatron.rewards.stage import RewardBatch
 from gdpo_megatron.rollout.engine import Completion, derive_seed
 
 
@@ -106,27 +107,36 @@ def to_policy_batch(rollouts: Rollouts, group_size: int, advantages: torch.Tenso
     """Prompt + completion rows, right-padded to a multiple of ``pad_multiple`` tokens; the loss
     covers the completion tokens of kept rollouts.
 
-    ``old_logprobs`` are the engine's sampling logprobs placed at their targets' positions.
+    ``rollout_logprobs`` are the engine's sampling logprobs placed at their targets' positions.
     """
     rows = [(rollouts.prompt_ids[i // group_size], c) for i, c in enumerate(rollouts.completions)]
     width = -(-max(len(p) + len(c.token_ids) for p, c in rows) // pad_multiple) * pad_multiple
     n = len(rows)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
     loss_mask = torch.zeros(n, width, dtype=torch.bool)
-    old_logprobs = torch.zeros(n, width - 1, dtype=torch.float32)
+    rollout_logprobs = torch.zeros(n, width - 1, dtype=torch.float32)
     for i, (prompt, completion) in enumerate(rows):
         start, stop = len(prompt), len(prompt) + len(completion.token_ids)
         input_ids[i, :start] = torch.tensor(prompt)
         input_ids[i, start:stop] = torch.tensor(completion.token_ids)
         loss_mask[i, start:stop] = bool(keep[i])
-        old_logprobs[i, start - 1 : stop - 1] = torch.tensor(completion.logprobs, dtype=torch.float32)
+        rollout_logprobs[i, start - 1 : stop - 1] = torch.tensor(completion.logprobs, dtype=torch.float32)
+    lengths = torch.tensor([len(p) + len(c.token_ids) for p, c in rows], dtype=torch.long)
     return PolicyBatch(input_ids=input_ids, loss_mask=loss_mask, advantages=advantages.float(),
-                       old_logprobs=old_logprobs)
+                       rollout_logprobs=rollout_logprobs, lengths=lengths)
 
 
-def reward_inputs(rollouts: Rollouts, samples: Sequence[Sample], group_size: int):
-    """(texts, token counts, ground truths) for the reward stage, one per rollout."""
-    texts = [c.text for c in rollouts.completions]
-    truths = [{**samples[i // group_size].ground_truth, **samples[i // group_size].metadata}
-              for i in range(len(texts))]
-    return texts, rollouts.num_tokens, truths
+def ground_truth(sample: Sample) -> dict:
+    """What a reward function receives as ``ground_truth`` for a rollout of ``sample``."""
+    return {**sample.ground_truth, **sample.metadata}
+
+
+def reward_submitter(batch: RewardBatch, samples: Sequence[Sample], group_size: int):
+    """An ``on_completion`` callback for the rollout engine: completion ``j`` of prompt ``i``
+    goes to the reward batch as rollout ``i * group_size + j`` as soon as it is finished."""
+    truths = [ground_truth(s) for s in samples]
+
+    def submit(i: int, j: int, completion: Completion) -> None:
+        batch.submit(i * group_size + j, completion.text, len(completion.token_ids), truths[i])
+
+    return submit

@@ -24,6 +24,9 @@ What is counted, per GPU (the assumptions are printed with the table):
   and the KV cache in the rest; ``rollout.kv_cache_gib`` replaces the fraction); while the
   policy trains it sleeps (level 1: weights on the host, KV cache freed) and holds nothing,
   and the update's activations go back to the driver before it wakes (``empty_cache``);
+* with ``policy.offload_grads_and_optimizer`` the gradient buffers are freed and the Adam state
+  (moments and master weights) waits in host memory while vLLM generates; the table shows the
+  peak while generating both ways (the weight sync, between the two, holds less than either);
 * a fixed allowance for the CUDA context, NCCL buffers and allocator fragmentation.
 """
 from __future__ import annotations
@@ -177,22 +180,30 @@ class MemoryPlan:
     def kv_cache_tokens(self) -> int:
         return max(self.kv_cache, 0) // self.kv_cache_per_token
 
-    def peak_generating(self, distributed: bool) -> int:
-        return self.overhead + self.stage.static(distributed) + self.vllm_total
+    def peak_generating(self, distributed: bool, offload: Optional[bool] = None) -> int:
+        """vLLM awake next to the policy's weights, and its gradients and Adam state unless offloaded
+        (``offload=None``: as configured)."""
+        offload = self.offload if offload is None else offload
+        policy = self.stage.weights + self.stage.reference if offload else self.stage.static(distributed)
+        return self.overhead + policy + self.vllm_total
 
     def peak_training(self, distributed: bool) -> int:
         return self.overhead + self.stage.static(distributed) + self.stage.activations + self.stage.logits
 
-    def peak(self, distributed: bool) -> int:
-        return max(self.peak_generating(distributed), self.peak_training(distributed))
+    def peak(self, distributed: bool, offload: Optional[bool] = None) -> int:
+        return max(self.peak_generating(distributed, offload), self.peak_training(distributed))
 
-    def fits(self, distributed: bool) -> bool:
-        return (self.peak(distributed) <= self.cluster.gpu_memory_gib * GIB
+    def fits(self, distributed: bool, offload: Optional[bool] = None) -> bool:
+        return (self.peak(distributed, offload) <= self.cluster.gpu_memory_gib * GIB
                 and self.kv_cache_tokens >= self.config.rollout.max_model_len)
 
     @property
     def distributed_optimizer(self) -> bool:
         return bool(self.config.policy.optim.use_distributed_optimizer)
+
+    @property
+    def offload(self) -> bool:
+        return bool(self.config.policy.offload_grads_and_optimizer)
 
 
 def plan_memory(config: TrainConfig, cluster: Cluster) -> MemoryPlan:
@@ -259,6 +270,8 @@ def format_plan(plan: MemoryPlan) -> str:
     def gib(n: int) -> str:
         return f"{n / GIB:.1f}" if n else "-"
 
+    offload_marks = (" *", "") if not plan.offload else ("", " *")
+
     rows = [
         (f"policy weights ({dtype})", s.weights, s.weights),
         ("gradients (fp32 DDP buffer)", s.gradients, s.gradients),
@@ -270,7 +283,11 @@ def format_plan(plan: MemoryPlan) -> str:
         (f"vLLM weights (TP {rollout.tensor_parallel_size})", plan.vllm_weights, plan.vllm_weights),
         ("vLLM KV cache", plan.kv_cache, plan.kv_cache),
         ("CUDA context, NCCL, fragmentation", plan.overhead, plan.overhead),
-        ("peak while generating", plan.peak_generating(True), plan.peak_generating(False)),
+        (f"peak while generating{offload_marks[0]}", plan.peak_generating(True, False),
+         plan.peak_generating(False, False)),
+        (f"peak while generating, grads + Adam offloaded{offload_marks[1]}", plan.peak_generating(True, True),
+         plan.peak_generating(False, True)),
+        ("  (host memory for the offloaded Adam state)", s.optimizer_distributed, s.optimizer_plain),
         ("peak while training (vLLM asleep)", plan.peak_training(True), plan.peak_training(False)),
     ]
     marks = ("*" if configured else "", "" if configured else "*")
@@ -299,7 +316,8 @@ def format_plan(plan: MemoryPlan) -> str:
     lines.append(f"{'in ' + format(cluster.gpu_memory_gib, 'g') + ' GiB':<{width}}{verdict[0]:>24}{verdict[1]:>18}")
     lines += [
         "",
-        f"(* configured: policy.optim.use_distributed_optimizer={str(configured).lower()})",
+        f"(* configured: policy.optim.use_distributed_optimizer={str(configured).lower()}, "
+        f"policy.offload_grads_and_optimizer={str(plan.offload).lower()})",
         f"KV cache: {plan.kv_cache_tokens:,} tokens per vLLM engine, {plan.kv_cache_tokens // plan.sequence_length} "
         f"full sequences at once (rollout.max_model_len {rollout.max_model_len} must fit)",
     ]

@@ -8,8 +8,9 @@ Every rank runs :class:`Trainer` inside an initialized ``torch.distributed`` wor
 2. the leader scores them in its reward process pool;
 3. advantages come from :func:`gdpo_megatron.distributed.compute_advantages` over the
    data-parallel group (exact GDPO over the whole step, whatever the split);
-4. the engine sleeps, the Megatron policy takes its update, and the new weights stream into
-   the engine as Hugging Face-named tensors;
+4. the engine sleeps, the Megatron policy takes its update, gives its memory back (see
+   :meth:`PolicyWorker.release_memory`), and the new weights stream into the engine as Hugging
+   Face-named tensors before its KV cache returns;
 5. metrics go to ``run_dir/metrics.jsonl`` (and wandb), checkpoints to ``run_dir/checkpoints``.
 
 SIGUSR1 / SIGTERM (Slurm's warning before the time limit, or a preemption) make the loop save a
@@ -38,14 +39,15 @@ from gdpo_megatron.checkpoint.weight_stream import iter_hf_weights
 from gdpo_megatron.config import TrainConfig, to_dict
 from gdpo_megatron.data.chat import encode_prompt
 from gdpo_megatron.distributed import compute_advantages
+from gdpo_megatron.distributed.threads import use_rank_threads
 from gdpo_megatron.doctor import preflight
-from gdpo_megatron.experience import (PromptSchedule, Rollouts, leader_broadcast, leader_call, reward_inputs,
+from gdpo_megatron.experience import (PromptSchedule, Rollouts, leader_broadcast, leader_call, reward_submitter,
                                       sampling_seed, to_policy_batch)
 from gdpo_megatron.metrics import MetricsLogger
 from gdpo_megatron.policy.worker import PolicyWorker
 from gdpo_megatron.rewards.stage import RewardStage
 from gdpo_megatron.rollout.engine import SamplingConfig
-from gdpo_megatron.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+from gdpo_megatron.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig, kv_cache_gib
 from gdpo_megatron.validation import CHECKPOINT_DIR, SHAPE_FIELDS, TrainingInputs, check_training
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)  # Slurm's time-limit warning, preemption / scancel
@@ -80,6 +82,8 @@ class Trainer:
         config = self.config
         # What can be checked without building anything is checked first, on every rank.
         inputs = self.inputs or check_training(config, dist.get_world_size())
+        _, rollouts_per_replica = config.layout(dist.get_world_size())
+        use_rank_threads()  # before vLLM starts (it pins torch's thread count)
         rewards = config.rewards
         self.reward_names = rewards.names
         self.reward_weights = [r.weight for r in rewards.rewards]
@@ -92,7 +96,8 @@ class Trainer:
                                                  temperature=config.rollout.temperature)
         # Libraries against the pins, GPU, precision, NCCL, memory plan: gdpo-doctor's checks.
         preflight(dataclasses.replace(config, policy=self.policy_config), dist.get_world_size())
-        self.checkpoints = CheckpointManager(self.run_dir / CHECKPOINT_DIR, keep_last=config.checkpoint.keep_last)
+        self.checkpoints = CheckpointManager(self.run_dir / CHECKPOINT_DIR, keep_last=config.checkpoint.keep_last,
+                                             optimizer_sharding=config.checkpoint.optimizer_sharding)
         latest = self.checkpoints.latest_step()  # resume and its data position are checked with the inputs
 
         self.worker = PolicyWorker(self.policy_config,
@@ -103,23 +108,21 @@ class Trainer:
         mp_group = parallel_state.get_model_parallel_group()
         self.mp_group = mp_group if dist.get_world_size(mp_group) > 1 else None
         self.is_leader = self.mp_group is None or dist.get_rank(mp_group) == 0
-        tp = self.policy_config.parallel.tensor_model_parallel_size
-        # Sequence parallelism splits the sequence over TP ranks; FP8 GEMMs want multiples of 16.
-        self.pad_multiple = math.lcm(tp if self.policy_config.parallel.sequence_parallel else 1,
-                                     16 if self.policy_config.precision.fp8 else 1)
+        self.pad_multiple = self.policy_config.sequence_multiple()  # sequence parallelism, FP8
 
         self.start_step = 0
         if latest is not None:
             state = self.checkpoints.load(self.worker.model, self.worker.optimizer, self.worker.scheduler)
             self.start_step = state.step
 
+        self.worker.release_memory()  # before vLLM sizes itself from the free memory, and the first rollout
         self.engine = VLLMEngine(VLLMEngineConfig(
             model_path=config.base_model,
             tensor_parallel_size=config.rollout.tensor_parallel_size,
             dtype="auto" if torch.cuda.is_available() else "float32",
             max_model_len=config.rollout.max_model_len,
             gpu_memory_utilization=config.rollout.gpu_memory_utilization,
-            kv_cache_gib=config.rollout.kv_cache_gib,
+            kv_cache_gib=self._kv_cache_gib(rollouts_per_replica),
             enforce_eager=config.rollout.enforce_eager,
             quantization=config.rollout.quantization,
             seed=config.seed,
@@ -178,14 +181,17 @@ class Trainer:
                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                 max_new_tokens=cfg.rollout.max_new_tokens, stop=tuple(cfg.rollout.stop),
                 seed=sampling_seed(cfg.seed, step, self.dp_rank))
-            completions = [c for group in self.engine.generate(prompt_ids, G, sampling) for c in group]
-            completions = leader_broadcast(completions, self.mp_group)
+            # The leader scores each completion as soon as the engine finishes it.
+            scoring = self.reward_stage.begin(len(samples) * G) if self.is_leader else None
+            with _timed(times, "generate"):
+                groups = self.engine.generate(prompt_ids, G, sampling,
+                                              on_completion=scoring and reward_submitter(scoring, samples, G))
+            completions = leader_broadcast([c for group in groups for c in group], self.mp_group)
             group_ids = torch.tensor(global_ids, device=self.device).repeat_interleave(G)
             rollouts = Rollouts(prompt_ids, group_ids, completions)
 
-        with _timed(times, "reward"):
-            rewards, stage_metrics = self._on_every_rank(lambda: leader_call(
-                lambda: self.reward_stage.score(*reward_inputs(rollouts, samples, G)), self.mp_group))
+        with _timed(times, "reward"):  # what is left to score once generation is done
+            rewards, stage_metrics = self._on_every_rank(lambda: leader_call(lambda: scoring.collect(), self.mp_group))
             rewards = rewards.to(self.device)
 
         with _timed(times, "advantage"):
@@ -195,18 +201,13 @@ class Trainer:
         with _timed(times, "train"):
             batch = to_policy_batch(rollouts, G, result.advantages.cpu(), result.mask.cpu(),
                                     self.tokenizer.pad_token_id or 0, self.pad_multiple)
-            # On-policy (one optimizer pass) the update itself measures the mismatch, before it
-            # changes the weights; with ppo_epochs > 1 it takes a separate forward pass.
-            on_policy = self.policy_config.ppo_epochs == 1
-            mismatch = math.nan if on_policy else self._logprob_mismatch(batch)
             # Every rollout of the step can be out (dynamic sampling, NaN rewards): no update then.
             train_metrics = self.worker.train_step(batch) if result.group_count.sum() > 0 else {"skipped": 1.0}
-            if on_policy:
-                mismatch = train_metrics.get("logprob_gap", math.nan)
+            mismatch = train_metrics.pop("logprob_mismatch", math.nan)  # measured before the update
         with _timed(times, "sync"):
+            self.worker.release_memory()  # the update's memory goes back before vLLM wakes its weights
             self._sync_weights()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()  # the update's cached blocks go back before vLLM's KV cache returns
+            self.worker.release_memory()  # and the sync's before its KV cache returns
             self.engine.wake_up()
         times["step"] = time.perf_counter() - started
 
@@ -264,6 +265,15 @@ class Trainer:
         kept = informative.sum().item() / max(present.sum().item(), 1)
         return compute_advantages(rewards, group_ids, result.mask & informative[position], **kwargs), kept
 
+    def _kv_cache_gib(self, rollouts_per_replica: int) -> float | None:
+        """``rollout.kv_cache_gib``, or on CPU (where vLLM would take half of the host's memory)
+        the cache that one step's rollouts fill at most."""
+        rollout = self.config.rollout
+        if rollout.kv_cache_gib is not None or torch.cuda.is_available():
+            return rollout.kv_cache_gib
+        return kv_cache_gib(self.config.base_model, "float32", rollouts_per_replica,
+                            self.config.data.max_prompt_tokens + rollout.max_new_tokens, rollout.max_model_len)
+
     def _sync_weights(self) -> None:
         self.engine.update_weights(iter_hf_weights(self.worker.gpt_model, self.policy_config.model))
 
@@ -290,12 +300,6 @@ class Trainer:
                             device=self.device)
         dist.all_reduce(sums, group=self.dp_group)
         return sums[0].item() / max(sums[1].item(), 1.0)
-
-    def _logprob_mismatch(self, batch) -> float:
-        """Mean |engine - policy| logprob over the completion tokens that train (before the update)."""
-        policy = self.worker.compute_logprobs(batch).cpu()
-        mask = batch.target_mask
-        return self._global_mean((policy - batch.old_logprobs).abs()[mask])
 
     def _rollout_metrics(self, rollouts: Rollouts, step_time: float) -> dict[str, float]:
         """Generated tokens and truncation over the whole step."""

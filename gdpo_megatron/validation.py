@@ -24,7 +24,9 @@ from gdpo_megatron.advantages import Condition
 from gdpo_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
 from gdpo_megatron.checkpoint.hf_files import check_tensors, safetensors_index
 from gdpo_megatron.checkpoint.layout import hf_shapes
-from gdpo_megatron.checkpoint.state import check_files, complete_steps, model_section, read_training_state
+from gdpo_megatron.checkpoint.state import (
+    check_files, check_reshardable, complete_steps, model_section, read_training_state,
+)
 from gdpo_megatron.config import ConfigError, TrainConfig
 from gdpo_megatron.data.samples import Fields, Sample, load_samples
 from gdpo_megatron.errors import InputError, UserError
@@ -106,12 +108,10 @@ def _require_writable(existing: Path, target: Path, key: str) -> None:
 
 
 def load_prompts(path: str | os.PathLike, family: str, system_prompt: Optional[str], key: str, *,
-                 fields: Fields = Fields(), split: str = "train", split_key: str = "split") -> list[Sample]:
+                 fields: Fields = Fields(), split: Optional[str] = None) -> list[Sample]:
     """The samples of a prompt file or dataset directory; every row is decoded and checked."""
     if not Path(path).exists():
         raise InputError(f"{key}: {path} does not exist")
-    if split != "train" and not Path(path).is_dir():
-        raise ConfigError(f"{split_key}: {split!r} picks a split of a datasets directory, but {path} is a file")
     try:
         return load_samples(path, family, system_prompt, fields=fields, split=split)
     except ValueError as e:  # the readers' errors name the file and the line or row
@@ -272,7 +272,7 @@ def training_prompts(config: TrainConfig) -> list[Sample]:
     """The samples of ``data.train_path``, every row checked."""
     data = config.data
     return load_prompts(data.train_path, data.family, data.system_prompt, "data.train_path",
-                        fields=data.fields(), split=data.split, split_key="data.split")
+                        fields=data.fields(), split=data.split)
 
 
 def check_training(config: TrainConfig, world_size: int) -> TrainingInputs:
@@ -295,7 +295,7 @@ def check_training(config: TrainConfig, world_size: int) -> TrainingInputs:
 
 def _check_resume(config: TrainConfig, model: ModelConfig) -> None:
     """A run directory with checkpoints resumes only when allowed, from a complete training checkpoint
-    of ``model``'s shape, at this config's data position."""
+    of ``model``'s shape, at this config's data position, with optimizer state this layout can load."""
     root = Path(config.run_dir) / CHECKPOINT_DIR
     if root.exists():
         check_output_dir(root, "run_dir")
@@ -320,4 +320,9 @@ def _check_resume(config: TrainConfig, model: ModelConfig) -> None:
     if state.data_position != expected:
         raise ConfigError(f"data.prompts_per_step: the checkpoint of step {state.step} was taken after "
                           f"{state.data_position} prompts, this config would resume after {expected}")
+    parallel = config.policy.parallel
+    if config.policy.optim.use_distributed_optimizer:
+        check_reshardable(directory, state, {
+            "tensor_model_parallel_size": parallel.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": parallel.pipeline_model_parallel_size})
     check_files(directory)

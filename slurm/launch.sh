@@ -25,6 +25,18 @@ export WANDB_MODE=${WANDB_MODE:-offline}      # compute nodes are often offline;
 # leave the rest blocked in a collective until its timeout).
 TASK_EXIT_GRACE_S=${TASK_EXIT_GRACE_S:-180}
 
+# run_tasks COMMAND [ARG ...]: one srun step running COMMAND in each of the job's tasks, with
+# SIGUSR1 / SIGTERM ignored (see above) and the job's CPUs per task.
+# Since Slurm 22.05 srun no longer takes --cpus-per-task from sbatch (it ignores
+# SLURM_CPUS_PER_TASK and reads SRUN_CPUS_PER_TASK instead): a step then gets one CPU per task,
+# and where tasks are bound to cores (task/affinity, task/cgroup) the trainer and all its reward
+# workers share one core. Passing the count on the command line works with every version.
+run_tasks() {
+    local cpus=${SRUN_CPUS_PER_TASK:-${SLURM_CPUS_PER_TASK:-}}
+    srun --wait="${TASK_EXIT_GRACE_S}" ${cpus:+--cpus-per-task="$cpus"} \
+        bash -c 'trap "" USR1 TERM; exec "$@"' gdpo-task "$@"
+}
+
 # launch_training CONFIG [key.sub=value ...]
 # The run directory is RUN_DIR, else runs/<job name>-<job id>; a run_dir=... argument wins.
 launch_training() {
@@ -39,9 +51,7 @@ launch_training() {
          "${SLURM_JOB_NODELIST}, config ${config}, run dir ${run_dir}, $(date -u +%FT%TZ)"
 
     local status=0
-    srun --wait="${TASK_EXIT_GRACE_S}" \
-        bash -c 'trap "" USR1 TERM; exec "$@"' gdpo-task \
-        python -m gdpo_megatron.cli train --config "$config" \
+    run_tasks python -m gdpo_megatron.cli train --config "$config" \
         run_dir="$run_dir" checkpoint.resume=true "$@" || status=$?
 
     if (( status == EXIT_INTERRUPTED )); then

@@ -177,15 +177,25 @@ def test_train_run_directory_with_checkpoints(base_model, tmp_path, capsys):
     expect_user_error(capsys, tmp_path, train(base_model, tmp_path / "run", "data.prompts_per_step=4"),
                       "data.prompts_per_step: the checkpoint of step 3 was taken after 24 prompts, this config "
                       "would resume after 12")
+    (step / "trainer_state.json").write_text(json.dumps(
+        {"step": 3, "data_position": 24, "config": {}, "world_size": 2, "optimizer_sharding": "dp_reshardable",
+         "layout": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1}}))
+    distributed = train(base_model, tmp_path / "run", "policy.optim.use_distributed_optimizer=true")
+    expect_user_error(capsys, tmp_path, distributed,
+                      f"{step}: the distributed optimizer's state was saved in megatron-core's dp_reshardable format, "
+                      "which reloads under another data-parallel size only, and this run changes "
+                      "tensor_model_parallel_size=2 -> 1")
 
 
 @pytest.fixture
 def nothing_heavy(monkeypatch):
     """Fail at the first trainer, model, engine or demo warm-up: the mistake must be caught before them."""
-    import gdpo_megatron.demo.warmup
-    import gdpo_megatron.evaluate
-    import gdpo_megatron.policy.model
-    import gdpo_megatron.trainer
+    with warnings.catch_warnings():  # a first import's warnings would land in the captured stderr
+        warnings.simplefilter("ignore")
+        import gdpo_megatron.demo.warmup
+        import gdpo_megatron.evaluate
+        import gdpo_megatron.policy.model
+        import gdpo_megatron.trainer
 
     def tripwire(what):
         def reached(*args, **kwargs):
@@ -216,8 +226,8 @@ def nothing_heavy(monkeypatch):
     ("policy.temperature=0.5", "policy.temperature: a training run samples and trains at rollout.temperature; "
                                "set that instead"),
     ("policy.seed=7", "policy.seed: a training run seeds the policy with seed; set that instead"),
-    ("data.split=test", "data.split: 'test' picks a split of a datasets directory, but "
-                        "examples/data/tool_demo.jsonl is a file"),
+    ("data.split=test", "data.train_path: dataset examples/data/tool_demo.jsonl: split 'test' was asked for, but "
+                        "a file has no splits"),
     ("rewards.rewards.2.kwargs={max_tokens: -5}", "rewards.rewards.2.kwargs: length: max_tokens must be a positive "
                                                   "integer, got -5"),
     ("rewards.rewards.2.kwargs={max_tokens: many}", "rewards.rewards.2.kwargs: length: max_tokens must be a positive "
@@ -464,8 +474,8 @@ def test_eval_split_of_a_file(base_model, tmp_path, capsys, nothing_heavy):
     expect_user_error(capsys, tmp_path, lambda: eval_main(["--model", str(base_model), "--data",
                                                            "examples/data/tool_demo.jsonl", "--family", "tool",
                                                            "--split", "test"]),
-                      "--split: 'test' picks a split of a datasets directory, but examples/data/tool_demo.jsonl "
-                      "is a file")
+                      "--data: dataset examples/data/tool_demo.jsonl: split 'test' was asked for, but a file has "
+                      "no splits")
 
 
 # ---- gdpo-convert -------------------------------------------------------------------------------

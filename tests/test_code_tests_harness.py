@@ -1,4 +1,4 @@
-"""Call-based APPS / TACO / Eurus-2-RL test cases judged as the published harness judges them.
+"""APPS / TACO / Eurus-2-RL test cases judged as the published harness judges them.
 
 The reference is APPS's eval/testing_util.py (hendrycks/apps), TACO's metrics/testing_util.py
 (FlagOpen/TACO) and verl's prime_code/testing_util.py (Eurus-2-RL): each passes the decoded
@@ -10,6 +10,7 @@ file's own.
 """
 import json
 
+import numpy as np
 import pytest
 
 from gdpo_megatron.data.code_tests import tests_from_input_output as cases_from_input_output
@@ -55,3 +56,48 @@ def test_dicts_with_other_keys_keep_them():
     spec = {"fn_name": "first", "inputs": [[{"a": 1, "2": 2}]], "outputs": [["a"]]}
     assert score(spec, "def first(d):\n    return min(d, key=str)") == 0.0  # '2' < 'a'
     assert score(spec, "def first(d):\n    return max(d)") == 1.0
+
+
+# Standard input / output: verl's prime_code/testing_util.py (the harness Eurus-2-RL's code rows
+# are scored with) passes a program whose output, line by line with surrounding whitespace and
+# blank lines dropped, equals the expected one, or, when every one of those lines on both sides
+# is a single number and they are not all digit strings, is close to it (numpy.allclose,
+# rtol 1e-5, atol 1e-8). One rule is stricter here: an expected integer takes only a number
+# that rounds to it (PRIME's relative tolerance takes 1234560.0 for 1234567).
+STDOUT_CASES = [
+    # (the program's output, the expected output, PRIME passes it, code_pass passes it)
+    ("3\n", "3\n", True, True),
+    ("1\n  2  \n", "1\n2", True, True),  # whitespace around a line
+    ("1\n\n2\n\n", "1\n2", True, True),  # blank lines
+    ("1 2\n", "1  2", False, False),  # whitespace inside a line is compared
+    ("4\n5\n", "4\n6", False, False),
+    ("007\n", "7", False, False),  # all digit strings: compared as text
+    ("0.3333333\n", "0.333333333", True, True),
+    ("0.3333\n", "0.333333333", False, False),
+    ("2.0\n", "2", True, True),
+    ("1.0 2.0\n", "1 2", False, False),  # a line of two numbers is not a number
+    ("YES\n0.3333333\n", "YES\n0.333333333", False, False),  # not every line a number
+    ("1234566.9\n", "1234567", True, True),
+    ("1234560.0\n", "1234567", True, False),  # an approximate integer answer
+    ("1e18\n", "1000000000000000007", True, False),
+]
+
+
+def prime_passes(output, expected):
+    """PRIME's verdict as its rules above state it, with numpy as its numeric comparison."""
+    got, want = ([line.strip() for line in text.splitlines() if line.strip()] for text in (output, expected))
+    if got == want:
+        return True
+    if len(got) != len(want) or all(a.isdigit() and b.isdigit() for a, b in zip(got, want)):
+        return False
+    try:
+        return bool(np.allclose([float(a) for a in got], [float(b) for b in want]))
+    except ValueError:  # a line that is not one number
+        return False
+
+
+@pytest.mark.parametrize("output,expected,prime,ours", STDOUT_CASES)
+def test_standard_output_is_compared_as_prime_compares_it(output, expected, prime, ours):
+    assert prime_passes(output, expected) == prime
+    program = f"```python\nimport sys\nsys.stdout.write({output!r})\n```"
+    assert code_pass(program, 0, {"tests": [{"input": "", "output": expected}]}) == float(ours)

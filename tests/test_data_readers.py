@@ -1,5 +1,6 @@
 """Reading rows from JSON Lines, JSON, Parquet and Hugging Face datasets directories."""
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -64,6 +65,30 @@ def test_datasets_directory_and_its_splits(tmp_path):
     (tmp_path / "plain" / "train.parquet").write_bytes(b"")
     with pytest.raises(ValueError, match="must be a Hugging Face dataset written by save_to_disk"):
         read(tmp_path / "plain")
+
+
+def test_a_split_that_cannot_be_honored_is_an_error(tmp_path):
+    single = tmp_path / "single"
+    Dataset.from_list(ROWS).save_to_disk(str(single))
+    # A single dataset has no "test" part: reading all of it would evaluate on the training rows.
+    with pytest.raises(ValueError, match=rf"dataset {re.escape(str(single))}: holds a single dataset \(2 rows, no named split\), "
+                                         r"not a DatasetDict with split 'test'; leave the split unset"):
+        read(single, split="test")
+    with pytest.raises(ValueError, match=r"not a DatasetDict with split 'train'"):
+        read(single, split="train")
+    saved_test = tmp_path / "saved_test"
+    Dataset.from_list(ROWS[1:], split="test").save_to_disk(str(saved_test))
+    assert read(saved_test, split="test") == read(saved_test) == [(f"{saved_test} row 0", ROWS[1])]
+    with pytest.raises(ValueError, match=r"\(1 rows, saved from split 'test'\), not a DatasetDict with split 'train'"):
+        read(saved_test, split="train")
+    only_test = tmp_path / "only_test"
+    DatasetDict({"test": Dataset.from_list(ROWS)}).save_to_disk(str(only_test))
+    with pytest.raises(ValueError, match=r"no split 'train' \(splits: test\)"):
+        read(only_test)  # the default split of a DatasetDict is train
+    path = tmp_path / "test.jsonl"
+    path.write_text(json.dumps(ROWS[0]), encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"dataset {re.escape(str(path))}: split 'test' was asked for, but a file has no splits"):
+        read(path, split="test")
 
 
 def test_non_utf8_text_is_named_with_file_line_and_column(tmp_path):

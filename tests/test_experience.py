@@ -27,10 +27,11 @@ def test_policy_batch_places_tokens_logprobs_and_loss_mask():
                                         [5, 4, 5, 6, 0, 0, 0, 0], [5, 3, 0, 0, 0, 0, 0, 0]]
     assert batch.loss_mask.int().tolist() == [[0, 0, 0, 1, 1, 0, 0, 0], [0, 0, 0, 1, 0, 0, 0, 0],
                                               [0, 1, 1, 1, 0, 0, 0, 0], [0] * 8]
-    # old_logprobs[i, t] belongs to the target input_ids[i, t + 1]
-    assert batch.old_logprobs[0, 2:4].tolist() == [-0.5, -0.25]
-    assert batch.old_logprobs[2, 0:3].tolist() == pytest.approx([-0.1, -0.2, -0.3])
-    assert batch.old_logprobs[3, 0].item() == -2.0
+    # rollout_logprobs[i, t] belongs to the target input_ids[i, t + 1]
+    assert batch.rollout_logprobs[0, 2:4].tolist() == [-0.5, -0.25]
+    assert batch.rollout_logprobs[2, 0:3].tolist() == pytest.approx([-0.1, -0.2, -0.3])
+    assert batch.rollout_logprobs[3, 0].item() == -2.0
+    assert batch.lengths.tolist() == [5, 4, 4, 2]  # prompt + completion, before the padding
     batch.validate(vocab_size=16)
 
 

@@ -13,6 +13,7 @@ from gdpo_megatron.distributed.launch import (
     LaunchEnv,
     cuda_device_for,
     expand_nodelist,
+    exported_env,
     resolve_launch_env,
 )
 
@@ -110,6 +111,16 @@ def test_cuda_device_for_local_rank():
         cuda_device_for(4, 4)
 
 
+def test_exported_local_rank_is_the_device_vllm_will_select():
+    """vLLM's external launcher opens ``cuda:{LOCAL_RANK}``: with one GPU per task that is 0."""
+    task6 = resolve_launch_env(SRUN)  # SLURM_LOCALID 6
+    one_gpu_per_task = exported_env(task6, cuda_device_for(task6.local_rank, 1))
+    assert one_gpu_per_task == {"RANK": "6", "WORLD_SIZE": "16", "LOCAL_RANK": "0", "MASTER_ADDR": "gpu17",
+                                "MASTER_PORT": "14817"}
+    assert exported_env(task6, cuda_device_for(task6.local_rank, 8))["LOCAL_RANK"] == "6"  # all GPUs visible
+    assert exported_env(task6, None)["LOCAL_RANK"] == "6"  # no CUDA: the launcher's local rank
+
+
 WORKER = textwrap.dedent(
     """
     import json, os, torch, torch.distributed as dist
@@ -174,25 +185,30 @@ def test_two_srun_tasks_start_a_gloo_world():
 
 GPU_WORKER = textwrap.dedent(
     """
-    import json, torch, torch.distributed as dist
+    import json, os, torch, torch.distributed as dist
     from gdpo_megatron.distributed.launch import init_distributed
     init_distributed()
     t = torch.ones(2, device="cuda")
     dist.all_reduce(t)
-    print(json.dumps({"backend": dist.get_backend(), "device": torch.cuda.current_device(), "sum": t.sum().item()}))
+    print(json.dumps({"backend": dist.get_backend(), "device": torch.cuda.current_device(), "sum": t.sum().item(),
+                      "LOCAL_RANK": os.environ["LOCAL_RANK"]}))
     dist.destroy_process_group()
     """
 )
 
 
 @pytest.mark.gpu
-def test_one_srun_task_starts_nccl_on_its_gpu():
+@pytest.mark.parametrize("local_id", ["0", "3"])
+def test_one_srun_task_starts_nccl_on_its_gpu(local_id):
+    """As under ``--gpus-per-task=1``: the task sees one GPU whatever its place on the node."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k not in TORCHRUN}
     port = next(p for p in itertools.count(12000 + os.getpid() % 20000) if _port_is_free(p))
-    env.update(SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_LOCALID="0", SLURM_NODELIST="localhost", MASTER_PORT=str(port))
+    env.update(SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_LOCALID=local_id, SLURM_NODELIST="localhost",
+               MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES=env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
     out = subprocess.run([sys.executable, "-c", GPU_WORKER], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"backend": "nccl", "device": 0, "sum": 2.0}
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"backend": "nccl", "device": 0, "sum": 2.0,
+                                                               "LOCAL_RANK": "0"}
 
 
 def test_single_process_takes_a_free_port():

@@ -85,6 +85,28 @@ def test_small_config_against_hand_computed_bytes(tmp_path):
     assert plan.fits(True) and not plan.fits(False)  # 4 MiB = 4194304
 
 
+def test_offloading_grads_and_adam_during_generation(tmp_path, capsys):
+    """A vLLM share at which the generating peak fits only with the training state offloaded."""
+    path = write(tmp_path, SMALL)
+    share = ["rollout.gpu_memory_utilization=0.48"]
+    vllm_total = int(0.48 * GPU_GIB * GIB)
+    for offload in (False, True):
+        plan = plan_memory(load_config(TrainConfig, path, [*share, f"policy.offload_grads_and_optimizer={offload}"]),
+                           CLUSTER)
+        assert plan.offload == offload
+        resident = WEIGHTS1 + GRADS1 + ADAM1_DIST + REF1
+        assert plan.peak_generating(True, offload=False) == OVERHEAD + resident + vllm_total
+        assert plan.peak_generating(True, offload=True) == OVERHEAD + WEIGHTS1 + REF1 + vllm_total == 3579729
+        assert plan.peak_generating(True) == plan.peak_generating(True, offload)  # as configured
+        assert plan.peak_training(True) == OVERHEAD + resident + ACTIVATIONS1 + LOGITS1
+        assert plan.fits(True) == offload  # 4219089 > 4 MiB = 4194304 without offloading
+    assert main(["--config", path, *CLI, *share]) == 1
+    assert main(["--config", path, *CLI, *share, "policy.offload_grads_and_optimizer=true"]) == 0
+    out = capsys.readouterr().out
+    assert "policy.offload_grads_and_optimizer=true" in out
+    assert re.search(r"^peak while generating, grads \+ Adam offloaded \*\s", out, re.MULTILINE)
+
+
 def test_first_stage_holds_one_micro_batch_per_stage(tmp_path):
     """With small logits and a small vLLM share, stage 0 (2 micro-batches in flight) is the fullest."""
     config = load_config(TrainConfig, write(tmp_path, SMALL),

@@ -82,6 +82,31 @@ def test_fp8_and_transformer_engine_on_cpu_are_clear_errors():
         PrecisionConfig(dtype="fp16")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's defaults")
+def test_old_logprobs_come_from_the_rollout_only_where_numerics_are_the_same():
+    assert PolicyConfig().old_logprobs == "rollout"  # fp32 on CPU: vLLM's equal the policy's to ~1e-7
+    assert PolicyConfig(precision=PrecisionConfig(dtype="bf16")).old_logprobs == "policy"
+    assert PolicyConfig(loss=LossConfig(tis_cap=2.0)).old_logprobs == "policy"  # TIS weighs policy vs rollout
+    assert PolicyConfig(old_logprobs="policy").old_logprobs == "policy"
+
+
+@pytest.mark.parametrize("tp,sp,fp8,recipe,multiple", [
+    (1, False, None, "delayed", 1),
+    (4, True, None, "delayed", 4),
+    # TE asserts on each rank's slice: (T / TP) x rows tokens, a multiple of 8 ...
+    (4, True, "e4m3", "delayed", 32),  # lcm(TP, 16) = 16 gave 4 tokens per rank at one row
+    (2, False, "hybrid", "tensorwise", 8),
+    # ... of 32 for MXFP8 tensors, of 128 where a blockwise-quantized input is all-gathered (SP)
+    (2, True, "e4m3", "mxfp8", 64),
+    (2, True, "e4m3", "blockwise", 256),
+    (2, False, "e4m3", "blockwise", 8),
+])
+def test_sequence_multiple_is_what_transformer_engine_checks_per_rank(tp, sp, fp8, recipe, multiple):
+    config = PolicyConfig(parallel=ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp),
+                          precision=PrecisionConfig(dtype="bf16", fp8=fp8, fp8_recipe=recipe))
+    assert config.sequence_multiple() == multiple
+
+
 @pytest.mark.parametrize("build,field", [
     (lambda: ModelConfig.preset("tiny", hidden_size=129), "model.hidden_size"),
     (lambda: ModelConfig.preset("tiny", num_attention_heads=4, num_query_groups=3), "model.num_query_groups"),
@@ -93,6 +118,12 @@ def test_fp8_and_transformer_engine_on_cpu_are_clear_errors():
     (lambda: LossConfig(ratio_clip_low=-0.1), "loss.ratio_clip_low"),
     (lambda: LossConfig(kl_coef=-1.0), "loss.kl_coef"),
     (lambda: PolicyConfig(ppo_epochs=0), "ppo_epochs"),
+    (lambda: LossConfig(tis_cap=0.0), "loss.tis_cap"),
+    (lambda: PolicyConfig(old_logprobs="engine"), "policy.old_logprobs"),
+    (lambda: PolicyConfig(old_logprobs="rollout", loss=LossConfig(tis_cap=2.0)),
+     "policy.loss.tis_cap: .* old_logprobs: policy"),
+    (lambda: PolicyConfig(offload_grads_and_optimizer=True, optim=OptimConfig(use_distributed_optimizer=False)),
+     "policy.offload_grads_and_optimizer: with fp32 parameters and the plain optimizer"),
     (lambda: PolicyConfig(temperature=0.0), "temperature"),
 ])
 def test_bad_fields_are_named(build, field):
@@ -103,7 +134,7 @@ def test_bad_fields_are_named(build, field):
 def good_batch():
     ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 0]])
     mask = torch.tensor([[False, False, True, True], [False, True, True, False]])
-    return PolicyBatch(ids, mask, torch.tensor([0.5, -0.5]), old_logprobs=torch.zeros(2, 3))
+    return PolicyBatch(ids, mask, torch.tensor([0.5, -0.5]), rollout_logprobs=torch.zeros(2, 3))
 
 
 @pytest.mark.parametrize("change,field", [
@@ -113,7 +144,7 @@ def good_batch():
     (dict(loss_mask=torch.zeros(2, 3, dtype=torch.bool)), "loss_mask"),
     (dict(advantages=torch.tensor([0.5, float("nan")])), "advantages"),
     (dict(advantages=torch.zeros(3)), "advantages"),
-    (dict(old_logprobs=torch.zeros(2, 4)), "old_logprobs"),
+    (dict(rollout_logprobs=torch.zeros(2, 4)), "rollout_logprobs"),
 ])
 def test_bad_batches_are_named(change, field):
     good_batch().validate(vocab_size=512)

@@ -8,7 +8,7 @@ from gdpo_megatron.policy.config import LossConfig
 from gdpo_megatron.policy.loss import policy_loss
 
 
-def reference_loss(logprobs, old, adv, mask, low, high, agg, kl_coef=0.0, ref=None):
+def reference_loss(logprobs, old, adv, mask, low, high, agg, kl_coef=0.0, ref=None, rollout=None, tis_cap=None):
     """Per-token loop over python scalars (autograd flows through ``logprobs`` entries)."""
     token_losses, seq_losses = [], []
     for i in range(logprobs.shape[0]):
@@ -20,6 +20,8 @@ def reference_loss(logprobs, old, adv, mask, low, high, agg, kl_coef=0.0, ref=No
             a = float(adv[i])
             clipped_ratio = torch.clamp(ratio, 1 - low, 1 + high)
             loss = torch.maximum(-a * ratio, -a * clipped_ratio)
+            if tis_cap is not None:  # a constant weight: no gradient through old or rollout
+                loss = loss * min(math.exp(float(old[i, t] - rollout[i, t])), tis_cap)
             if kl_coef:
                 d = ref[i, t] - logprobs[i, t]
                 loss = loss + kl_coef * (torch.exp(d) - d - 1)
@@ -48,20 +50,29 @@ def make_batch(seed=0, B=5, T=7):
     return logprobs, old, adv, mask, ref
 
 
+def rollout_logprobs(old, mask):
+    """An engine's logprobs off the old ones by -0.9..0.9 nats: importance weights 0.4-2.5."""
+    gap = torch.linspace(-0.9, 0.9, old.shape[1], dtype=torch.float64).roll(2)
+    return torch.where(mask, old + gap, torch.full_like(old, 1e4))
+
+
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
 @pytest.mark.parametrize("kl_coef", [0.0, 0.25])
 @pytest.mark.parametrize("low,high", [(0.2, 0.2), (0.1, 0.3)])
-def test_loss_and_gradient_match_reference(agg, kl_coef, low, high):
+@pytest.mark.parametrize("tis_cap", [None, 1.5])
+def test_loss_and_gradient_match_reference(agg, kl_coef, low, high, tis_cap):
     logprobs, old, adv, mask, ref = make_batch()
-    config = LossConfig(ratio_clip_low=low, ratio_clip_high=high, loss_agg_mode=agg, kl_coef=kl_coef)
+    rollout = rollout_logprobs(old, mask)
+    config = LossConfig(ratio_clip_low=low, ratio_clip_high=high, loss_agg_mode=agg, kl_coef=kl_coef,
+                        tis_cap=tis_cap)
 
     lp = logprobs.clone().requires_grad_(True)
-    terms = policy_loss(lp, old, adv, mask, config, ref_logprobs=ref if kl_coef else None)
+    terms = policy_loss(lp, old, adv, mask, config, ref_logprobs=ref if kl_coef else None, rollout_logprobs=rollout)
     loss = terms.loss()
     loss.backward()
 
     lp_ref = logprobs.clone().requires_grad_(True)
-    expected = reference_loss(lp_ref, old, adv, mask, low, high, agg, kl_coef, ref)
+    expected = reference_loss(lp_ref, old, adv, mask, low, high, agg, kl_coef, ref, rollout, tis_cap)
     expected.backward()
 
     assert torch.isfinite(loss)
@@ -93,6 +104,18 @@ def test_clipping_happens_on_both_sides_and_metrics_match_direct_counts():
     assert metrics["kl_ref"] == pytest.approx((d.exp() - d - 1).mean().item())
     assert metrics["entropy"] == pytest.approx(1.0)
     assert terms.num_tokens.item() == n
+    assert (metrics["tis_weight"], metrics["tis_truncated"], metrics["rollout_gap"]) == (1.0, 0.0, 0.0)
+
+
+def test_truncated_importance_weights_and_the_rollout_gap_match_direct_counts():
+    logprobs, old, adv, mask, _ = make_batch()
+    rollout = rollout_logprobs(old, mask)
+    metrics = policy_loss(logprobs, old, adv, mask, LossConfig(tis_cap=2.0), rollout_logprobs=rollout).metrics()
+    weights = (old - rollout).exp()[mask]
+    assert (weights > 2.0).any() and (weights < 1.0).any()
+    assert metrics["tis_weight"] == pytest.approx(weights.clamp(max=2.0).mean().item())
+    assert metrics["tis_truncated"] == pytest.approx((weights > 2.0).double().mean().item())
+    assert metrics["rollout_gap"] == pytest.approx((logprobs - rollout)[mask].abs().mean().item())
 
 
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
@@ -124,3 +147,5 @@ def test_bad_inputs_name_the_field():
         policy_loss(logprobs, old, adv[:-1], mask, LossConfig())
     with pytest.raises(ValueError, match="ref_logprobs"):
         policy_loss(logprobs, old, adv, mask, LossConfig(kl_coef=0.1))
+    with pytest.raises(ValueError, match="rollout_logprobs: required when loss.tis_cap is set"):
+        policy_loss(logprobs, old, adv, mask, LossConfig(tis_cap=2.0))

@@ -72,7 +72,7 @@ def make_batch(seed=0) -> PolicyBatch:
     # rollout-engine logprobs near the model's (~log 1/500) with spread: clipping on both sides
     old = -6.2 + 0.4 * torch.randn(B, T - 1, generator=g)
     adv = torch.randn(B, generator=g)
-    return PolicyBatch(ids, mask, adv, old_logprobs=old)
+    return PolicyBatch(ids, mask, adv, rollout_logprobs=old, lengths=(prompt + completion).clamp(max=T))
 
 
 def data_parallel_share(batch: PolicyBatch) -> PolicyBatch:
@@ -168,7 +168,7 @@ def plain_step(full: dict, loss: dict, model: str) -> dict:
             logp = torch.log_softmax(logits[:, :-1, :VOCAB], dim=-1)
             logprobs = logp.gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
             mask = batch.loss_mask[:, 1:]
-            ratio = torch.where(mask, logprobs - batch.old_logprobs, 0.0).exp()
+            ratio = torch.where(mask, logprobs - batch.rollout_logprobs, 0.0).exp()
             adv = batch.advantages[:, None]
             low, high = config.loss.ratio_clip_low, config.loss.ratio_clip_high
             per_token = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - low, 1 + high)) * mask
@@ -276,15 +276,69 @@ def test_tp2_pp2_update_matches_plain_pytorch(gloo_world_4, initial, expected):
     check_matches(results, expected())
 
 
+def one_backward(full: dict, config_kwargs: dict, split: bool) -> dict:
+    """Gradients (after megatron's finalize: DP all-reduce, division by the global token
+    count), metrics and logprobs of one forward-backward, plus the micro-batch shapes."""
+    config = tiny_config(**config_kwargs)
+    with PolicyWorker(config, init_weights=loader(full)) as worker:
+        batch = make_batch()
+        logprobs = worker.compute_logprobs(batch)
+        if split:
+            batch = data_parallel_share(batch)
+        worker.model.zero_grad_buffer()
+        _, micro_batches = worker._split(batch)
+        outputs = worker._run(worker.model, micro_batches, worker._loss, forward_only=False)
+        grads = {global_name(worker.gpt_model, n): p.main_grad.clone() for n, p in worker.gpt_model.named_parameters()}
+        return dict(grads=grads, metrics=worker._reduce_metrics(outputs), logprobs=logprobs,
+                    shapes=[tuple(m.input_ids.shape) for m in micro_batches])
+
+
+TOKEN_BUDGET_LAYOUTS = {
+    "tp1-dp2-uneven-shards": (dict(), True),
+    "tp2-sequence-parallel": (dict(tp=2, sp=True), False),
+    "pp2-1f1b": (dict(pp=2), False),
+}
+
+
+@pytest.mark.parametrize("layout,agg", [
+    ("tp1-dp2-uneven-shards", "seq_mean_token_mean"), ("tp2-sequence-parallel", "token_mean"),
+    ("pp2-1f1b", "token_mean"), ("pp2-1f1b", "seq_mean_token_mean")])
+def test_token_budget_micro_batches_give_the_loss_and_gradients_of_fixed_ones(gloo_world_2, initial, layout, agg):
+    """Micro-batches of at most 40 tokens (rows sorted by length, each cut to its longest row)
+    against 2 rows each at full width: same loss, metrics, gradients and logprobs up to fp32
+    summation order."""
+    config_kwargs, split = TOKEN_BUDGET_LAYOUTS[layout]
+    common = {**config_kwargs, "loss": dict(loss_agg_mode=agg)}
+    fixed = gloo_world_2.run(one_backward, initial["llama"], {**common, "mbs": 2}, split)
+    budget = gloo_world_2.run(one_backward, initial["llama"], {**common, "micro_batch_tokens": 40}, split)
+    lengths, mask = make_batch().lengths, make_batch().target_mask
+    assert len({width for b in budget for _, width in b["shapes"]}) > 1  # widths follow the rows' lengths
+    for f, b in zip(fixed, budget):
+        assert all(rows * width <= 40 or rows == 1 for rows, width in b["shapes"])
+        assert sum(r * w for r, w in b["shapes"]) < sum(r * w for r, w in f["shapes"])  # less padding
+        assert f["grads"].keys() == b["grads"].keys()
+        for name, grad in f["grads"].items():
+            assert grad.abs().max() > 0, name
+            # fp32, other GEMM shapes: entries agree to ~1e-5 of the tensor's largest one
+            scale = grad.abs().max().item()
+            torch.testing.assert_close(b["grads"][name], grad, rtol=1e-5, atol=1e-5 * scale, msg=name)
+        for key, value in f["metrics"].items():
+            assert b["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+        inside = torch.arange(T - 1) < (lengths - 1).unsqueeze(1)  # targets before each row's padding
+        torch.testing.assert_close(b["logprobs"][inside], f["logprobs"][inside], rtol=0, atol=1e-5)
+        assert mask[~inside].sum() == 0  # padding: its logprobs mean nothing in either run
+
+
 def test_ppo_epochs_recompute_old_logprobs_and_kl_enters_the_loss(gloo_world_2, initial):
-    """Two epochs per batch; the batch's old logprobs are far from the policy's.
+    """Two epochs per batch; the batch's rollout logprobs are far from the policy's.
 
     Epoch 1 must use recomputed old logprobs (ratio 1), so epoch 2 sees ratios near 1. The KL
     gradient is zero while policy == reference, so both runs share the weights of epoch 2 and
     their losses differ by exactly kl_coef * KL.
     """
     kl_coef = 0.5
-    common = dict(ppo_epochs=2, optim=dict(lr=1e-4))  # a small step: epoch 2's ratios stay near 1
+    # a small step: epoch 2's ratios stay near 1
+    common = dict(ppo_epochs=2, optim=dict(lr=1e-4), old_logprobs="policy")
     runs = {}
     for name, kwargs, split in [
         ("tp1-dp2", dict(), True), ("tp2", dict(tp=2), False), ("pp2", dict(pp=2), False)]:
@@ -303,11 +357,59 @@ def test_ppo_epochs_recompute_old_logprobs_and_kl_enters_the_loss(gloo_world_2, 
         for key in ("loss", "kl_ref", "ratio_mean", "approx_kl"):
             assert other[key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-8), (name, key)
 
-    # The batch's own old logprobs give ratios of 0.5-2 (see make_batch) and clip ~1/3 of tokens.
+    # The batch's rollout logprobs would give ratios of 0.5-2 (see make_batch) and clip ~1/3 of tokens.
     assert abs(metrics["ratio_mean"] - 1) < 0.05 and 0.75 < metrics["ratio_min"] and metrics["ratio_max"] < 1.3
     assert metrics["clip_fraction"] < 0.1 and metrics["approx_kl"] > 0
     assert metrics["kl_ref"] > 0 and without_kl["kl_ref"] == 0.0
     assert metrics["loss"] - without_kl["loss"] == pytest.approx(kl_coef * metrics["kl_ref"], rel=1e-4)
+
+
+def test_recomputed_old_logprobs_start_at_ratio_one_and_tis_weighs_the_mismatch(gloo_world_2, initial, expected):
+    """old_logprobs: policy with tis_cap, against the plain PyTorch logprobs: the ratio is 1 on every
+    token, the mismatch metric is |policy - rollout|, and each token's loss is -A * min(exp(policy -
+    rollout), cap)."""
+    cap = 1.5
+    want = expected()
+    results = gloo_world_2.run(megatron_steps, initial["llama"], dict(old_logprobs="policy", loss=dict(tis_cap=cap)),
+                               True)
+    batch = make_batch()
+    mask = batch.target_mask
+    log_weights = (want["logprobs"] - batch.rollout_logprobs)[mask]
+    weights = log_weights.exp()
+    assert (weights > cap).any() and (weights < 1).any()
+    token_advantages = batch.advantages[:, None].expand_as(mask)[mask]
+    for r in results:
+        metrics = r["metrics"][0]
+        assert metrics["ratio_min"] == pytest.approx(1.0, abs=1e-6) == metrics["ratio_max"]
+        assert metrics["logprob_mismatch"] == pytest.approx(log_weights.abs().mean().item(), rel=1e-5)
+        assert metrics["tis_weight"] == pytest.approx(weights.clamp(max=cap).mean().item(), rel=1e-5)
+        assert metrics["tis_truncated"] == pytest.approx((weights > cap).float().mean().item(), abs=1e-6)
+        assert metrics["loss"] == pytest.approx(-(token_advantages * weights.clamp(max=cap)).mean().item(), rel=1e-5)
+
+
+def offload_between_steps(full: dict, offload: bool) -> dict:
+    """Two steps with the distributed optimizer; between them the memory given to the rollout
+    engine: grad buffers freed (and the optimizer state moved to the host, a no-op on CPU)."""
+    config = tiny_config(optim=dict(use_distributed_optimizer=True), offload_grads_and_optimizer=offload)
+    with PolicyWorker(config, init_weights=loader(full)) as worker:
+        batch = data_parallel_share(make_batch())
+        worker.train_step(batch)
+        worker.release_memory()
+        grad_storage = [buffer.grad_data.untyped_storage().nbytes() for buffer in worker.model.buffers]
+        offloaded = worker.offloaded
+        metrics = worker.train_step(batch)  # Adam's second step: needs the first step's moments
+        return dict(grad_storage=grad_storage, offloaded=offloaded, back=not worker.offloaded, metrics=metrics,
+                    weights=full_state(worker.gpt_model))
+
+
+def test_offloading_between_steps_frees_the_grad_buffers_and_changes_nothing(gloo_world_2, initial):
+    kept, offloaded = (gloo_world_2.run(offload_between_steps, initial["llama"], o) for o in (False, True))
+    for k, o in zip(kept, offloaded):
+        assert not k["offloaded"] and all(size > 0 for size in k["grad_storage"])
+        assert o["offloaded"] and o["back"] and o["grad_storage"] and all(size == 0 for size in o["grad_storage"])
+        assert o["metrics"]["loss"] == k["metrics"]["loss"] and o["metrics"]["grad_norm"] == k["metrics"]["grad_norm"]
+        for name, tensor in k["weights"].items():
+            torch.testing.assert_close(o["weights"][name], tensor, rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("style", ["cosine", "constant"])
@@ -327,7 +429,8 @@ def test_learning_rate_warms_up_then_follows_its_schedule(gloo_world_2, initial,
 
 
 def bf16_steps(full: dict, distributed_optimizer: bool) -> dict:
-    config = tiny_config(precision=PrecisionConfig(dtype="bf16"),
+    # the batch's rollout logprobs as the old ones, as in the fp32 reference (bf16 would recompute)
+    config = tiny_config(precision=PrecisionConfig(dtype="bf16"), old_logprobs="rollout",
                          optim=dict(use_distributed_optimizer=distributed_optimizer))
     with PolicyWorker(config, init_weights=loader(full)) as worker:
         dtypes = {p.dtype for p in worker.gpt_model.parameters()}

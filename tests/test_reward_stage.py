@@ -166,14 +166,19 @@ def test_bad_stage_settings_are_named(kwargs, match):
         RewardStage([RewardSpec("length")], **kwargs)
 
 
-def test_a_reward_file_failing_in_the_workers_stops_the_stage_with_its_error(tmp_path):
+def worker_only_failure(tmp_path) -> RewardStage:
+    """A stage whose reward file imports in the trainer but raises in every worker."""
     path = tmp_path / "worker_only_failure.py"
     path.write_text(
         "import multiprocessing\n"
         "if multiprocessing.parent_process() is not None:  # in a worker, not in the trainer\n"
         "    raise ImportError('missing dependency in the workers')\n"
     )
-    stage = RewardStage([RewardSpec("length")], num_workers=1, reward_files=[path])
+    return RewardStage([RewardSpec("length")], num_workers=1, reward_files=[path])
+
+
+def test_a_reward_file_failing_in_the_workers_stops_the_stage_with_its_error(tmp_path):
+    stage = worker_only_failure(tmp_path)
     with pytest.raises(RuntimeError, match="could not start(.|\n)*missing dependency in the workers"):
         stage.score(["x"], [1], [{}])
     with pytest.raises(RuntimeError, match="after close"):
@@ -236,3 +241,91 @@ def test_zombies_a_program_leaves_do_not_fail_later_programs():
     expected = 1.0 if sandbox.isolation().level == "bwrap" else 0.0  # the basic level blocks subprocess
     assert rewards.tolist() == [[1.0]] + [[expected]] * 3
     assert metrics["reward/code_pass/failures"] == 0
+
+
+def test_rollouts_submitted_one_by_one_in_any_order_score_as_a_batch(stage):
+    batch = stage.begin(N)
+    for i in reversed(range(N)):
+        batch.submit(i, COMPLETIONS[i], NUM_TOKENS[i], METADATA[i])
+    rewards, metrics = batch.collect()
+    torch.testing.assert_close(rewards, expected_rewards(), rtol=0, atol=0)
+    assert metrics["reward/stage_hangs_on_odd/timeouts"] == 3 and metrics["reward/stage_exits_on_4/failures"] == 1
+
+
+def test_a_submitted_rollout_is_scored_before_collect_is_called(tmp_path):
+    marker = tmp_path / "scored"
+    path = tmp_path / "marking.py"
+    path.write_text(
+        "from pathlib import Path\n"
+        "from gdpo_megatron.rewards import register_reward\n"
+        "@register_reward('stage_marks')\n"
+        "def marks(completion, num_tokens, ground_truth):\n"
+        f"    Path({str(marker)!r}).write_text(completion)\n"
+        "    return 7.0\n"
+    )
+    with RewardStage([RewardSpec("stage_marks")], num_workers=1, reward_files=[path]) as stage:
+        stage.score(["warm-up"], [1], [{}])  # the worker is up (as in training, started at build)
+        batch = stage.begin(1)
+        batch.submit(0, "first", 1, {})
+        deadline = time.monotonic() + 60
+        while marker.read_text() != "first" and time.monotonic() < deadline:  # the caller is busy
+            time.sleep(0.05)
+        assert marker.read_text() == "first"  # scored before collect() was called
+        rewards, _ = batch.collect()
+    assert rewards.tolist() == [[7.0]]
+
+
+def test_bad_submissions_are_named(stage):
+    batch = stage.begin(2)
+    batch.submit(0, "x", 1, METADATA[0])
+    with pytest.raises(ValueError, match="rollout 0 .* submitted twice"):
+        batch.submit(0, "x", 1, METADATA[0])
+    with pytest.raises(ValueError, match="rollout 2 is out of"):
+        batch.submit(2, "x", 1, METADATA[0])
+    with pytest.raises(ValueError, match="1 of 2 rollouts"):
+        batch.collect()
+    batch.submit(1, "x", 1, METADATA[1])
+    assert batch.collect()[0].shape == (2, len(SPECS))
+
+
+def test_a_stage_that_cannot_start_fails_at_collect_not_at_submit(tmp_path):
+    stage = worker_only_failure(tmp_path)
+    batch = stage.begin(3)
+    for i in range(3):
+        time.sleep(0.2)
+        batch.submit(i, "x", 1, {})  # never raises mid-generation
+    with pytest.raises(RuntimeError, match="could not start(.|\n)*missing dependency in the workers"):
+        batch.collect()
+
+
+BOUNDED_REWARDS = '''
+from gdpo_megatron.rewards import register_reward
+
+@register_reward("stage_bounded_raises_on_1", bounds=(-3, 3))
+def bounded_raises_on_1(completion, num_tokens, ground_truth):
+    if ground_truth["i"] == 1:
+        raise RecursionError("as a completion nested too deeply might make it")
+    return 1.0
+
+@register_reward("stage_out_of_bounds_on_0", bounds=(0, 1))
+def out_of_bounds_on_0(completion, num_tokens, ground_truth):
+    return 2.0 if ground_truth["i"] == 0 else 0.5
+
+@register_reward("stage_unbounded_raises_on_1")
+def unbounded_raises_on_1(completion, num_tokens, ground_truth):
+    if ground_truth["i"] == 1:
+        raise ValueError("no reward for rollout 1")
+    return -7.0
+'''
+
+
+def test_a_failure_scores_the_declared_low_bound_and_a_value_outside_the_bounds_fails(tmp_path):
+    path = tmp_path / "bounded.py"
+    path.write_text(BOUNDED_REWARDS)
+    specs = [RewardSpec("stage_bounded_raises_on_1"), RewardSpec("stage_out_of_bounds_on_0"),
+             RewardSpec("stage_unbounded_raises_on_1")]
+    with RewardStage(specs, num_workers=1, reward_files=[path]) as stage:
+        rewards, metrics = stage.score(["a", "b"], [1, 1], [{"i": 0}, {"i": 1}])
+    # Failing pays the bound's low end (not 0, above an honest -3); undeclared bounds fail to 0.
+    assert rewards.tolist() == [[1.0, 0.0, -7.0], [-3.0, 0.5, 0.0]]
+    assert [metrics[f"reward/{spec.name}/failures"] for spec in specs] == [1, 1, 1]

@@ -7,8 +7,10 @@ from gdpo_megatron.rewards import (
     load_reward_file,
     register_reward,
     registered_rewards,
+    reward_bounds,
     validate_specs,
 )
+from gdpo_megatron.config import ConfigError, from_dict
 
 BUILT_IN = {"tool_format", "tool_correctness", "math_correctness", "math_format", "length", "code_pass", "code_no_bug"}
 
@@ -67,3 +69,33 @@ def test_validate_specs(specs, match):
 def test_reward_spec_rejects_bad_fields(kwargs, match):
     with pytest.raises(ValueError, match=match):
         RewardSpec(**kwargs)
+
+
+def test_built_in_rewards_declare_their_ranges():
+    assert reward_bounds("tool_correctness") == reward_bounds("toolrl_correctness") == (-3.0, 3.0)
+    assert all(reward_bounds(name) == (0.0, 1.0) for name in BUILT_IN - {"tool_correctness"})
+    with pytest.raises(ValueError, match="not registered"):
+        reward_bounds("no_such_reward")
+
+
+@pytest.mark.parametrize("bounds", [(1.0, 0.0), (0.0, 0.0), (0.0, float("inf")), (0.0,), "01", (0.0, True)])
+def test_bad_bounds_are_named(bounds):
+    with pytest.raises(ValueError, match="'test_bounded': bounds"):
+        register_reward("test_bounded", bounds=bounds)
+
+
+def test_a_failure_scores_the_declared_low_bound_unless_the_spec_says_otherwise():
+    register_reward("test_unbounded")(lambda completion, num_tokens, ground_truth: 5.0)
+    assert RewardSpec("tool_correctness").failure_score() == -3.0  # not 0, which beats a wrong call
+    assert RewardSpec("math_correctness").failure_score() == 0.0
+    assert RewardSpec("tool_correctness", failure_value=-10).failure_score() == -10.0
+    assert RewardSpec("tool_correctness", failure_value=0.0).failure_score() == 0.0
+    assert RewardSpec("test_unbounded").failure_score() == 0.0
+
+
+def test_configs_with_and_without_failure_value_load():
+    assert from_dict(RewardSpec, {"name": "tool_correctness"}, "rewards.0").failure_score() == -3.0
+    assert from_dict(RewardSpec, {"name": "tool_correctness", "failure_value": 0}, "rewards.0").failure_score() == 0.0
+    assert from_dict(RewardSpec, {"name": "tool_correctness", "failure_value": None}, "rewards.0").failure_value is None
+    with pytest.raises(ConfigError, match="rewards.0.failure_value"):
+        from_dict(RewardSpec, {"name": "tool_correctness", "failure_value": "low"}, "rewards.0")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from gdpo_megatron.rollout import SamplingConfig, VLLMEngine, VLLMEngineConfig
+from gdpo_megatron.rollout.vllm_engine import kv_cache_gib
 
 # Longer than a KV-cache block, so a stale prefix cache after a weight update would be hit.
 LONG_PROMPT = [(7 * i) % 500 + 1 for i in range(300)]
@@ -113,6 +114,47 @@ def test_stop_token_and_stop_string_cut_the_completion(engine):
     assert stop in decoded and stop not in engine.tokenizer.decode(by_string.token_ids[:-1])
 
 
+def test_text_is_the_decoded_completion_without_special_tokens(engine, models):
+    """Without stop strings vLLM's per-step detokenization is off and each completion is
+    decoded once at the end: the text is the checkpoint tokenizer's decoding of its tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(models["paths"]["base"])
+    eos = models["base"].config.eos_token_id
+    completions = [c for g in engine.generate(PROMPTS, 4, SamplingConfig(max_new_tokens=24, seed=8)) for c in g]
+    for c in completions:
+        assert c.text == tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        assert c.text and tokenizer.decode([eos]) not in c.text
+
+
+def test_completions_are_handed_over_as_they_finish(engine):
+    """Completions that hit a stop token early reach ``on_completion`` while longer ones run."""
+    seen, unfinished_then = [], []
+    llm_engine = engine._llm.llm_engine
+
+    def on_completion(i, j, completion):
+        seen.append((i, j, completion))
+        unfinished_then.append(llm_engine.get_num_unfinished_requests())
+
+    groups = engine.generate(PROMPTS, 4, SamplingConfig(max_new_tokens=40, seed=2, stop_token_ids=(7, 9, 11)),
+                             on_completion=on_completion)
+    assert sorted((i, j) for i, j, _ in seen) == [(i, j) for i in range(3) for j in range(4)]
+    assert all(groups[i][j] is c for i, j, c in seen)
+    lengths = [len(c.token_ids) for _, _, c in seen]
+    assert lengths[0] < max(lengths) and unfinished_then[0] > 0  # the first came while others ran
+
+
+def test_an_error_in_on_completion_aborts_the_rest_and_the_engine_goes_on(engine):
+    def fail(i, j, completion):
+        raise KeyError("scorer broke")
+
+    with pytest.raises(KeyError, match="scorer broke"):
+        engine.generate(PROMPTS, 2, SamplingConfig(max_new_tokens=8, seed=1), on_completion=fail)
+    assert engine._llm.llm_engine.get_num_unfinished_requests() == 0
+    groups = engine.generate(PROMPTS, 2, SamplingConfig(max_new_tokens=8, seed=1))
+    assert [len(g) for g in groups] == [2, 2, 2]
+
+
 def test_update_weights_makes_outputs_exactly_those_of_the_new_weights(engine, models, base_weights):
     eos = models["base"].config.eos_token_id
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=8)
@@ -191,3 +233,17 @@ def test_bad_input_is_named(engine, tmp_path):
         VLLMEngineConfig(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="quantization"):
         VLLMEngineConfig(str(tmp_path), quantization="int3")
+
+
+def test_kv_cache_for_a_step_holds_its_sequences_in_whole_blocks(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        hidden_size=512, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=4)))
+    per_token = 2 * 4 * 2 * 64  # keys and values, layers, KV heads, head_dim
+    # 64 sequences of up to 100 tokens: one 128-token block each
+    assert kv_cache_gib(str(tmp_path), "float32", 64, 100, 512) * 2**30 == 64 * 128 * per_token * 4
+    # 3 sequences of up to 130 tokens: two blocks each, in bf16
+    assert kv_cache_gib(str(tmp_path), "bfloat16", 3, 130, 256) * 2**30 == 6 * 128 * per_token * 2
+    # at least one sequence of max_model_len (vLLM's own requirement)
+    assert kv_cache_gib(str(tmp_path), "float32", 1, 10, 1000) * 2**30 == 8 * 128 * per_token * 4

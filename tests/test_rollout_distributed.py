@@ -91,7 +91,51 @@ def policy_consistency(base_path: str, training_tp: int, temperature: float):
         batch = to_policy_batch(rollouts, 2, torch.zeros(n), torch.ones(n, dtype=torch.bool), pad_id=0)
         policy = worker.compute_logprobs(batch).cpu()
     targets = batch.loss_mask[:, 1:]
-    return batch.old_logprobs[targets], policy[targets]
+    return batch.rollout_logprobs[targets], policy[targets]
+
+
+class LogitScaledEngine:
+    """The real engine, given every weight sync with its output layer scaled by ``scale``: it
+    samples from softmax(scale x logits) while the policy computes softmax(logits), a known
+    rollout/training mismatch much larger than GPU kernel noise."""
+
+    def __init__(self, engine, scale: float):
+        self.engine, self.scale = engine, scale
+
+    def update_weights(self, weights) -> None:
+        self.engine.update_weights((n, t * self.scale if n == "lm_head.weight" else t) for n, t in weights)
+
+    def generate(self, prompt_token_ids, n, sampling):
+        return self.engine.generate(prompt_token_ids, n, sampling)
+
+
+def update_from_perturbed_rollouts(base_path: str, old_logprobs: str, tis_cap):
+    """The base model as the policy, rollouts from a logit-scaled copy of it, one update.
+
+    Returns, over the trained tokens: the engine's and the policy's (before the update)
+    logprobs, each token's advantage, and the update's metrics."""
+    from gdpo_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
+    from gdpo_megatron.checkpoint.hf_io import load_hf_weights
+    from gdpo_megatron.checkpoint.weight_stream import iter_hf_weights
+    from gdpo_megatron.experience import Rollouts, to_policy_batch
+    from gdpo_megatron.policy.config import LossConfig, PolicyConfig
+    from gdpo_megatron.policy.worker import PolicyWorker
+
+    model = model_config_from_hf(read_hf_config(base_path))
+    config = PolicyConfig(model=model, old_logprobs=old_logprobs, loss=LossConfig(tis_cap=tis_cap), seed=5)
+    engine = LogitScaledEngine(_ENGINE["engine"], scale=1.3)
+    with PolicyWorker(config, init_weights=lambda m: load_hf_weights(m, model, base_path)) as worker:
+        engine.update_weights(iter_hf_weights(worker.gpt_model, config.model))
+        completions = [c for g in engine.generate(PROMPTS, 2, SamplingConfig(max_new_tokens=12, seed=3)) for c in g]
+        n = len(completions)
+        rollouts = Rollouts(PROMPTS, torch.arange(len(PROMPTS)).repeat_interleave(2), completions)
+        advantages = torch.tensor([1.0, -1.0]).repeat(n // 2) * torch.linspace(0.5, 1.5, n)
+        batch = to_policy_batch(rollouts, 2, advantages, torch.ones(n, dtype=torch.bool), pad_id=0)
+        policy = worker.compute_logprobs(batch).cpu()
+        metrics = worker.train_step(batch)
+    targets = batch.target_mask
+    token_advantages = batch.advantages[:, None].expand_as(targets)[targets]
+    return batch.rollout_logprobs[targets], policy[targets], token_advantages, metrics
 
 
 def close_engine(port: int) -> None:
@@ -188,6 +232,37 @@ class TestOneReplicaPerRank:
             assert engine_logprobs.numel() > 40
             torch.testing.assert_close(engine_logprobs, policy_logprobs, atol=1e-4, rtol=0)
         torch.testing.assert_close(results[0][0], results[1][0], atol=0, rtol=0)
+
+    def test_old_logprobs_from_the_policy_and_truncated_importance_sampling_under_a_perturbed_engine(
+            self, tp1_world, models):
+        """Each rank's engine samples at 1.3x the policy's logits. Recomputed old logprobs start the
+        update at ratio 1, the engine's would not; the mismatch metric is |engine - policy| either
+        way; with tis_cap each token's loss is weighted by min(exp(policy - engine), cap)."""
+        cap = 1.5
+        runs = {mode: tp1_world.run(update_from_perturbed_rollouts, models["paths"]["base"], mode, tis)
+                for mode, tis in (("policy", cap), ("rollout", None))}
+        engine, policy, advantages, metrics = runs["policy"][0]
+        assert engine.numel() > 40 and runs["policy"][1][3] == metrics  # both ranks: one data-parallel update
+        gap = (policy - engine).abs().mean().item()
+        assert gap > 0.05  # the perturbation shows (unperturbed: ~1e-7, see above)
+        assert metrics["logprob_mismatch"] == pytest.approx(gap, rel=1e-5)
+        assert metrics["ratio_min"] == pytest.approx(1.0, abs=1e-6) == metrics["ratio_max"]
+        assert metrics["clip_fraction"] == 0.0
+
+        weights = (policy - engine).exp()
+        assert (weights > cap).any() and (weights < 1).any()
+        assert metrics["tis_weight"] == pytest.approx(weights.clamp(max=cap).mean().item(), rel=1e-5)
+        assert metrics["tis_truncated"] == pytest.approx((weights > cap).double().mean().item(), abs=1e-9)
+        # At ratio 1 each token's loss is -A * w: the token mean of the weighted advantages.
+        assert metrics["loss"] == pytest.approx(-(advantages * weights.clamp(max=cap)).mean().item(), rel=1e-5)
+
+        rollout_engine, _, _, rollout_metrics = runs["rollout"][0]
+        torch.testing.assert_close(rollout_engine, engine, atol=0, rtol=0)  # the same samples
+        assert rollout_metrics["logprob_mismatch"] == pytest.approx(gap, rel=1e-5)
+        ratios = (policy - engine).exp()  # with the engine's logprobs as the old ones
+        assert rollout_metrics["ratio_min"] == pytest.approx(ratios.min().item(), rel=1e-5)
+        assert rollout_metrics["ratio_max"] == pytest.approx(ratios.max().item(), rel=1e-5)
+        assert rollout_metrics["tis_weight"] == 1.0 and rollout_metrics["clip_fraction"] > 0
 
     def test_update_weights_on_every_rank(self, tp1_world, models):
         tp1_world.run(update_weights, models["paths"]["other"])

@@ -1,14 +1,19 @@
-"""GPU-only behaviour of the vLLM engine: sleep-mode memory release, TP=2, FP8 rollouts."""
+"""GPU-only behaviour of the vLLM engine: sleep-mode memory release, TP=2, FP8 rollouts.
+
+vLLM's sleep mode allows one engine per process (its CuMem allocator asserts that it holds no
+memory when an engine loads its weights), so every test builds its engines in processes of its
+own and compares their results here with the transformers models on the CPU.
+"""
 import pytest
 import torch
 
 from gdpo_megatron.distributed.local_world import LocalWorld
-from gdpo_megatron.rollout import SamplingConfig, VLLMEngine, VLLMEngineConfig
+from gdpo_megatron.rollout import SamplingConfig
 
 pytestmark = pytest.mark.gpu
 
 PROMPTS = [[5, 17, 42, 99, 3], [250, 251, 252]]
-GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=8)
+SEEDED = SamplingConfig(max_new_tokens=8, seed=9)
 
 
 @pytest.fixture(scope="module")
@@ -23,71 +28,85 @@ def sampled_logprobs(model, prompt, tokens):
     return logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
 
 
-def greedy(model, prompt, steps):
-    tokens = []
-    for _ in range(steps):
-        with torch.no_grad():
-            tokens.append(int(model(torch.tensor([list(prompt) + tokens])).logits[0, -1].argmax()))
-    return tokens
+def mean_logprob_gap(model, groups) -> float:
+    """Mean |engine - model| logprob over the sampled tokens of ``groups`` (one per prompt)."""
+    return torch.cat([
+        (torch.tensor(logprobs, dtype=torch.float64) - sampled_logprobs(model, prompt, tokens)).abs()
+        for prompt, group in zip(PROMPTS, groups) for tokens, logprobs in group
+    ]).mean().item()
 
 
-def test_sleep_releases_device_memory_and_update_then_wake_restores_generation(models):
+def _state_dict(path: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path).state_dict()
+
+
+def _engine(model_path: str, **kwargs):
+    from gdpo_megatron.rollout import VLLMEngine, VLLMEngineConfig
+
+    torch.cuda.set_device(torch.distributed.get_rank())  # before NCCL's first collective
+    return VLLMEngine(VLLMEngineConfig(model_path, max_model_len=256, gpu_memory_utilization=0.3, **kwargs))
+
+
+def _generate(engine, n: int, sampling: SamplingConfig):
+    return [[(c.token_ids, c.logprobs) for c in group] for group in engine.generate(PROMPTS, n, sampling)]
+
+
+def sleep_update_wake(base_path: str, other_path: str) -> dict:
+    """Bytes held, bytes freed by sleep, and samples after an update while asleep."""
     free_before = torch.cuda.mem_get_info()[0]
-    engine = VLLMEngine(VLLMEngineConfig(models["paths"]["base"], dtype="float32", max_model_len=256, gpu_memory_utilization=0.3))
+    engine = _engine(base_path, dtype="float32")
     try:
-        assert engine.sleep_mode
         held = free_before - torch.cuda.mem_get_info()[0]
         engine.sleep()
         released = torch.cuda.mem_get_info()[0] - (free_before - held)
-        assert released > 0.8 * held, f"sleep released {released} of {held} bytes"
-        engine.update_weights(models["other"].state_dict().items())  # wakes the weights only
+        engine.update_weights(_state_dict(other_path).items())  # wakes the weights only
         engine.wake_up()  # then the KV cache
-        got = [g[0].token_ids for g in engine.generate(PROMPTS, 1, GREEDY)]
-        assert got == [greedy(models["other"], p, 8) for p in PROMPTS]
+        return dict(sleep_mode=engine.sleep_mode, held=held, released=released,
+                    groups=_generate(engine, 1, SEEDED))
     finally:
         engine.close()
+
+
+def fp8_samples(base_path: str, other_path: str):
+    engine = _engine(base_path, dtype="bfloat16", quantization="fp8")
+    try:
+        engine.update_weights(_state_dict(other_path).items())
+        return _generate(engine, 4, SamplingConfig(max_new_tokens=16, seed=0))
+    finally:
+        engine.close()
+
+
+def tp2_update_and_generate(base_path: str, other_path: str):
+    engine = _engine(base_path, dtype="float32", tensor_parallel_size=2)
+    try:
+        engine.update_weights(_state_dict(other_path).items())
+        return _generate(engine, 1, SEEDED)
+    finally:
+        engine.close()
+
+
+def test_sleep_releases_device_memory_and_update_then_wake_restores_generation(models):
+    with LocalWorld(1, backend="nccl") as world:
+        result = world.run(sleep_update_wake, models["paths"]["base"], models["paths"]["other"])[0]
+    assert result["sleep_mode"]
+    assert result["released"] > 0.8 * result["held"], f"sleep released {result['released']} of {result['held']} bytes"
+    # the samples come from the new weights: their logprobs are the other model's (fp32 on both sides)
+    assert mean_logprob_gap(models["other"], result["groups"]) < 1e-3
 
 
 def test_fp8_rollouts_stay_close_to_the_full_precision_policy(models):
-    engine = VLLMEngine(
-        VLLMEngineConfig(models["paths"]["base"], dtype="bfloat16", max_model_len=256, quantization="fp8", gpu_memory_utilization=0.3)
-    )
-    try:
-        engine.update_weights(models["other"].state_dict().items())
-        groups = engine.generate(PROMPTS, 4, SamplingConfig(max_new_tokens=16, seed=0))
-        mismatch = torch.cat(
-            [
-                (torch.tensor(c.logprobs, dtype=torch.float64) - sampled_logprobs(models["other"], p, c.token_ids)).abs()
-                for p, g in zip(PROMPTS, groups)
-                for c in g
-            ]
-        ).mean()
-        # garbage or stale weights would be off by nats, not tenths
-        assert 0 < mismatch < 0.5, f"mean |fp8 engine - fp32 policy| logprob = {mismatch:.4f}"
-    finally:
-        engine.close()
-
-
-_ENGINE = {}
-
-
-def _start_tp2(model_path):
-    torch.cuda.set_device(torch.distributed.get_rank())  # before NCCL's first collective
-    _ENGINE["engine"] = VLLMEngine(
-        VLLMEngineConfig(model_path, tensor_parallel_size=2, dtype="float32", max_model_len=256, gpu_memory_utilization=0.3)
-    )
-
-
-def _update_and_generate(model_path):
-    from transformers import AutoModelForCausalLM
-
-    _ENGINE["engine"].update_weights(AutoModelForCausalLM.from_pretrained(model_path).state_dict().items())
-    return [g[0].token_ids for g in _ENGINE["engine"].generate(PROMPTS, 1, GREEDY)]
+    with LocalWorld(1, backend="nccl") as world:
+        groups = world.run(fp8_samples, models["paths"]["base"], models["paths"]["other"])[0]
+    mismatch = mean_logprob_gap(models["other"], groups)
+    # garbage or stale weights would be off by nats, not tenths
+    assert 0 < mismatch < 0.5, f"mean |fp8 engine - fp32 policy| logprob = {mismatch:.4f}"
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_tp2_on_two_gpus_updates_in_place(models):
     with LocalWorld(2, backend="nccl") as world:
-        world.run(_start_tp2, models["paths"]["base"])
-        rank0, rank1 = world.run(_update_and_generate, models["paths"]["other"])
-    assert rank0 == rank1 == [greedy(models["other"], p, 8) for p in PROMPTS]
+        rank0, rank1 = world.run(tp2_update_and_generate, models["paths"]["base"], models["paths"]["other"])
+    assert rank0 == rank1
+    assert mean_logprob_gap(models["other"], rank0) < 1e-3

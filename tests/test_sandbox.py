@@ -80,6 +80,24 @@ def test_isolation_is_reported_per_guarantee():
         assert not report.guarantees["no_network"] and not report.guarantees["writes_confined"]
 
 
+@pytest.fixture
+def fresh_probe():
+    """The isolation probe runs again in the test, and again after it."""
+    sandbox.isolation.cache_clear()
+    sandbox._bwrap_failure.cache_clear()
+    yield
+    sandbox.isolation.cache_clear()
+    sandbox._bwrap_failure.cache_clear()
+
+
+def test_falling_back_to_the_basic_level_says_why(fresh_probe, monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on it
+    with caplog.at_level("WARNING", logger="gdpo_megatron.rewards.sandbox"):
+        assert sandbox.isolation().level == "basic"
+    assert any("'basic'" in r.getMessage() and "bwrap" in r.getMessage() and "not installed" in r.getMessage()
+               for r in caplog.records), caplog.text
+
+
 def test_runs_a_program_with_stdin_and_leaves_no_directory(tmp_path):
     before = set(os.listdir(tmp_path.parent.parent))
     code = "import os\nprint(input()[::-1])\nprint(sorted(os.listdir('.')))\nopen('f', 'w').write('x')"
@@ -140,7 +158,8 @@ def test_zombies_left_behind_do_not_hold_process_slots():
     forks = "import os\nfor _ in range(31):\n    if os.fork() == 0:\n        os._exit(0)\nprint('forked')\n"
     assert run_python(forks, "", limits).stdout == "forked\n"
     assert zombie_children() == []
-    uses_processes = "import subprocess\nfor _ in range(5):\n    subprocess.run(['true'], check=True)\nprint('ran')\n"
+    uses_processes = ("import os\nfor _ in range(5):\n    if (pid := os.fork()) == 0:\n        os._exit(0)\n"
+                      "    os.waitpid(pid, 0)\nprint('ran')\n")  # no subprocess: the basic level refuses its imports
     result = run_python(uses_processes, "", limits)
     assert result.ok and result.stdout == "ran\n", result.stderr
 
@@ -204,6 +223,15 @@ def test_setuid_programs_gain_nothing_and_do_not_survive():
         real, effective, saved, _ = eval(lines[1])
         assert effective == real == saved != "0"
     assert processes_with(word) == []
+
+
+@pytest.mark.parametrize("level", ["default", "basic"])
+def test_no_new_privs_at_every_level(level):
+    """At the basic level too: a setuid helper started by the program would run as root, and
+    one that takes root as its real user id is beyond the sweep over the sandbox's user."""
+    code = "print(open('/proc/self/status').read().split('NoNewPrivs:')[1].split()[0])\n"
+    result = run_python(code, "", LIMITS, level=None if level == "default" else level)
+    assert result.ok and result.stdout == "1\n", result.stderr
 
 
 @guaranteed("private_ipc")
@@ -305,6 +333,22 @@ def test_memory_is_bounded_per_run_not_per_process():
     assert result.stdout == "" or int(result.stdout) <= 1
 
 
+@guaranteed("memory_per_run")
+def test_memory_held_outside_the_address_space_is_bounded_per_run():
+    """memfd files are outside RLIMIT_AS: 512 files of 1 MiB under a 256 MiB bound."""
+    limits = SandboxLimits(wall_s=20.0, cpu_s=5, memory_bytes=256 << 20, output_bytes=1 << 20, processes=16)
+    code = (
+        "import os\n"
+        "files = []\n"
+        "for _ in range(512):\n"
+        "    files.append(os.memfd_create('x'))\n"
+        "    os.write(files[-1], b'x' * (1 << 20))\n"
+        "print(len(files))\n"
+    )
+    result = run_python(code, "", limits)
+    assert result.memory_limited and not result.ok and result.stdout == ""
+
+
 @guaranteed("disk_bounded")
 def test_disk_writes_are_bounded():
     limits = SandboxLimits(wall_s=10.0, cpu_s=5, memory_bytes=256 << 20, output_bytes=2 << 20, disk_bytes=8 << 20)
@@ -330,6 +374,21 @@ def test_huge_output_is_capped():
     result = run_python("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n", "", LIMITS)
     assert result.output_limited and not result.ok
     assert len(result.stdout) == LIMITS.output_bytes and set(result.stdout) == {"x"}
+
+
+@guaranteed("host_files_hidden")
+def test_host_files_are_hidden():
+    code = (
+        "import os\n"
+        "print(sorted(os.listdir('/')))\n"
+        f"for path in ('/etc/passwd', {os.path.abspath(__file__)!r}, {os.getcwd()!r}):\n"
+        "    print(os.path.exists(path))\n"
+    )
+    result = run_python(code, "", LIMITS)
+    assert result.ok, result.stderr
+    top, *seen = result.stdout.splitlines()
+    assert set(eval(top)) <= {"bin", "dev", "lib", "lib32", "lib64", "libx32", "proc", "sbin", "tmp", "usr"}
+    assert seen == ["False"] * 3
 
 
 @guaranteed("writes_confined")

@@ -1,8 +1,9 @@
 """`sbatch slurm/gdpo_tiny_cpu.sh` under a real Slurm: controller and node daemon on localhost.
 
 The module starts munged, slurmctld and slurmd from Debian's slurm-wlm / munge packages with
-a generated one-node configuration (2 CPUs, no cgroups, everything under a temporary
-directory), submits the real job script with 2 tasks and checks what the run left behind.
+a generated one-node configuration (2 CPUs, the task/affinity plugin, no cgroups, everything
+under a temporary directory), submits the real job script with 2 tasks and checks what the run
+left behind.
 Every daemon and job is stopped at the end, also when a test fails. Skipped where the daemons
 are not installed (``apt-get install slurm-wlm munge``); needs root (SlurmUser=root).
 Without Slurm: the job scripts' headers agree with the trainer's exit status and the memory plan.
@@ -68,7 +69,7 @@ SlurmctldLogFile={root}/slurmctld.log
 SlurmdLogFile={root}/slurmd.log
 MailProg=/bin/true
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin=task/affinity
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
@@ -98,6 +99,8 @@ class LocalSlurm:
             PATH=os.pathsep.join([str(Path(sys.executable).parent), self.env.get("PATH", ""), SBIN]),
             OMP_NUM_THREADS="1",
             WANDB_MODE="offline",
+            # Tasks float over the node's CPUs (what srun reads as --cpu-bind) unless a job binds.
+            SLURM_CPU_BIND="none",
         )
 
     def start(self) -> None:
@@ -264,6 +267,28 @@ def test_tiny_cpu_job_trains_requeues_on_usr1_and_resumes(slurm, base_model, tmp
         state = json.loads((checkpoints / f"step_{step}" / "trainer_state.json").read_text())
         assert state["world_size"] == 2 and state["step"] == step
         assert sorted(p.name for p in (checkpoints / f"step_{step}" / "rng").iterdir()) == ["rank_0.pt", "rank_1.pt"]
+
+
+CPUS_JOB = """#!/bin/bash
+#SBATCH --ntasks=1
+#SBATCH --cpus-per-task=2
+export SLURM_CPU_BIND=cores  # as clusters that bind each task to its cores
+source slurm/launch.sh
+run_tasks python -c 'import os; print("cpus of the task:", len(os.sched_getaffinity(0)))'
+"""
+
+
+@pytest.mark.slurm
+def test_tasks_get_the_jobs_cpus_per_task(slurm, tmp_path):
+    """Slurm >= 22.05 srun does not take --cpus-per-task from sbatch: launch.sh must pass it on,
+    or where tasks are bound to cores the task (and its reward workers) gets one core."""
+    script = tmp_path / "cpus.sh"
+    script.write_text(CPUS_JOB)
+    job = slurm.sbatch(str(script))
+    info = slurm.wait_job(job, 60)
+    log = slurm.log(job)
+    assert info["JobState"] == "COMPLETED", f"{info}\n{log}"
+    assert "cpus of the task: 2" in log, log
 
 
 def _sbatch_options(script: str) -> dict[str, str]:

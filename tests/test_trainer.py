@@ -92,14 +92,23 @@ def test_data_parallel_run_resumes_and_exports(base_model, tmp_path):
 
 
 @pytest.mark.parametrize("layout", [
-    ("policy.parallel.tensor_model_parallel_size=2", "advantage.mode=grpo", "dynamic_sampling=true"),
-    ("policy.parallel.pipeline_model_parallel_size=2", "advantage.leave_one_out=true"),
-], ids=["tp2-grpo-dynamic-sampling", "pp2-gdpo-leave-one-out"])
+    ("policy.parallel.tensor_model_parallel_size=2", "advantage.mode=grpo", "dynamic_sampling=true",
+     "policy.old_logprobs=policy", "policy.loss.tis_cap=2", "policy.optim.use_distributed_optimizer=true",
+     "policy.offload_grads_and_optimizer=true"),
+    # also token-budget micro-batches under 1F1B, and the KV cache sized to the step's rollouts
+    ("policy.parallel.pipeline_model_parallel_size=2", "advantage.leave_one_out=true",
+     "policy.micro_batch_tokens=160", "rollout.kv_cache_gib=null"),
+], ids=["tp2-grpo-dynamic-sampling-recomputed-old-logprobs-tis-offload", "pp2-gdpo-leave-one-out-token-budget"])
 def test_model_parallel_runs_export_loadable_checkpoints(base_model, tmp_path, layout):
     run_dir = tmp_path / "mp"
     results = run_local(_train, 2, _overrides(base_model, run_dir, 1, *layout))
     assert results == [(0, "done"), (0, "done")]
-    _check_run(run_dir, 1, world_size=2)
+    record = _check_run(run_dir, 1, world_size=2)[0]
+    if "policy.old_logprobs=policy" in layout:  # the update starts at ratio 1; fp32 engines: weights ~1
+        assert record["train/ratio_min"] == pytest.approx(1.0, abs=1e-6) == record["train/ratio_max"]
+        assert record["train/tis_weight"] == pytest.approx(1.0, abs=1e-4) and record["train/tis_truncated"] == 0
+    else:  # vLLM's logprobs as the old ones: ratios off 1 by the engines' float noise only
+        assert abs(record["train/ratio_max"] - 1) < 1e-3 and record["train/tis_weight"] == 1.0
     assert (run_dir / "hf" / "config.json").is_file() and (run_dir / "hf" / "tokenizer.json").is_file()
     # The checkpoint, converted on one process (TP=1, PP=1), holds exactly the exported weights.
     subprocess.run([sys.executable, "-m", "gdpo_megatron.checkpoint.convert_cli", "megatron-to-hf",

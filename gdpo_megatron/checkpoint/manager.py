@@ -12,9 +12,16 @@ Layout under the checkpoint root::
 
 Every rank calls :meth:`CheckpointManager.save` / :meth:`CheckpointManager.load` (collective).
 A checkpoint is written under a temporary name and renamed to ``step_<N>`` when every rank has
-finished, so a ``step_<N>`` directory is always complete; resume takes the newest one. The
-model and optimizer are stored by megatron-core's ``dist_checkpointing``, so they load under a
-different tensor/pipeline-parallel layout than they were saved with.
+finished, so a ``step_<N>`` directory is always complete; resume takes the newest one.
+
+Layouts. The model and optimizer are stored by megatron-core's ``dist_checkpointing``. The
+model's weights, and the plain optimizer's state (kept per model parameter), load under any
+tensor/pipeline/data-parallel layout. The distributed optimizer's state is stored in one of
+megatron-core's formats (``optimizer_sharding``): ``dp_reshardable`` (its own bucket layout,
+written by every rank without communication) reloads under another data-parallel size only;
+``fully_reshardable`` (gathered into per-parameter tensors when saving) reloads under any
+layout. A checkpoint records its format and TP/PP sizes, and loading the distributed optimizer
+under another TP/PP from ``dp_reshardable`` is a clear error before anything is read.
 """
 from __future__ import annotations
 
@@ -31,16 +38,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.strategies.torch import (
     MCoreSavePlanner,
     TorchDistSaveShardedStrategy,
     _replace_state_dict_keys_with_sharded_keys,
     mcore_to_pyt_state_dict,
 )
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from gdpo_megatron.checkpoint.state import (
-    MANIFEST, STATE_FILE, TMP_PREFIX, CheckpointError, TrainingState, check_files, complete_steps,
+    MANIFEST, STATE_FILE, TMP_PREFIX, CheckpointError, TrainingState, check_files, check_reshardable,
+    complete_steps,
     read_training_state,
 )
 from gdpo_megatron.checkpoint.weight_stream import unwrap
@@ -50,9 +59,8 @@ LATEST = "latest"
 DIST_DIR = "dist"
 RNG_DIR = "rng"
 FORMAT_VERSION = 1
-# The distributed optimizer's state layout: "dp_reshardable" (fast, fully parallel; reloads
-# under another data-parallel size only) or "fully_reshardable" (gathers on save; reloads
-# under any layout).
+# megatron-core's formats of the distributed optimizer's state (see the module docstring).
+OPTIMIZER_SHARDINGS = ("dp_reshardable", "fully_reshardable")
 DEFAULT_OPTIMIZER_SHARDING = "dp_reshardable"
 
 
@@ -141,6 +149,18 @@ class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
         )
 
 
+def _is_distributed(optimizer) -> bool:
+    """Whether ``optimizer`` (possibly megatron's chain of optimizers) shards its state over DP."""
+    return any(isinstance(o, DistributedOptimizer) for o in getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _layout() -> dict | None:
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return {"tensor_model_parallel_size": parallel_state.get_tensor_model_parallel_world_size(),
+            "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size()}
+
+
 def _sharded_state_dict(model, optimizer, optimizer_sharding: str, is_loading: bool) -> dict:
     model_sd = unwrap(model).sharded_state_dict()
     state = {"model": model_sd}
@@ -163,8 +183,12 @@ class CheckpointManager:
 
     def __init__(self, root: str | os.PathLike, keep_last: int | None = 3,
                  optimizer_sharding: str = DEFAULT_OPTIMIZER_SHARDING):
+        """``optimizer_sharding``: the distributed optimizer's format for saving (loading reads
+        the format a checkpoint was saved in)."""
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last: expected None or >= 1, got {keep_last}")
+        if optimizer_sharding not in OPTIMIZER_SHARDINGS:
+            raise ValueError(f"optimizer_sharding: expected one of {OPTIMIZER_SHARDINGS}, got {optimizer_sharding!r}")
         self.root = Path(root)
         self.keep_last = keep_last
         self.optimizer_sharding = optimizer_sharding
@@ -191,7 +215,8 @@ class CheckpointManager:
         final = self.step_dir(step)
         tmp = self.root / f"{TMP_PREFIX}{final.name}"
         state = {"format_version": FORMAT_VERSION, "step": step, "data_position": data_position,
-                 "config": config or {}, "world_size": _world_size()}
+                 "config": config or {}, "world_size": _world_size(), "layout": _layout(),
+                 "optimizer_sharding": self.optimizer_sharding if _is_distributed(optimizer) else None}
         try:
             state_text = json.dumps(state, indent=2, sort_keys=True)
         except TypeError as e:
@@ -238,7 +263,8 @@ class CheckpointManager:
              restore_rng: bool = True, verify: bool = True) -> TrainingState:
         """Load ``step`` (default: the newest complete) into the given objects (collective).
 
-        ``model`` may be built under another TP/PP layout than the one saved. RNG states are
+        ``model`` may be built under another TP/PP layout than the one saved, and so may a
+        plain optimizer or a distributed one saved ``fully_reshardable``. RNG states are
         restored when the world size matches the saved one (else a warning).
         """
         if step is None:
@@ -251,12 +277,15 @@ class CheckpointManager:
         if verify:
             self.verify(directory)
         state = read_training_state(directory)
+        sharding = state.optimizer_sharding or self.optimizer_sharding
+        if optimizer is not None and _is_distributed(optimizer):
+            check_reshardable(directory, state, _layout())
 
         with cpu_compat.device_scope():
-            sharded = _sharded_state_dict(model, optimizer, self.optimizer_sharding, is_loading=True)
+            sharded = _sharded_state_dict(model, optimizer, sharding, is_loading=True)
             try:
                 loaded = dist_checkpointing.load(sharded, str(directory / DIST_DIR))
-            except Exception as e:
+            except (Exception, dcp.api.CheckpointException) as e:  # the latter is a BaseException
                 raise CheckpointError(f"{directory / DIST_DIR}: cannot load the distributed checkpoint: {e}") from e
             unwrap(model).load_state_dict(loaded["model"])
             if optimizer is not None:

@@ -20,6 +20,7 @@ STEP_DIR = re.compile(r"step_(\d+)")
 TMP_PREFIX = ".tmp-"
 STATE_FILE = "trainer_state.json"
 MANIFEST = "manifest.json"  # file name -> size and CRC32 of every other file of the checkpoint
+LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -34,6 +35,9 @@ class TrainingState:
     data_position: Any = None  # JSON value from the data loader (e.g. samples consumed)
     config: dict = field(default_factory=dict)
     world_size: int = 1  # ranks that saved it
+    layout: dict | None = None  # the TP and PP sizes it was saved under
+    # The distributed optimizer's format; None for a plain optimizer or none saved.
+    optimizer_sharding: str | None = None
 
 
 def read_json(path: Path, missing: str = "missing") -> Any:
@@ -60,7 +64,7 @@ def complete_steps(root: Path) -> list[int]:
 
 
 def read_training_state(directory: str | os.PathLike) -> TrainingState:
-    """The step, data position, config and world size stored in a checkpoint directory."""
+    """The step, data position, config, world size, layout and optimizer format of a checkpoint."""
     path = Path(directory) / STATE_FILE
     state = read_json(path)
     if not isinstance(state, dict):
@@ -69,7 +73,22 @@ def read_training_state(directory: str | os.PathLike) -> TrainingState:
     for key in fields:
         if key not in state:
             raise CheckpointError(f"{path}: missing the field {key!r}")
-    return TrainingState(**{key: state[key] for key in fields})
+    return TrainingState(**{key: state[key] for key in fields}, layout=state.get("layout"),
+                         optimizer_sharding=state.get("optimizer_sharding"))
+
+
+def check_reshardable(directory: str | os.PathLike, state: TrainingState, layout: dict | None) -> None:
+    """Raise unless the distributed optimizer's state saved in ``directory`` loads under ``layout``
+    (TP and PP sizes): megatron-core's ``dp_reshardable`` format reloads under another DP size only."""
+    if state.optimizer_sharding != "dp_reshardable" or state.layout is None or layout is None:
+        return
+    changed = [f"{k}={state.layout[k]} -> {layout[k]}" for k in LAYOUT_KEYS if state.layout.get(k) != layout[k]]
+    if changed:
+        raise CheckpointError(
+            f"{directory}: the distributed optimizer's state was saved in megatron-core's dp_reshardable format, "
+            f"which reloads under another data-parallel size only, and this run changes {', '.join(changed)}; "
+            "resume under the saved layout (then save with checkpoint.optimizer_sharding=fully_reshardable to "
+            "change it), or load the weights without the optimizer state")
 
 
 def model_section(config: dict) -> dict | None:

@@ -8,8 +8,12 @@ row (JSON lists and tables, counted from 0) for error messages. By ``path``:
 * ``*.json``: a JSON list of objects, or JSON Lines under a ``.json`` name (as Hugging Face
   ``datasets`` reads both);
 * ``*.parquet``: read with pyarrow, one row group at a time (verl's data files);
-* a directory: a Hugging Face ``datasets`` dataset written by ``save_to_disk``; a
-  ``DatasetDict`` gives the rows of ``split``.
+* a directory: a Hugging Face ``datasets`` dataset written by ``save_to_disk``: of a
+  ``DatasetDict``, the rows of ``split`` (default ``train``); of a single ``Dataset``, all its
+  rows (a ``split`` is honored only where the dataset was saved from that split).
+
+A split that cannot be honored (one a directory does not hold, any split of a file) is an
+error naming the path and what it holds, never ignored.
 
 JSON is read with the standard library so that each record keeps its own keys (an Arrow
 schema would give every row the union of all rows' keys, filled with nulls); text must be
@@ -36,13 +40,17 @@ class Where(NamedTuple):
         return f"{self.source}:{self.number}" if self.unit == "line" else f"{self.source} row {self.number}"
 
 
-def read_records(path: str | Path, split: str = "train") -> Iterator[tuple[Where, dict[str, Any]]]:
-    """``(where, record)`` for every record of the file or dataset directory ``path``."""
+def read_records(path: str | Path, split: str | None = None) -> Iterator[tuple[Where, dict[str, Any]]]:
+    """``(where, record)`` for every record of the file or dataset directory ``path`` (of
+    ``split``, for a directory; see the module docstring)."""
     path = Path(path)
     if path.is_dir():
         rows = _dataset_dir_rows(path, split)
     elif not path.is_file():
         raise FileNotFoundError(f"dataset {path} does not exist")
+    elif split is not None:
+        raise ValueError(f"dataset {path}: split {split!r} was asked for, but a file has no splits "
+                         "(a split picks part of a datasets directory); leave the split unset to read the file")
     elif path.suffix == ".jsonl":
         rows = _json_lines(path, path.read_bytes())
     elif path.suffix == ".json":
@@ -125,7 +133,7 @@ def _parquet_rows(path: Path) -> Iterator[tuple[Where, Any]]:
             row += 1
 
 
-def _dataset_dir_rows(path: Path, split: str) -> Iterator[tuple[Where, Any]]:
+def _dataset_dir_rows(path: Path, split: str | None) -> Iterator[tuple[Where, Any]]:
     if not any((path / name).is_file() for name in ("dataset_info.json", "state.json", "dataset_dict.json")):
         raise ValueError(f"dataset {path}: a directory must be a Hugging Face dataset written by save_to_disk "
                          "(dataset_info.json or dataset_dict.json); for a downloaded dataset repository, "
@@ -139,8 +147,15 @@ def _dataset_dir_rows(path: Path, split: str) -> Iterator[tuple[Where, Any]]:
         raise ValueError(f"dataset {path}: cannot read it ({e})") from None
     where = str(path)
     if isinstance(dataset, DatasetDict):
+        split = split or "train"
         if split not in dataset:
             raise ValueError(f"dataset {path}: no split {split!r} (splits: {', '.join(dataset)})")
         dataset, where = dataset[split], f"{path}[{split}]"
+    elif split is not None:
+        saved_from = None if dataset.split is None else str(dataset.split)
+        if split != saved_from:
+            holds = f"saved from split {saved_from!r}" if saved_from else "no named split"
+            raise ValueError(f"dataset {path}: holds a single dataset ({dataset.num_rows} rows, {holds}), not a "
+                             f"DatasetDict with split {split!r}; leave the split unset to read all its rows")
     for i, record in enumerate(dataset):
         yield Where(where, "row", i), record

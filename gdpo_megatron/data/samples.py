@@ -101,11 +101,12 @@ class Fields:
 
 
 def load_samples(path: str | Path, family: str, system_prompt: str | None = None, *, fields: Fields = Fields(),
-                 split: str = "train") -> list[Sample]:
+                 split: str | None = None) -> list[Sample]:
     """Samples of ``family`` from a data file or dataset directory (see the module docstring).
 
     ``system_prompt`` replaces the family's instructions (``""``: add none); ``split`` picks
-    the split of a dataset directory holding several.
+    a split of a dataset directory (default: ``train`` of a DatasetDict, all of a single
+    dataset; see :func:`gdpo_megatron.data.readers.read_records`).
     """
     if family not in FAMILIES:
         raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")

@@ -98,14 +98,17 @@ def init_distributed(backend: str | None = None, timeout: timedelta | None = Non
 
     Backend: ``nccl`` when CUDA is available, else ``gloo`` (unless given). With CUDA the
     current device is set from the local rank first. The resolved values are exported
-    under torchrun's names, so libraries that read them (vLLM, megatron-core) agree.
+    under torchrun's names (see :func:`exported_env`), so libraries that read them (vLLM,
+    megatron-core) agree with this process on its rank and its device.
     """
     launch = resolve_launch_env()
     if dist.is_initialized():
         raise RuntimeError("init_distributed: torch.distributed is already initialized in this process")
+    device = None
     if torch.cuda.is_available():
-        torch.cuda.set_device(cuda_device_for(launch.local_rank, torch.cuda.device_count()))
-    os.environ.update(launch.torchrun_vars())
+        device = cuda_device_for(launch.local_rank, torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    os.environ.update(exported_env(launch, device))
     dist.init_process_group(
         backend or ("nccl" if torch.cuda.is_available() else "gloo"),
         init_method="env://",
@@ -114,6 +117,22 @@ def init_distributed(backend: str | None = None, timeout: timedelta | None = Non
         timeout=timeout,
     )
     return launch
+
+
+def exported_env(launch: LaunchEnv, cuda_device: int | None) -> dict[str, str]:
+    """The variables :func:`init_distributed` exports: torchrun's names for ``launch``, with
+    ``LOCAL_RANK`` set to the CUDA device this process uses, when it uses one.
+
+    vLLM's ``external_launcher`` executor takes ``LOCAL_RANK`` as its local rank and the
+    worker selects ``cuda:{local rank}`` among the visible devices (after asserting it is below
+    their count). With one GPU bound to each task that device is 0 whatever the task's place
+    on the node, so exporting ``SLURM_LOCALID`` there would send every task but the first to
+    an ordinal that does not exist.
+    """
+    env = launch.torchrun_vars()
+    if cuda_device is not None:
+        env["LOCAL_RANK"] = str(cuda_device)
+    return env
 
 
 def cuda_device_for(local_rank: int, device_count: int) -> int:

@@ -2,7 +2,13 @@
 
 One row per rollout: prompt and completion token ids right-padded to a common length ``T``.
 Log-probabilities are aligned to the *targets* ``input_ids[:, 1:]``, hence ``T - 1`` columns:
-``old_logprobs[i, t]`` is log p(input_ids[i, t + 1] | input_ids[i, :t + 1]).
+``rollout_logprobs[i, t]`` is log p(input_ids[i, t + 1] | input_ids[i, :t + 1]).
+
+Micro-batches are either consecutive slices of a fixed number of rows, or formed by a token
+budget (:meth:`PolicyBatch.split_by_tokens`): rows sorted by length, each micro-batch cut to
+its own longest row. The policy is causal and the loss is a sum over tokens divided by a
+global count, so any split gives the same loss and gradients (up to float summation order);
+the token budget only removes padding, which matters when completion lengths spread widely.
 """
 from __future__ import annotations
 
@@ -21,17 +27,24 @@ class PolicyBatch:
         loss_mask: ``[B, T]`` bool, True on completion tokens (False on prompt and padding;
             position 0 is never a target and must be False).
         advantages: ``[B]`` one advantage per rollout (the GDPO output).
-        old_logprobs: ``[B, T - 1]`` log-probabilities of the targets under the sampling
-            policy (from the rollout engine), or None to use the current policy's.
+        rollout_logprobs: ``[B, T - 1]`` log-probabilities of the targets as the rollout engine
+            sampled them, or None.
+        old_logprobs: ``[B, T - 1]`` the PPO ratio's old-policy log-probabilities (filled in
+            by the worker: the policy's own, or ``rollout_logprobs``; see
+            ``PolicyConfig.old_logprobs``).
         ref_logprobs: ``[B, T - 1]`` log-probabilities under the frozen reference model
             (filled in by the worker when the KL penalty is on).
+        lengths: ``[B]`` int64 tokens of each row before its padding (None: ``T`` for every
+            row); lets token-budget micro-batches drop the padding.
     """
 
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     advantages: torch.Tensor
+    rollout_logprobs: Optional[torch.Tensor] = None
     old_logprobs: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None
+    lengths: Optional[torch.Tensor] = None
 
     @property
     def size(self) -> int:
@@ -66,16 +79,59 @@ class PolicyBatch:
             raise ValueError(f"batch.advantages: expected shape ({self.size},), got {tuple(self.advantages.shape)}")
         if not torch.isfinite(self.advantages).all():
             raise ValueError("batch.advantages: contains NaN or inf")
-        for name in ("old_logprobs", "ref_logprobs"):
+        for name in ("rollout_logprobs", "old_logprobs", "ref_logprobs"):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != targets:
                 raise ValueError(f"batch.{name}: expected shape {targets}, got {tuple(value.shape)}")
+        if self.lengths is not None:
+            if tuple(self.lengths.shape) != (self.size,) or self.lengths.dtype != torch.long:
+                raise ValueError(f"batch.lengths: expected int64 ({self.size},), got "
+                                 f"{self.lengths.dtype} {tuple(self.lengths.shape)}")
+            if bool(((self.lengths < 2) | (self.lengths > self.seq_length)).any()):
+                raise ValueError(f"batch.lengths: expected values in [2, {self.seq_length}]")
+            past_end = torch.arange(self.seq_length) >= self.lengths.cpu().unsqueeze(1)
+            if bool((self.loss_mask.cpu() & past_end).any()):
+                raise ValueError("batch.loss_mask: True past a row's length")
 
     def micro_batches(self, micro_batch_size: int) -> list["PolicyBatch"]:
         """Consecutive slices of ``micro_batch_size`` rows (which must divide the batch)."""
         if self.size % micro_batch_size:
             raise ValueError(f"micro_batch_size={micro_batch_size}: must divide the batch size {self.size}")
         return [self.slice(start, start + micro_batch_size) for start in range(0, self.size, micro_batch_size)]
+
+    def split_by_tokens(self, max_tokens: int, pad_multiple: int = 1) -> tuple[torch.Tensor, list["PolicyBatch"]]:
+        """Micro-batches of at most ``max_tokens`` tokens, padding included.
+
+        Rows are sorted by length, longest first (a stable sort, so every rank that holds the
+        batch splits it the same way), and taken in that order while ``rows x width`` fits the
+        budget, where ``width`` is the micro-batch's longest row rounded up to
+        ``pad_multiple``; each micro-batch is cut to its width. A row longer than the budget
+        is a micro-batch of its own. Returns the row order (``order[k]`` is the batch row at
+        position ``k`` of the concatenated micro-batches) and the micro-batches.
+        """
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens: expected >= 1, got {max_tokens}")
+        lengths = self.lengths.cpu() if self.lengths is not None else torch.full((self.size,), self.seq_length)
+        sorted_lengths, order = torch.sort(lengths, descending=True, stable=True)
+        widths = [min(-(-n // pad_multiple) * pad_multiple, self.seq_length) for n in sorted_lengths.tolist()]
+        bounds, start = [], 0
+        for k in range(1, self.size + 1):
+            if k == self.size or (k + 1 - start) * widths[start] > max_tokens:
+                bounds.append((start, k))
+                start = k
+        sorted_batch = self._map(lambda t: t[order.to(t.device)])
+        micro = [sorted_batch.slice(a, b).trim(widths[a]) for a, b in bounds]
+        return order, micro
+
+    def trim(self, width: int) -> "PolicyBatch":
+        """The first ``width`` token positions of every row (``width - 1`` target columns)."""
+        columns = {"input_ids": width, "loss_mask": width, "rollout_logprobs": width - 1, "old_logprobs": width - 1,
+                   "ref_logprobs": width - 1}
+        values = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            values[f.name] = value[:, : columns[f.name]] if value is not None and f.name in columns else value
+        return PolicyBatch(**values)
 
     def slice(self, start: int, stop: int) -> "PolicyBatch":
         """Rows ``start:stop``."""
@@ -87,3 +143,19 @@ class PolicyBatch:
     def _map(self, fn) -> "PolicyBatch":
         return PolicyBatch(**{f.name: None if getattr(self, f.name) is None else fn(getattr(self, f.name))
                               for f in fields(self)})
+
+
+def merge_rows(order: torch.Tensor, parts: list[torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
+    """Per-target values of the whole batch from those of its token-budget micro-batches.
+
+    ``parts`` are ``[rows_i, width_i - 1]`` in the order of :meth:`PolicyBatch.split_by_tokens`;
+    the result is ``shape`` (``[B, T - 1]``) in batch row order, 0 past each micro-batch's width
+    (the padding of the row).
+    """
+    out = parts[0].new_zeros(shape)
+    start = 0
+    for part in parts:
+        rows = order[start : start + part.shape[0]].to(part.device)
+        out[rows, : part.shape[1]] = part
+        start += part.shape[0]
+    return out

@@ -15,9 +15,19 @@ import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FP8_FORMATS = ("e4m3", "hybrid")
-# Minimum CUDA compute capability of each FP8 recipe (blockwise scaling needs Hopper,
-# MXFP8 needs Blackwell).
-FP8_RECIPES = {"delayed": (8, 9), "tensorwise": (8, 9), "blockwise": (9, 0), "mxfp8": (10, 0)}
+# megatron-core's FP8 recipes (TransformerConfig.fp8_recipe) and the Transformer Engine function
+# that says whether this GPU, CUDA and cuBLAS run the TE recipe megatron-core builds for each:
+# delayed -> DelayedScaling and tensorwise -> Float8CurrentScaling (is_fp8_available),
+# blockwise -> Float8BlockScaling, mxfp8 -> MXFP8BlockScaling.
+FP8_RECIPE_SUPPORT = {
+    "delayed": "is_fp8_available",
+    "tensorwise": "is_fp8_available",
+    "blockwise": "is_fp8_block_scaling_available",
+    "mxfp8": "is_mxfp8_available",
+}
+FP8_RECIPES = tuple(FP8_RECIPE_SUPPORT)
+# Where the policy's old logprobs (the PPO ratio's denominator) come from.
+OLD_LOGPROB_SOURCES = ("policy", "rollout")
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean")
 LR_DECAY_STYLES = ("constant", "cosine")
 
@@ -34,6 +44,16 @@ def _require_choice(value, choices, field_name: str) -> None:
 def transformer_engine_available() -> bool:
     """Whether Transformer Engine is installed (never imported on CPU-only machines)."""
     return importlib.util.find_spec("transformer_engine") is not None
+
+
+def fp8_recipe_support(recipe: str) -> tuple[bool, str]:
+    """Transformer Engine's own answer whether this machine runs ``recipe``: (ok, reason).
+
+    Imports Transformer Engine, so call it only where CUDA and TE are present.
+    """
+    import transformer_engine.pytorch as te
+
+    return getattr(te, FP8_RECIPE_SUPPORT[recipe])(return_reason=True)
 
 
 @dataclass
@@ -143,7 +163,7 @@ class PrecisionConfig:
     """Parameter dtype and FP8. ``dtype="auto"`` is bf16 with CUDA and fp32 without.
 
     FP8 (``fp8="e4m3"`` or ``"hybrid"``) runs through Transformer Engine's layers, so it needs
-    TE, a CUDA GPU of sufficient compute capability for ``fp8_recipe``, and bf16 parameters.
+    TE, a GPU on which TE's support check for ``fp8_recipe`` passes, and bf16 parameters.
     """
 
     dtype: str = "auto"
@@ -184,12 +204,11 @@ class PrecisionConfig:
             raise ValueError(f"precision.fp8={self.fp8!r}: FP8 needs transformer_engine: true")
         if self.dtype != "bf16":
             raise ValueError(f"precision.fp8={self.fp8!r}: FP8 training expects dtype bf16, got {self.dtype!r}")
-        needed = FP8_RECIPES[self.fp8_recipe]
-        capability = torch.cuda.get_device_capability()
-        if capability < needed:
-            raise ValueError(
-                f"precision.fp8_recipe={self.fp8_recipe!r}: needs compute capability >= "
-                f"{needed[0]}.{needed[1]}, this GPU has {capability[0]}.{capability[1]}")
+        supported, reason = fp8_recipe_support(self.fp8_recipe)
+        if not supported:
+            major, minor = torch.cuda.get_device_capability()
+            raise ValueError(f"precision.fp8_recipe={self.fp8_recipe!r}: Transformer Engine cannot run it on this "
+                             f"GPU (compute capability {major}.{minor}, CUDA {torch.version.cuda}): {reason}")
 
 
 @dataclass
@@ -233,12 +252,19 @@ class LossConfig:
     ratio_clip_high: float = 0.2
     loss_agg_mode: str = "token_mean"
     kl_coef: float = 0.0
+    # Truncated importance sampling of the rollout/training mismatch: each token's policy-gradient
+    # term is weighted by min(exp(old_logprob - rollout_logprob), tis_cap), the old logprobs being
+    # the policy's own (verl: rollout_is_threshold; NeMo-RL: truncated_importance_sampling_ratio).
+    # None: off. The TIS paper and verl use 2.
+    tis_cap: Optional[float] = None
 
     def __post_init__(self):
         _require(self.ratio_clip_low >= 0, "loss.ratio_clip_low", ">= 0", self.ratio_clip_low)
         _require(self.ratio_clip_high >= 0, "loss.ratio_clip_high", ">= 0", self.ratio_clip_high)
         _require_choice(self.loss_agg_mode, LOSS_AGG_MODES, "loss.loss_agg_mode")
         _require(self.kl_coef >= 0, "loss.kl_coef", ">= 0", self.kl_coef)
+        if self.tis_cap is not None:
+            _require(self.tis_cap > 0, "loss.tis_cap", "> 0 or null", self.tis_cap)
 
 
 @dataclass
@@ -251,20 +277,66 @@ class PolicyConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     micro_batch_size: int = 1  # sequences per forward-backward micro-batch
-    ppo_epochs: int = 1  # optimizer passes over each batch; > 1 recomputes old logprobs
+    # When set, micro-batches are formed by this budget of tokens (padding included) instead:
+    # rows sorted by length, each micro-batch cut to its longest row; micro_batch_size is unused.
+    micro_batch_tokens: Optional[int] = None
+    ppo_epochs: int = 1  # optimizer passes over each batch
+    # The PPO ratio's old logprobs. "policy": the policy's own before the update, so the ratio
+    # starts at 1 and only the policy's kernels enter it (with ppo_epochs > 1 one extra forward
+    # pass; with one epoch the training pass's logprobs, detached, at no cost); "rollout": the
+    # rollout engine's sampling logprobs, which is sound only where both engines compute the
+    # same numbers (fp32 on CPU: ~1e-7 apart). None: "policy",
+    # except with fp32 parameters on a machine without CUDA and no loss.tis_cap.
+    old_logprobs: Optional[str] = None
+    # While the rollout engine generates: free megatron's gradient buffers and move the optimizer
+    # state (Adam moments, fp32 master weights) to host memory; train_step brings them back.
+    offload_grads_and_optimizer: bool = False
     temperature: float = 1.0  # the rollouts' sampling temperature; logits are divided by it
     seed: int = 1234
 
     def __post_init__(self):
         _require(self.temperature > 0, "temperature", "> 0", self.temperature)
         _require(self.micro_batch_size >= 1, "micro_batch_size", ">= 1", self.micro_batch_size)
+        _require(self.micro_batch_tokens is None or self.micro_batch_tokens >= 1, "micro_batch_tokens",
+                 "None or >= 1", self.micro_batch_tokens)
         _require(self.ppo_epochs >= 1, "ppo_epochs", ">= 1", self.ppo_epochs)
+        if self.old_logprobs is None:
+            same_numerics = (not torch.cuda.is_available() and self.precision.dtype == "fp32"
+                             and self.loss.tis_cap is None)
+            self.old_logprobs = "rollout" if same_numerics else "policy"
+        _require_choice(self.old_logprobs, OLD_LOGPROB_SOURCES, "policy.old_logprobs")
+        if self.loss.tis_cap is not None and self.old_logprobs != "policy":
+            raise ValueError("policy.loss.tis_cap: truncated importance sampling weighs the policy's old logprobs "
+                             "against the rollout engine's; it needs old_logprobs: policy")
+        if (self.offload_grads_and_optimizer and self.precision.dtype == "fp32"
+                and not self.optim.use_distributed_optimizer):
+            raise ValueError("policy.offload_grads_and_optimizer: with fp32 parameters and the plain optimizer, "
+                             "megatron's optimizer holds the model's own parameters, which the weight sync needs on "
+                             "the GPU; use precision.dtype: bf16 or optim.use_distributed_optimizer: true")
 
     def validate(self, world_size: int) -> None:
         """Check the sections against each other and this machine; raise on the first problem."""
         check_model_parallel(self.model, self.parallel)
         self.parallel.data_parallel_size(world_size)
         self.precision.check_runtime()
+
+    def sequence_multiple(self) -> int:
+        """Every batch's sequence length must be a multiple of this (pad the batch to it).
+
+        Sequence parallelism splits the sequence over the TP ranks. Transformer Engine checks
+        FP8 GEMM inputs on each rank's *local* slice, ``tokens = (T / TP if SP else T) x rows``:
+        ``assert_dim_for_fp8_exec`` wants ``tokens % 8 == 0`` for every recipe, an MXFP8 tensor
+        ``tokens % 32 == 0`` (``MXFP8Quantizer.make_empty``), and under sequence parallelism
+        the quantized input that the column-parallel layers all-gather must be quantizable
+        (``Float8BlockQuantizer.is_quantizable``: ``tokens % 128 == 0`` for blockwise). A
+        multiple of the split times that count holds for any number of rows per micro-batch.
+        """
+        split = self.parallel.tensor_model_parallel_size if self.parallel.sequence_parallel else 1
+        tokens = 1
+        if self.precision.fp8:
+            tokens = {"mxfp8": 32, "blockwise": 128 if self.parallel.sequence_parallel else 8}.get(
+                self.precision.fp8_recipe, 8)
+        return split * tokens
 
 
 def check_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:

@@ -8,9 +8,7 @@ torch build cannot answer:
   appears at ~100 sites, e.g. the global memory buffer);
 * ``torch.cuda.synchronize()`` -> no-op (p2p communication, checkpoint writers);
 * ``torch.cuda.current_stream()`` -> an inert stream (DDP buffers in megatron-core 0.19);
-* megatron's CUDA RNG tracker -> :class:`CpuRNGStatesTracker`, forking the CPU generator;
-* megatron's torch norm accepts ``sequence_parallel`` and tags its parameters so that their
-  gradients are all-reduced over the tensor-parallel group like the fused norms' are.
+* megatron's CUDA RNG tracker -> :class:`CpuRNGStatesTracker`, forking the CPU generator.
 
 Everything that megatron-core creates with a literal ``"cuda"`` device (pipeline schedules,
 gradient clipping, optimizer scalars, ``.cuda()`` copies) or checks with
@@ -26,7 +24,6 @@ from typing import Iterator
 import torch
 from megatron.core.tensor_parallel import random as mpu_random
 from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
-from megatron.core.transformer import torch_norm
 from torch.overrides import TorchFunctionMode
 
 _installed = False
@@ -102,21 +99,6 @@ class _CudaOnCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _patch_torch_norm() -> None:
-    original_new = torch_norm.WrappedTorchNorm.__new__
-    norms = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
-
-    def new(cls, config, hidden_size, eps=1e-5, **kwargs):
-        if not config.sequence_parallel or config.normalization not in norms:
-            return original_new(cls, config, hidden_size, eps, **kwargs)
-        norm = norms[config.normalization](hidden_size, eps=eps)
-        for param in norm.parameters():
-            param.sequence_parallel = True
-        return norm
-
-    torch_norm.WrappedTorchNorm.__new__ = new
-
-
 def install() -> None:
     """Make megatron-core runnable on this CPU-only process (no-op with CUDA; idempotent)."""
     global _installed
@@ -127,7 +109,6 @@ def install() -> None:
     torch.cuda.current_stream = lambda *args, **kwargs: _InertStream()
     mpu_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     mpu_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-    _patch_torch_norm()
     _installed = True
 
 

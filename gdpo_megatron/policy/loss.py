@@ -1,10 +1,16 @@
-"""The GDPO policy loss: clipped policy gradient with an optional k3 KL penalty.
+"""The GDPO policy loss: clipped policy gradient with optional truncated importance sampling
+of the rollout/training mismatch and an optional k3 KL penalty.
 
 GDPO advantages are one value per rollout, broadcast to that rollout's completion tokens.
 Per valid token t of sequence i, with ratio r = exp(logp - old_logp):
 
-    loss_it = max(-A_i * r, -A_i * clip(r, 1 - ratio_clip_low, 1 + ratio_clip_high))
+    loss_it = w_it * max(-A_i * r, -A_i * clip(r, 1 - ratio_clip_low, 1 + ratio_clip_high))
               + kl_coef * (exp(ref_logp - logp) - (ref_logp - logp) - 1)
+
+where ``w_it = min(exp(old_logp - rollout_logp), tis_cap)`` (detached) with ``loss.tis_cap``
+set, else 1: the old logprobs are the training engine's, the rollout logprobs the sampling
+engine's, and ``w`` corrects for sampling from the engine's slightly different distribution
+(truncated importance sampling, as verl's token-level ``rollout_is`` and NeMo-RL's ``tis``).
 
 ``token_mean`` averages over all valid tokens of the batch; ``seq_mean_token_mean``
 averages each sequence's tokens, then over sequences. The loss is returned as a *sum* and a
@@ -21,9 +27,13 @@ import torch
 from gdpo_megatron.policy.config import LossConfig
 
 # Token-averaged diagnostics, carried as sums over valid tokens.
-# logprob_gap: mean |current - old| logprob; in a batch's first optimizer pass with the rollout
-# engine's old logprobs, the rollout-vs-policy mismatch.
-TOKEN_METRICS = ("clip_fraction", "approx_kl", "entropy", "ratio_mean", "kl_ref", "logprob_gap")
+# logprob_gap: mean |current - old| logprob.
+# rollout_gap: mean |current - rollout| logprob; in a batch's first optimizer pass, the
+# rollout-vs-policy mismatch (0 without rollout logprobs).
+# tis_weight: mean truncated importance weight w (1 without tis_cap); tis_truncated: the share
+# of tokens whose weight the cap truncated.
+TOKEN_METRICS = ("clip_fraction", "approx_kl", "entropy", "ratio_mean", "kl_ref", "logprob_gap", "rollout_gap",
+                 "tis_weight", "tis_truncated")
 
 
 @dataclass
@@ -63,29 +73,34 @@ def policy_loss(
     config: LossConfig,
     ref_logprobs: Optional[torch.Tensor] = None,
     entropy: Optional[torch.Tensor] = None,
+    rollout_logprobs: Optional[torch.Tensor] = None,
 ) -> LossTerms:
     """Clipped policy-gradient loss terms of one batch.
 
     Args:
         logprobs: ``[B, T]`` current policy log-probabilities of the sampled tokens.
-        old_logprobs: ``[B, T]`` log-probabilities under the policy that sampled them.
+        old_logprobs: ``[B, T]`` the PPO ratio's old-policy log-probabilities.
         advantages: ``[B]`` one advantage per sequence.
         mask: ``[B, T]`` True where a token counts (completion tokens).
-        config: clipping, aggregation and KL settings.
+        config: clipping, aggregation, truncated importance sampling and KL settings.
         ref_logprobs: ``[B, T]`` reference-model log-probabilities; required when
             ``config.kl_coef > 0``.
         entropy: ``[B, T]`` optional per-token entropy, reported as a metric.
+        rollout_logprobs: ``[B, T]`` the rollout engine's log-probabilities of the sampled
+            tokens; required when ``config.tis_cap`` is set.
     """
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs: expected [B, T], got shape {tuple(logprobs.shape)}")
     for name, t in (("old_logprobs", old_logprobs), ("mask", mask), ("ref_logprobs", ref_logprobs),
-                    ("entropy", entropy)):
+                    ("entropy", entropy), ("rollout_logprobs", rollout_logprobs)):
         if t is not None and t.shape != logprobs.shape:
             raise ValueError(f"{name}: expected shape {tuple(logprobs.shape)}, got {tuple(t.shape)}")
     if advantages.shape != logprobs.shape[:1]:
         raise ValueError(f"advantages: expected shape ({logprobs.shape[0]},), got {tuple(advantages.shape)}")
     if config.kl_coef > 0 and ref_logprobs is None:
         raise ValueError("ref_logprobs: required when loss.kl_coef > 0")
+    if config.tis_cap is not None and rollout_logprobs is None:
+        raise ValueError("rollout_logprobs: required when loss.tis_cap is set")
 
     mask = mask.bool()
     weight = mask.to(logprobs.dtype)
@@ -96,6 +111,11 @@ def policy_loss(
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - config.ratio_clip_low, 1.0 + config.ratio_clip_high)
     per_token = torch.maximum(unclipped, clipped)
+    tis_weight, tis_truncated = torch.ones_like(weight), torch.zeros_like(mask)
+    if config.tis_cap is not None:
+        importance = torch.where(mask, old_logprobs - rollout_logprobs, 0.0).exp().detach()
+        tis_weight, tis_truncated = importance.clamp(max=config.tis_cap), importance > config.tis_cap
+        per_token = per_token * tis_weight
 
     metric_sums = {
         "clip_fraction": ((clipped > unclipped) & mask).sum().to(logprobs.dtype),
@@ -104,6 +124,10 @@ def policy_loss(
         "ratio_mean": (ratio * weight).sum().detach(),
         "kl_ref": logprobs.new_zeros(()),
         "logprob_gap": (log_ratio.abs() * weight).sum().detach(),
+        "rollout_gap": (torch.where(mask, logprobs - rollout_logprobs, 0.0).abs() * weight).sum().detach()
+        if rollout_logprobs is not None else logprobs.new_zeros(()),
+        "tis_weight": (tis_weight * weight).sum(),
+        "tis_truncated": (tis_truncated & mask).sum().to(logprobs.dtype),
     }
     if config.kl_coef > 0:
         ref_log_ratio = torch.where(mask, ref_logprobs - logprobs, 0.0)

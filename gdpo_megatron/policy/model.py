@@ -10,6 +10,8 @@ once the default process group exists, and :func:`destroy_model_parallel` when d
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
@@ -20,6 +22,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from gdpo_megatron.policy import cpu_compat
 from gdpo_megatron.policy.config import ModelConfig, ParallelConfig, PrecisionConfig, check_model_parallel
@@ -94,11 +97,38 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: 
     )
 
 
-def layer_spec(precision: PrecisionConfig) -> ModuleSpec:
-    """Transformer Engine layers when enabled (GPU, needed for FP8), else megatron's local ones."""
+class TorchNorm:
+    """torch's ``RMSNorm`` / ``LayerNorm`` as megatron builds a norm, also under sequence parallelism.
+
+    megatron's own torch norm (``WrappedTorchNorm``, what its local spec uses without Apex)
+    refuses ``sequence_parallel``. Under sequence parallelism each tensor-parallel rank
+    normalizes its own slice of the sequence with a replicated weight, whose gradient is then a
+    partial sum: the weight is tagged ``sequence_parallel`` so that megatron's
+    ``finalize_model_grads`` all-reduces it over the TP group, as it does for Transformer
+    Engine's and Apex's norms. Used on CPU and on GPUs without Transformer Engine alike.
+    """
+
+    NORMS = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **kwargs) -> torch.nn.Module:
+        if config.normalization not in cls.NORMS:
+            raise ValueError(f"normalization: expected one of {tuple(cls.NORMS)}, got {config.normalization!r}")
+        norm = cls.NORMS[config.normalization](hidden_size, eps=eps)
+        if config.sequence_parallel:
+            for param in norm.parameters():
+                param.sequence_parallel = True
+        return norm
+
+
+def layer_spec(config: TransformerConfig, precision: PrecisionConfig) -> ModuleSpec | TransformerBlockSubmodules:
+    """Transformer Engine layers when enabled (GPU, needed for FP8); else megatron's local ones
+    with :class:`TorchNorm` for every norm, this pipeline stage's layers and the final norm."""
     if precision.transformer_engine:
         return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+    local = get_gpt_layer_local_spec(normalization=config.normalization)
+    layer = dataclasses.replace(local, submodules=dataclasses.replace(
+        local.submodules, input_layernorm=TorchNorm, pre_mlp_layernorm=TorchNorm))
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=TorchNorm)
 
 
 def build_model(
@@ -122,10 +152,11 @@ def build_model(
         if getattr(parallel, name) != size:
             raise ValueError(f"parallel.{name}={getattr(parallel, name)} but megatron's parallel state "
                              f"was initialized with {size}")
+    config = transformer_config(model, parallel, precision)
     with cpu_compat.device_scope():
         gpt = GPTModel(
-            config=transformer_config(model, parallel, precision),
-            transformer_layer_spec=layer_spec(precision),
+            config=config,
+            transformer_layer_spec=layer_spec(config, precision),
             vocab_size=model.padded_vocab_size(parallel.tensor_model_parallel_size),
             max_sequence_length=model.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(),

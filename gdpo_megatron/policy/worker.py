@@ -11,6 +11,7 @@ data-parallel ranks, so the update equals the single-process one whatever the la
 from __future__ import annotations
 
 import functools
+import gc
 from typing import Callable, Optional
 
 import torch
@@ -23,7 +24,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from gdpo_megatron.policy import cpu_compat
-from gdpo_megatron.policy.batch import PolicyBatch
+from gdpo_megatron.policy.batch import PolicyBatch, merge_rows
 from gdpo_megatron.policy.config import PolicyConfig
 from gdpo_megatron.policy.logprobs import vocab_parallel_logprobs
 from gdpo_megatron.policy.loss import TOKEN_METRICS, policy_loss
@@ -35,7 +36,8 @@ _SUMS = ("loss_sum", "count", "num_tokens", *TOKEN_METRICS)
 
 class PolicyWorker:
     """Builds the model (and a frozen reference when ``loss.kl_coef > 0``), megatron DDP, the
-    Adam optimizer and the LR schedule; runs :meth:`train_step` and :meth:`compute_logprobs`."""
+    Adam optimizer and the LR schedule; runs :meth:`train_step` and :meth:`compute_logprobs`,
+    and gives memory back to a colocated rollout engine with :meth:`release_memory`."""
 
     def __init__(self, config: PolicyConfig, init_weights: Optional[Callable[[GPTModel], None]] = None):
         """``init_weights(model)``, when given, sets the freshly built (random) weights of this
@@ -54,6 +56,7 @@ class PolicyWorker:
             raise
         self._forward_backward = get_forward_backward_func()
         self.steps = 0
+        self.offloaded = False  # grad buffers freed and optimizer state on the host
 
     def _build(self, init_weights) -> None:
         """Model (and reference), DDP, optimizer and scheduler; hooks them into megatron's schedules."""
@@ -90,6 +93,11 @@ class PolicyWorker:
             lr_decay_style=optim.lr_decay_style, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
             wd_incr_steps=optim.lr_decay_steps, wd_incr_style="constant",
         )
+        # Token-budget micro-batches differ in shape; under PP the stages then send each other
+        # the shape of every activation before it (megatron-core's variable_seq_lengths).
+        for built in (model, self.reference):
+            if built is not None:
+                built.config.variable_seq_lengths = config.micro_batch_tokens is not None
         model.config.no_sync_func = self.model.no_sync
         model.config.finalize_model_grads_func = finalize_model_grads
         model.config.grad_scale_func = self.optimizer.scale_loss
@@ -112,7 +120,10 @@ class PolicyWorker:
     # ---- public API -------------------------------------------------------------------
 
     def compute_logprobs(self, batch: PolicyBatch) -> torch.Tensor:
-        """``[B, T - 1]`` log-probabilities of the targets under the current policy, on every rank."""
+        """``[B, T - 1]`` log-probabilities of the targets under the current policy, on every rank.
+
+        Columns past a row's length are padding and mean nothing (0 where a token-budget
+        micro-batch was cut shorter than the batch)."""
         batch.validate(self.config.model.vocab_size)
         logprobs = self._forward_logprobs(self.gpt_model, batch.to(self.device))
         return self._from_last_stage(logprobs, (batch.size, batch.seq_length - 1))
@@ -120,27 +131,64 @@ class PolicyWorker:
     def train_step(self, batch: PolicyBatch) -> dict[str, float]:
         """``ppo_epochs`` optimizer steps on ``batch``; returns the last step's metrics.
 
-        Old log-probabilities are the batch's (from the rollout engine) when
-        ``ppo_epochs == 1`` (the current policy's, detached, when it has none) and are
-        recomputed with the policy before the first step when ``ppo_epochs > 1``.
+        The old logprobs are the policy's before the update (``old_logprobs: policy``): with
+        one epoch those of the training pass itself, detached (the parameters do not change
+        before the step, and dropout is off), otherwise a forward pass before the first step.
+        With ``rollout`` they are the batch's rollout logprobs (the current policy's, detached,
+        when the batch has none). ``logprob_mismatch`` in the
+        result is the mean |policy - rollout| logprob of the trained tokens before the update
+        (NaN without rollout logprobs).
         """
         batch.validate(self.config.model.vocab_size)
+        self._reload_training_state()
         batch = batch.to(self.device)
-        if self.config.ppo_epochs > 1:
+        if self.config.old_logprobs == "rollout":
+            batch.old_logprobs = batch.rollout_logprobs
+        elif self.config.ppo_epochs > 1:
             batch.old_logprobs = self._forward_logprobs(self.gpt_model, batch)
+        else:
+            batch.old_logprobs = None  # the training pass's own, detached: see _loss
         if self.reference is not None:
             batch.ref_logprobs = self._forward_logprobs(self.reference, batch)
-        for _ in range(self.config.ppo_epochs):
+        for epoch in range(self.config.ppo_epochs):
             metrics = self._optimizer_step(batch)
+            if epoch == 0:  # the policy's logprobs before any update entered this pass
+                mismatch = metrics["rollout_gap"] if batch.rollout_logprobs is not None else float("nan")
+        metrics.pop("rollout_gap")
+        metrics["logprob_mismatch"] = mismatch
         return metrics
 
+    def release_memory(self) -> None:
+        """Before a colocated rollout engine takes the GPU: with ``offload_grads_and_optimizer``
+        free megatron's gradient buffers and move the optimizer state to host memory
+        (:meth:`train_step` brings both back); then hand PyTorch's cached CUDA blocks back to
+        the driver, where the engine can allocate them. Without CUDA only the freed grad
+        buffers change anything (the optimizer state is in host memory already).
+        """
+        if self.config.offload_grads_and_optimizer and not self.offloaded:
+            with cpu_compat.device_scope():
+                self.model.offload_grad_buffers(synchronize=True, empty_cache=False)
+                self.optimizer.offload_to_cpu()
+            self.offloaded = True
+        if torch.cuda.is_available():
+            gc.collect()  # tensors held only by reference cycles hold their blocks too
+            torch.cuda.empty_cache()
+
     # ---- internals ----------------------------------------------------------------------
+
+    def _reload_training_state(self) -> None:
+        """Undo :meth:`release_memory`'s offload (grad buffers come back zeroed)."""
+        if self.offloaded:
+            with cpu_compat.device_scope():
+                self.model.restore_grad_buffers(synchronize=True)
+                self.optimizer.restore_from_cpu()
+            self.offloaded = False
 
     def _optimizer_step(self, batch: PolicyBatch) -> dict[str, float]:
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run(self.model, batch, self._loss, forward_only=False)
+        outputs = self._run(self.model, self._split(batch)[1], self._loss, forward_only=False)
         lr = self.optimizer.param_groups[0]["lr"]
         with cpu_compat.device_scope():
             ok, grad_norm, _ = self.optimizer.step()
@@ -152,20 +200,28 @@ class PolicyWorker:
                        update_skipped=float(not ok))
         return metrics
 
-    def _run(self, model, batch: PolicyBatch, loss_fn: Callable, forward_only: bool) -> list:
-        """Micro-batches of ``batch`` through megatron's forward-backward function."""
-        micro_batches = batch.micro_batches(self.config.micro_batch_size)
-        seq_length = batch.seq_length
-        parallel = self.config.parallel
-        if parallel.sequence_parallel and seq_length % parallel.tensor_model_parallel_size:
-            raise ValueError(f"batch.input_ids: sequence length {seq_length} must be a multiple of "
-                             f"tensor_model_parallel_size={parallel.tensor_model_parallel_size} "
-                             "with sequence_parallel (pad the batch)")
+    def _split(self, batch: PolicyBatch) -> tuple[Optional[torch.Tensor], list[PolicyBatch]]:
+        """Micro-batches of ``micro_batch_size`` rows, or by the ``micro_batch_tokens`` budget
+        (then with the row order, see :meth:`PolicyBatch.split_by_tokens`), each as wide as a
+        multiple of :meth:`PolicyConfig.sequence_multiple` (sequence parallelism, FP8)."""
+        if self.config.micro_batch_tokens is None:
+            return None, batch.micro_batches(self.config.micro_batch_size)
+        return batch.split_by_tokens(self.config.micro_batch_tokens, self.config.sequence_multiple())
+
+    def _run(self, model, micro_batches: list[PolicyBatch], loss_fn: Callable, forward_only: bool) -> list:
+        """``micro_batches`` through megatron's forward-backward function."""
+        seq_length, multiple = max(m.seq_length for m in micro_batches), self.config.sequence_multiple()
+        for micro in micro_batches:
+            if micro.seq_length % multiple:
+                raise ValueError(f"batch.input_ids: sequence length {micro.seq_length} must be a multiple of "
+                                 f"{multiple} under these parallel and FP8 settings (pad the batch; see "
+                                 "PolicyConfig.sequence_multiple)")
         positions = torch.arange(seq_length, device=self.device).unsqueeze(0)
 
         def forward_step(data_iterator, module):
             micro = next(data_iterator)
-            output = module(micro.input_ids, positions.expand_as(micro.input_ids), None)
+            ids = micro.input_ids
+            output = module(ids, positions[:, : ids.shape[1]].expand_as(ids), None)
             return output, functools.partial(loss_fn, micro)
 
         with cpu_compat.device_scope(), torch.set_grad_enabled(not forward_only):
@@ -175,7 +231,7 @@ class PolicyWorker:
                 model=[model],
                 num_microbatches=len(micro_batches),
                 seq_length=seq_length,
-                micro_batch_size=self.config.micro_batch_size,
+                micro_batch_size=max(m.size for m in micro_batches),
                 forward_only=forward_only,
             )
 
@@ -191,7 +247,7 @@ class PolicyWorker:
         logprobs, entropy = self._token_logprobs(logits, micro)
         old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
         terms = policy_loss(logprobs, old, micro.advantages, micro.target_mask, self.config.loss,
-                            ref_logprobs=micro.ref_logprobs, entropy=entropy)
+                            ref_logprobs=micro.ref_logprobs, entropy=entropy, rollout_logprobs=micro.rollout_logprobs)
         sums = torch.stack([terms.loss_sum.detach(), terms.count.float(), terms.num_tokens.float(),
                             *(terms.metric_sums[name].float() for name in TOKEN_METRICS)])
         extrema = torch.stack([-terms.ratio_min, terms.ratio_max])
@@ -204,8 +260,13 @@ class PolicyWorker:
             logprobs, _ = self._token_logprobs(logits, micro)
             return logits.new_zeros(()), torch.zeros((), dtype=torch.int, device=logits.device), logprobs
 
-        outputs = self._run(model, batch, collect, forward_only=True)
-        return torch.cat(outputs) if parallel_state.is_pipeline_last_stage() else None
+        order, micro_batches = self._split(batch)
+        outputs = self._run(model, micro_batches, collect, forward_only=True)
+        if not parallel_state.is_pipeline_last_stage():
+            return None
+        if order is None:
+            return torch.cat(outputs)
+        return merge_rows(order, outputs, (batch.size, batch.seq_length - 1))
 
     def _from_last_stage(self, tensor: Optional[torch.Tensor], shape) -> torch.Tensor:
         """Broadcast a float32 tensor held by the last pipeline stage to the whole PP group."""

@@ -11,11 +11,12 @@ from gdpo_megatron.rewards.registry import (
     load_reward_file,
     register_reward,
     registered_rewards,
+    reward_bounds,
     validate_specs,
 )
 from gdpo_megatron.rewards.stage import RewardStage
 
 __all__ = [
     "RewardSpec", "RewardStage", "get_reward", "load_reward_file", "register_reward", "registered_rewards",
-    "validate_specs",
+    "reward_bounds", "validate_specs",
 ]

@@ -7,8 +7,9 @@ is not a bug.
 
 The program is the last fenced code block (```python ... ``` or ``` ... ```) of the
 completion. Ground truth: ``{"tests": [...]}`` where a test is either
-``{"input": stdin, "output": expected stdout}`` (compared line by line, trailing whitespace
-ignored) or ``{"assert": code}``: test code that calls the program's functions (e.g.
+``{"input": stdin, "output": expected stdout}`` (compared as verl's ``prime_code`` harness,
+which Eurus-2-RL is scored with, compares them: see :func:`same_output`) or
+``{"assert": code}``: test code that calls the program's functions (e.g.
 ``assert add(1, 2) == 3``, or HumanEval's ``def check(candidate): ...`` followed by
 ``check(add)``). An assert test runs in a process of its own that receives the program's
 return values as plain data (see :mod:`gdpo_megatron.rewards.judge`), so nothing the program
@@ -24,9 +25,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import re
 import time
+from fractions import Fraction
 from pathlib import Path
 
 from gdpo_megatron.rewards import judge
@@ -58,13 +61,13 @@ def _check_kwargs(limits: dict | None = None) -> None:
         raise ValueError(f"limits: {e}") from None
 
 
-@register_reward("code_pass", check=_check_kwargs)
+@register_reward("code_pass", bounds=(0.0, 1.0), check=_check_kwargs)
 def code_pass(completion: str, num_tokens: int, ground_truth: dict, limits: dict | None = None) -> float:
     outcomes = _outcomes(completion, ground_truth, limits)
     return sum(passed for passed, _ in outcomes) / len(outcomes) if outcomes else 0.0
 
 
-@register_reward("code_no_bug", check=_check_kwargs)
+@register_reward("code_no_bug", bounds=(0.0, 1.0), check=_check_kwargs)
 def code_no_bug(completion: str, num_tokens: int, ground_truth: dict, limits: dict | None = None) -> float:
     outcomes = _outcomes(completion, ground_truth, limits)
     return 1.0 if outcomes and all(ran for _, ran in outcomes) else 0.0
@@ -78,6 +81,10 @@ def _outcomes(completion: str, ground_truth: dict, limits: dict | None) -> tuple
     program = extract_program(completion)
     if program is None:
         return ()
+    try:
+        program.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates: no source file can hold it, so it is a compile error
+        return tuple((False, False) for _ in tests)
     return _run_tests(program, json.dumps(tests, sort_keys=True), SandboxLimits(**(limits or {})))
 
 
@@ -90,7 +97,7 @@ def _run_tests(program: str, tests_json: str, limits: SandboxLimits) -> tuple[tu
             outcomes.append((verdict == "passed", verdict != "error"))
         elif isinstance(test, dict) and "input" in test and "output" in test:
             result = run_python(program, test["input"], limits)
-            outcomes.append((result.ok and _lines(result.stdout) == _lines(test["output"]), result.ok))
+            outcomes.append((result.ok and same_output(result.stdout, test["output"]), result.ok))
         else:
             raise ValueError(f"ground_truth: tests[{i}] must have 'input' and 'output', or 'assert'; got {test!r}")
     return tuple(outcomes)
@@ -104,8 +111,10 @@ def run_assert_test(program: str, test: str, limits: SandboxLimits) -> str:
     verdict_r, verdict_w = os.pipe()
     deadline = time.monotonic() + limits.wall_s
     try:
+        # The judge runs as the caller's second sandbox user: the program cannot read its test,
+        # signal it or take its processes even at the basic level (as root).
         judging = start_python({"main.py": f"{_JUDGE_SOURCE}\njudge({requests_w}, {responses_r}, {verdict_w})\n",
-                                "test.py": test}, "", limits, pass_fds=(requests_w, responses_r, verdict_w))
+                                "test.py": test}, "", limits, pass_fds=(requests_w, responses_r, verdict_w), user=1)
         try:
             serving = start_python({"main.py": f"{_JUDGE_SOURCE}\nserve({requests_r}, {responses_w})\n",
                                     "solution.py": program}, "", limits, pass_fds=(requests_r, responses_w))
@@ -131,5 +140,32 @@ def run_assert_test(program: str, test: str, limits: SandboxLimits) -> str:
         return "error"  # the judge was stopped at the wall limit: the program kept it waiting
 
 
-def _lines(text: str) -> list[str]:
-    return [line.rstrip() for line in text.strip().splitlines()]
+def same_output(output: str, expected: str) -> bool:
+    """Whether a program's standard output answers as ``expected`` does, by the rules of verl's
+    ``prime_code`` harness: the non-blank lines, stripped, are equal; or there are as many, every
+    one of them is a single number, they are not all digit strings, and each is within
+    ``1e-8 + 1e-5 * |expected|`` of the expected one (``numpy.allclose``). Stricter than it in
+    one place: an expected integer takes only a number that rounds to it (the relative
+    tolerance alone would take ``1234560.0`` for ``1234567``)."""
+    got, want = _answer_lines(output), _answer_lines(expected)
+    if got == want:
+        return True
+    if len(got) != len(want) or all(a.isdigit() and b.isdigit() for a, b in zip(got, want)):
+        return False
+    try:
+        return all(_close(a, b) for a, b in zip(got, want))
+    except ValueError:  # a line that is not one number
+        return False
+
+
+def _answer_lines(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def _close(got: str, expected: str) -> bool:
+    x, y = float(got), float(expected)
+    if not (x == y or abs(x - y) <= 1e-8 + 1e-5 * abs(y)):
+        return False
+    if re.fullmatch(r"[+-]?[0-9]+", expected) is None:
+        return True
+    return math.isfinite(x) and abs(Fraction(got) - int(expected)) < Fraction(1, 2)

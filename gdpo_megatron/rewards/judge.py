@@ -3,9 +3,11 @@
 The verdict of an assert test must not be the program's to give: a program that exits 0
 early, redefines ``exec``, patches builtins or returns an object whose ``__eq__`` is always
 true would pass any test run in its own process. So the test runs in another process, the
-judge, which the program cannot see (its own sandbox: another PID namespace). The program
+judge, which the program cannot see (its own sandbox: another PID namespace, or at the basic
+level as root another user; ``sandbox.isolation()`` says whether runs are kept apart). The program
 process runs the program, then serves calls: the judge's namespace holds, for every
-function and class the program defines, a stub that sends the arguments over a pipe and
+function and class the program defines (except those named like a builtin: the test's
+``range``, ``abs`` or ``sorted`` stay Python's), a stub that sends the arguments over a pipe and
 receives the return value as plain data (None, bool, int, float, complex, str, bytes, and
 lists, tuples, dicts, sets of them). Any other value stays in the program's process; the
 judge gets a handle whose methods it can call (``Solution().two_sum(...)``) and which equals
@@ -26,6 +28,7 @@ import traceback
 
 _SOLUTION, _TEST = "solution.py", "test.py"
 _MAX_MESSAGE = 1 << 26  # bytes of one message the judge accepts
+_MAX_DECIMAL_BITS = 4096  # larger ints travel as hex text
 
 
 class ProgramError(Exception):
@@ -33,7 +36,7 @@ class ProgramError(Exception):
 
 
 def encode(value, keep: list | None = None, depth: int = 0):
-    """``value`` as JSON-compatible plain data; containers and special numbers are tagged.
+    """``value`` as JSON-compatible plain data; containers, special numbers and large ints are tagged.
 
     Another value becomes a handle: appended to ``keep`` (program side), or the handle it
     came as (judge side).
@@ -44,7 +47,9 @@ def encode(value, keep: list | None = None, depth: int = 0):
     if value is None or kind in (bool, str):
         return value
     if isinstance(value, int):
-        return int(value)
+        value = int(value)
+        # Decimal text of more than 4300 digits is refused by int() and str(); hex has no limit.
+        return value if value.bit_length() <= _MAX_DECIMAL_BITS else ["int", hex(value)]
     if isinstance(value, float):
         value = float(value)
         return value if math.isfinite(value) else ["float", repr(value)]
@@ -79,6 +84,8 @@ def decode(data, resolve):
     tag, rest = data[0], data[1:]
     if tag == "float" and rest in (["nan"], ["inf"], ["-inf"]):
         return float(rest[0])
+    if tag == "int" and len(rest) == 1 and type(rest[0]) is str:
+        return int(rest[0], 16)
     if tag == "complex" and len(rest) == 2:
         return complex(_number(rest[0]), _number(rest[1]))
     if tag == "bytes" and len(rest) == 1 and type(rest[0]) is str:
@@ -174,7 +181,8 @@ def judge(requests_fd: int, responses_fd: int, verdict_fd: int) -> None:
             raise ProgramError(f"the program did not run to its end: {first.get('failed', first)}")
         namespace = {"__name__": "__test__"}
         for name, members in first["ready"].items():
-            namespace[name] = _Stub(channel, str(name), members=members)
+            if name.isidentifier() and not name.startswith("__") and name not in vars(builtins):
+                namespace[name] = _Stub(channel, name, members=members)
         with open(_TEST, encoding="utf-8") as f:
             exec(compile(f.read(), _TEST, "exec"), namespace)
         outcome = {"verdict": "passed"}
@@ -241,14 +249,17 @@ _RAISED_TYPES: dict[str, type] = {}
 
 def _raised(type_name: str, message: str) -> ProgramError:
     """An exception the test can catch as the builtin type the program raised, which is also
-    a :class:`ProgramError` (so a program's own AssertionError is a bug, not a failed test)."""
+    a :class:`ProgramError` (so a program's own AssertionError is a bug, not a failed test).
+    Not a StopIteration: raised from a call inside ``map`` or ``next(it, default)``, it would
+    end the test's iteration early instead of failing it."""
     if type_name not in _RAISED_TYPES:
         base = getattr(builtins, type_name, None)
         try:
-            if not (isinstance(base, type) and issubclass(base, Exception)):
+            if not (isinstance(base, type) and issubclass(base, Exception)) or issubclass(
+                    base, (StopIteration, StopAsyncIteration)):
                 raise TypeError
             _RAISED_TYPES[type_name] = type(type_name, (base, ProgramError), {})
-        except TypeError:  # not a builtin exception, or one that cannot be combined
+        except TypeError:  # not a builtin exception, a StopIteration, or one that cannot be combined
             _RAISED_TYPES[type_name] = type(type_name, (ProgramError,), {})
     return _RAISED_TYPES[type_name](message)
 

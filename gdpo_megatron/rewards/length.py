@@ -11,7 +11,7 @@ def _check_kwargs(max_tokens: int = 1024) -> None:
         raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
 
 
-@register_reward("length", check=_check_kwargs)
+@register_reward("length", bounds=(0.0, 1.0), check=_check_kwargs)
 def length(completion: str, num_tokens: int, ground_truth: dict, max_tokens: int = 1024) -> float:
     _check_kwargs(max_tokens)
     return 1.0 if num_tokens <= max_tokens else 0.0

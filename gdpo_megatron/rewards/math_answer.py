@@ -6,29 +6,37 @@ decided by the ``math-verify`` package against the ground truth ``{"answer": "..
 """
 from __future__ import annotations
 
+import functools
 import re
 from decimal import Decimal
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
 from gdpo_megatron.rewards.registry import register_reward
+from gdpo_megatron.rewards.tags import tagged_blocks
 
-_ANSWER_BLOCK = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _BOXED = "\\boxed{"
 _EXTRACTION = (LatexExtractionConfig(), ExprExtractionConfig())
+# math-verify's own limits, per parse and per comparison: a completion's answer like
+# \frac{1}{\frac{1}{...}} or 9^{9^{9}} makes sympy work for minutes. They are SIGALRM alarms
+# (whole seconds of wall time, main thread only); an answer cut off by one is not equal to the
+# ground truth.
+_TIMEOUT_S = 1
+# Parsed once per process before the first answer (see _warm_up).
+_WARM_UP = ("$\\frac{1}{2}$", "$2\\sqrt{2}$", "$\\{1, 2\\}$", "$(0, 1]$", "$x^{2} + 1$", "$0.5$")
 _MATH_DELIMITER = re.compile(r"(?<!\\)\$")  # a "$" that is not an escaped "\$" (currency)
 
 
 def final_answer(completion: str) -> str | None:
     """The final answer text, or ``None`` when the completion gives none."""
-    blocks = _ANSWER_BLOCK.findall(completion)
+    blocks = tagged_blocks(completion, "<answer>", "</answer>")
     if blocks:
         return blocks[-1].strip() or None
     boxed = _last_boxed(completion)
     return boxed.strip() or None if boxed is not None else None
 
 
-@register_reward("math_correctness")
+@register_reward("math_correctness", bounds=(0.0, 1.0))
 def math_correctness(completion: str, num_tokens: int, ground_truth: dict) -> float:
     """1 if the final answer is mathematically equal to ``ground_truth["answer"]``."""
     gold = ground_truth.get("answer") if isinstance(ground_truth, dict) else None
@@ -37,14 +45,16 @@ def math_correctness(completion: str, num_tokens: int, ground_truth: dict) -> fl
     answer = final_answer(completion)
     if answer is None:
         return 0.0
-    gold_parsed = parse(_as_latex(gold if isinstance(gold, str) else _plain_number(gold)), _EXTRACTION)
-    answer_parsed = parse(_as_latex(answer), _EXTRACTION)
+    _warm_up()
+    gold_parsed = parse(_as_latex(gold if isinstance(gold, str) else _plain_number(gold)), _EXTRACTION,
+                        parsing_timeout=_TIMEOUT_S)
+    answer_parsed = parse(_as_latex(answer), _EXTRACTION, parsing_timeout=_TIMEOUT_S)
     if not gold_parsed or not answer_parsed:
         return 0.0
-    return 1.0 if verify(gold_parsed, answer_parsed) else 0.0
+    return 1.0 if verify(gold_parsed, answer_parsed, timeout_seconds=_TIMEOUT_S) else 0.0
 
 
-@register_reward("math_format")
+@register_reward("math_format", bounds=(0.0, 1.0))
 def math_format(completion: str, num_tokens: int, ground_truth: dict) -> float:
     """1 if the completion states exactly one final answer in the expected form.
 
@@ -66,6 +76,15 @@ def math_format(completion: str, num_tokens: int, ground_truth: dict) -> float:
         return 1.0 if ok and completion.count("<answer>") == 1 else 0.0
     ok = rest.count(_BOXED) == completion.count(_BOXED) == 1 and bool(final_answer(rest))
     return 1.0 if ok else 0.0
+
+
+@functools.cache
+def _warm_up() -> None:
+    """Build the LaTeX parser's prediction tables on common forms, under a generous limit: a
+    process's first parse of a form builds them (0.1 s of CPU for a fraction, several times that
+    in wall time on a loaded machine), which must not cut off the first honest answer."""
+    for latex in _WARM_UP:
+        parse(latex, _EXTRACTION, parsing_timeout=30)
 
 
 def _last_boxed(text: str) -> str | None:

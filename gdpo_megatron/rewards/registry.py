@@ -4,9 +4,16 @@ A reward function has the signature ``fn(completion, num_tokens, ground_truth, *
 float``: the completion text, its token count, the sample's ground truth/metadata dict, and
 the keyword arguments of its :class:`RewardSpec`. Built-in rewards register on import of
 ``gdpo_megatron.rewards``; users add their own in a Python file (``load_reward_file``) whose
-``@register_reward("name")`` decorators run when it is imported. A reward whose kwargs need
-more than the signature says registers a ``check`` that raises ValueError for kwargs it would
-refuse, so that a config is refused before training instead of scoring every rollout as a failure.
+``@register_reward("name", bounds=(low, high))`` decorators run when it is imported.
+
+``bounds`` declares the values the function returns. A call that fails (raises, times out,
+returns a non-number or a value outside the bounds) scores ``low`` unless its spec sets
+``failure_value``: a completion that makes its reward fail is never paid more than the worst
+honest answer. A reward declared without bounds fails to 0.
+
+A reward whose kwargs need more than its signature says registers a ``check(**kwargs)`` that
+raises ValueError for kwargs it would refuse, so that a config is refused before training
+instead of scoring every rollout as a failure.
 """
 from __future__ import annotations
 
@@ -22,14 +29,22 @@ from typing import Any, Callable, Sequence
 RewardFn = Callable[..., float]
 
 _REWARDS: dict[str, RewardFn] = {}
+_BOUNDS: dict[str, tuple[float, float]] = {}
 _CHECKS: dict[str, Callable[..., None]] = {}
 
 
-def register_reward(name: str, check: Callable[..., None] | None = None) -> Callable[[RewardFn], RewardFn]:
-    """Decorator: make ``fn`` available as reward ``name``; ``check(**kwargs)`` (optional) raises
-    ValueError for kwargs ``fn`` would refuse."""
+def register_reward(name: str, bounds: tuple[float, float] | None = None,
+                    check: Callable[..., None] | None = None) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: make ``fn`` available as reward ``name``, returning values in ``bounds`` (low, high);
+    ``check(**kwargs)`` (optional) raises ValueError for kwargs ``fn`` would refuse."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"reward name: expected a non-empty string, got {name!r}")
+    if bounds is not None and not (
+        isinstance(bounds, (tuple, list)) and len(bounds) == 2 and all(_is_finite_number(b) for b in bounds)
+        and bounds[0] < bounds[1]
+    ):
+        raise ValueError(f"reward {name!r}: bounds must be two finite numbers (low, high) with low < high, "
+                         f"got {bounds!r}")
 
     def add(fn: RewardFn) -> RewardFn:
         if not callable(fn):
@@ -38,7 +53,13 @@ def register_reward(name: str, check: Callable[..., None] | None = None) -> Call
         if known is not None and _qualname(known) != _qualname(fn):
             raise ValueError(f"reward {name!r} is already registered by {_qualname(known)}")
         _REWARDS[name] = fn
-        if check is not None:
+        if bounds is None:
+            _BOUNDS.pop(name, None)
+        else:
+            _BOUNDS[name] = (float(bounds[0]), float(bounds[1]))
+        if check is None:
+            _CHECKS.pop(name, None)
+        else:
             _CHECKS[name] = check
         return fn
 
@@ -54,6 +75,12 @@ def get_reward(name: str) -> RewardFn:
 
 def registered_rewards() -> list[str]:
     return sorted(_REWARDS)
+
+
+def reward_bounds(name: str) -> tuple[float, float] | None:
+    """The (low, high) values reward ``name`` declared at registration, or ``None``."""
+    get_reward(name)
+    return _BOUNDS.get(name)
 
 
 def load_reward_file(path: str | Path) -> None:
@@ -81,27 +108,37 @@ class RewardSpec:
     """One configured reward: which function, its weight, and how a failure scores.
 
     ``failure_value`` is what the reward is when its function raises, returns a non-finite
-    or non-numeric value, or runs past ``timeout_s`` (``None``: the stage's default).
+    or non-numeric value or one outside its declared bounds, or runs past ``timeout_s``
+    (``None``: the stage's default); ``None`` means the lowest value the reward declares (0
+    for a reward that declares no bounds), see :meth:`failure_score`.
     ``kwargs`` go to the function, e.g. ``{"max_tokens": 512}`` for ``length``.
     """
 
     name: str
     weight: float = 1.0
-    failure_value: float = 0.0
+    failure_value: float | None = None
     timeout_s: float | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"reward name: expected a non-empty string, got {self.name!r}")
-        for attr in ("weight", "failure_value"):
-            value = getattr(self, attr)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-                raise ValueError(f"reward {self.name!r}: {attr} must be a finite number, got {value!r}")
+        if not _is_finite_number(self.weight):
+            raise ValueError(f"reward {self.name!r}: weight must be a finite number, got {self.weight!r}")
+        if self.failure_value is not None and not _is_finite_number(self.failure_value):
+            raise ValueError(f"reward {self.name!r}: failure_value must be a finite number or None, "
+                             f"got {self.failure_value!r}")
         if self.timeout_s is not None and not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
             raise ValueError(f"reward {self.name!r}: timeout_s must be > 0 or None, got {self.timeout_s!r}")
         if not isinstance(self.kwargs, dict):
             raise ValueError(f"reward {self.name!r}: kwargs must be a dict, got {type(self.kwargs).__name__}")
+
+    def failure_score(self) -> float:
+        """What a failed call scores: ``failure_value``, else the reward's declared low bound, else 0."""
+        if self.failure_value is not None:
+            return float(self.failure_value)
+        bounds = reward_bounds(self.name)
+        return bounds[0] if bounds is not None else 0.0
 
 
 def validate_specs(specs: Sequence[RewardSpec]) -> None:
@@ -123,6 +160,10 @@ def validate_specs(specs: Sequence[RewardSpec]) -> None:
                 _CHECKS[spec.name](**spec.kwargs)
             except ValueError as e:
                 raise ValueError(f"{spec.name}: {e}") from None
+
+
+def _is_finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _qualname(fn: Callable) -> str:

@@ -19,12 +19,12 @@ reports the level and what it guarantees (the README has the table):
   RLIMIT_NPROC counts its processes only), and, where a writable memory cgroup exists, all of
   its processes share one ``memory_bytes`` bound (tmpfs pages included).
 
-``"basic"`` (no working bubblewrap): the same limits, but the program shares the host's
-  namespaces. Network access is blocked only by refusing socket-level imports, which code
-  can undo. As root the program runs as an unprivileged user id of its own in a private
-  working directory, and processes that leave its process group are killed by a sweep over
-  that user id; it can still write to world-writable host directories. As another user it
-  runs as that user: writes anywhere the user may, signals to the caller, and reading
+``"basic"`` (no working bubblewrap): the same limits and no_new_privs, but the program
+  shares the host's namespaces. Network access is blocked only by refusing socket-level
+  imports, which code can undo. As root the program runs as an unprivileged user id of its
+  own (one per sandbox user of the caller) in a private working directory, and processes
+  that leave its process group are killed by a sweep over that user id; it can still write
+  to world-writable host directories. As another user it runs as that user: writes anywhere the user may, signals to the caller, and reading
   ``/proc/<parent>/environ`` are NOT contained, and RLIMIT_NPROC counts all of the user's
   processes.
 
@@ -40,6 +40,7 @@ import ctypes
 import functools
 import itertools
 import json
+import logging
 import os
 import resource
 import select
@@ -55,14 +56,17 @@ from pathlib import Path
 
 ISOLATION_LEVELS = ("bwrap", "basic")
 SANDBOX_DIR = "/tmp"  # the working directory inside the bwrap sandbox (its only writable place)
-_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
+_PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS, _PR_SET_CHILD_SUBREAPER = 1, 38, 36
 _REAP_TIMEOUT_S = 5.0
-_UID_BASE = 10_000_000  # sandbox user ids are _UID_BASE + pid of the process running the sandbox
+# Sandbox user ids: _UID_BASE + user * _UID_STRIDE + the pid of the process running the sandbox.
+_UID_BASE, _UID_STRIDE = 10_000_000, 1 << 22  # the stride is above the largest pid (PID_MAX_LIMIT)
+SANDBOX_USERS = 2  # per caller: runs started side by side run as different users
 _BWRAP_PROCESSES = 2  # bubblewrap's own processes in a run: its monitor and the namespace's init
 _BLOCKED_MODULES = ("socket", "_socket", "ssl", "_ssl", "select", "selectors", "asyncio",
                     "http", "urllib", "ftplib", "smtplib", "telnetlib", "xmlrpc", "multiprocessing")
 _libc = ctypes.CDLL(None, use_errno=True)
 _run_counter = itertools.count()
+log = logging.getLogger(__name__)
 
 # What each level guarantees, by attack class: (key, what holds when it is True).
 GUARANTEES = (
@@ -74,9 +78,13 @@ GUARANTEES = (
     ("host_files_hidden", "host files other than system directories (/usr, the interpreter) are invisible"),
     ("writes_confined", "the program can write only to its own working directory"),
     ("disk_bounded", "the working directory holds at most disk_bytes"),
-    ("memory_per_run", "memory_bytes bounds all processes of the run together (else each process)"),
+    ("memory_per_run", "memory_bytes bounds all processes of the run together, memory held outside their address "
+                       "spaces included (else it bounds each process's address space only: memfd files, shared "
+                       "memory and pipe buffers are not bounded)"),
     ("processes_counted_per_run", "the processes limit counts this sandbox's processes only"),
     ("caller_unreachable", "the caller and other host processes cannot be signalled, traced or read"),
+    ("runs_separated", "runs started side by side as different sandbox users (an assert test's judge and "
+                       "program) cannot see, signal, trace or read each other"),
 )
 
 
@@ -140,11 +148,14 @@ def run_python(
 
 def start_python(
     files: dict[str, str], stdin: str = "", limits: SandboxLimits = SandboxLimits(), level: str | None = None,
-    pass_fds: tuple[int, ...] = (),
+    pass_fds: tuple[int, ...] = (), user: int = 0,
 ) -> "SandboxedRun":
     """Start ``main.py`` of ``files`` (name -> text, all written to the working directory).
 
     ``pass_fds`` stay open in the program under the same numbers (e.g. pipes to another run).
+    ``user`` (0 or 1): which of the caller's sandbox users runs it, when the caller is root.
+    Runs that live side by side need different users: at the basic level two runs of one
+    user can read and signal each other, and a run's end sweeps its user's processes.
     Call ``finish`` on the result to wait for it and clean up.
     """
     level = level or isolation().level
@@ -152,16 +163,18 @@ def start_python(
         raise ValueError(f"sandbox level: expected 'basic' or an available level ({isolation().level!r}), got {level!r}")
     if "main.py" not in files:
         raise ValueError(f"sandbox: files must include 'main.py', got {sorted(files)}")
-    return SandboxedRun(files, stdin, limits, level, pass_fds)
+    if user not in range(SANDBOX_USERS):
+        raise ValueError(f"sandbox: user must be one of {list(range(SANDBOX_USERS))}, got {user!r}")
+    return SandboxedRun(files, stdin, limits, level, pass_fds, user)
 
 
 class SandboxedRun:
     """One running sandboxed program (see :func:`start_python`)."""
 
     def __init__(self, files: dict[str, str], stdin: str, limits: SandboxLimits, level: str,
-                 pass_fds: tuple[int, ...]):
+                 pass_fds: tuple[int, ...], user: int = 0):
         self.limits, self.level = limits, level
-        self._uid = sandbox_uid(os.getpid()) if os.geteuid() == 0 else None
+        self._uid = sandbox_uid(os.getpid(), user) if os.geteuid() == 0 else None
         self._workdir = self._cgroup = None
         self._streams = [tempfile.TemporaryFile() for _ in range(3)]
         # Pipes the sandbox writes to: the interpreter says it started; bubblewrap says which
@@ -232,7 +245,7 @@ class SandboxedRun:
         bwrap level: killing the namespace's init makes the kernel kill and reap every other
         process of the namespace before init dies. bubblewrap's monitor may exit before init
         is reaped; init then comes to this process (a child subreaper), which reaps it.
-        Basic level: the process group, then (as root) a sweep over the user id.
+        Basic level: the process group, then (as root) a sweep over this run's user id.
         """
         init = None
         if self.level == "bwrap":
@@ -246,7 +259,7 @@ class SandboxedRun:
         if init is not None:
             _reap(init)
         if self.level == "basic" and self._uid is not None:
-            kill_sandbox_processes(os.getpid())  # whatever escaped the group
+            _kill_user(self._uid)  # whatever escaped the group
 
     def _clean_up(self) -> None:
         for f in self._streams:
@@ -261,12 +274,17 @@ class SandboxedRun:
 
 @functools.cache
 def isolation() -> Isolation:
-    """The strongest level that works here and what it guarantees, probed once per process."""
+    """The strongest level that works here and what it guarantees, probed once per process
+    (a fallback to the basic level is logged with its reason)."""
     root = os.geteuid() == 0
-    if _bwrap_works():
+    why_not_bwrap = _bwrap_failure()
+    if why_not_bwrap is None:
         weaker = {"memory_per_run": root and _memory_cgroup_parent() is not None, "processes_counted_per_run": root}
         return Isolation("bwrap", {key: weaker.get(key, True) for key, _ in GUARANTEES})
-    contained = {"processes_counted_per_run", "caller_unreachable", "process_tree_ends_with_run"} if root else set()
+    log.warning("code sandbox: level 'basic', weaker isolation (see sandbox.isolation()): %s", why_not_bwrap)
+    contained = {"no_new_privs"}
+    contained |= {"processes_counted_per_run", "caller_unreachable", "process_tree_ends_with_run",
+                  "runs_separated"} if root else set()
     return Isolation("basic", {key: key in contained for key, _ in GUARANTEES})
 
 
@@ -277,25 +295,36 @@ def damage() -> str | None:
     started. A child found here escaped a run (or the sandbox failed); it is killed and
     reaped, and the process should be replaced, since whatever escaped may have changed it.
     """
-    me = os.getpid()
-    left = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                with open(f"/proc/{entry.name}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
-                        left.append(int(entry.name))
-            except (FileNotFoundError, ProcessLookupError):
-                continue
+    left = _children()
     for pid in left:
         _kill_pid(pid)
         _reap(pid)
     return f"{len(left)} process(es) of a sandboxed run outlived it" if left else None
 
 
-def sandbox_uid(pid: int) -> int:
-    """User id the sandboxed programs started by process ``pid`` run as (when it is root)."""
-    return _UID_BASE + pid
+def _children() -> list[int]:
+    """This process's child processes (zombies included): read from each of its threads'
+    ``children`` list where the kernel has one, else found by a scan of every process."""
+    try:
+        return [int(pid) for task in os.scandir("/proc/self/task")
+                for pid in Path(task.path, "children").read_text().split()]
+    except FileNotFoundError:  # a kernel without CONFIG_PROC_CHILDREN, or a thread that just ended
+        pass
+    me, found = os.getpid(), []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
+                        found.append(int(entry.name))
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+    return found
+
+
+def sandbox_uid(pid: int, user: int = 0) -> int:
+    """User id that sandbox user ``user`` of process ``pid`` runs programs as (when it is root)."""
+    return _UID_BASE + user * _UID_STRIDE + pid
 
 
 def clean_up_after(pid: int) -> None:
@@ -312,14 +341,19 @@ def clean_up_after(pid: int) -> None:
 
 
 def kill_sandbox_processes(pid: int) -> None:
-    """SIGKILL every process of the sandbox user of ``pid``, and reap those that are this
-    process's children (a child subreaper gets the orphans).
+    """SIGKILL every process of the sandbox users of ``pid``, and reap those that are this
+    process's children (a child subreaper gets the orphans)."""
+    for user in range(SANDBOX_USERS):
+        _kill_user(sandbox_uid(pid, user))
+
+
+def _kill_user(uid: int) -> None:
+    """SIGKILL every process of user ``uid`` and reap those that are this process's children.
 
     A child that switches to that user and calls ``kill(-1)`` reaches exactly those
     processes, atomically with respect to their forks. Zombies of other parents are theirs
     to reap.
     """
-    uid = sandbox_uid(pid)
     if any(state != "Z" for _, state, _ in _processes_of(uid)):
         child = os.fork()
         if child == 0:
@@ -388,6 +422,8 @@ def _child_setup(limits: SandboxLimits, uid: int | None, level: str, cgroup_proc
         os.setuid(uid)
     # After the user switch, which clears it: die with the process that started us.
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if level == "basic":  # bubblewrap sets it itself
+        _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
 
 
 def _bwrap_args(limits: SandboxLimits, file_fds: dict[str, int], info_fd: int) -> list[str]:
@@ -529,15 +565,19 @@ def _memory_cgroup_parent() -> tuple[Path, int] | None:
 
 
 @functools.cache
-def _bwrap_works() -> bool:
-    """bubblewrap is installed and can start the interpreter with every option the bwrap level uses."""
+def _bwrap_failure() -> str | None:
+    """Why bubblewrap cannot start the interpreter here with every option the bwrap level
+    uses, or ``None`` when it can."""
     if shutil.which("bwrap") is None:
-        return False
+        return "bubblewrap (bwrap) is not installed"
     try:
         run = SandboxedRun({"main.py": "pass"}, "", SandboxLimits(wall_s=30), "bwrap", ())
-        return run.finish(time.monotonic() + 30).returncode == 0
-    except (OSError, SandboxError, subprocess.SubprocessError):
-        return False
+        result = run.finish(time.monotonic() + 30)
+    except (OSError, SandboxError, subprocess.SubprocessError) as e:
+        return f"bwrap failed: {e}"
+    if result.returncode != 0:
+        return f"bwrap failed (exit status {result.returncode}): {result.stderr.strip()[-2000:]}"
+    return None
 
 
 def _exits_within(proc: subprocess.Popen, timeout: float) -> bool:

@@ -3,14 +3,20 @@
 Each data-parallel rank scores only its own rollouts, so nothing crosses ranks here. Work is
 sent one rollout at a time (all its rewards, in config order, so rewards that share work,
 like ``code_pass`` and ``code_no_bug``, can share it in the worker); every reward call has
-its own timeout. A call that raises, returns a non-finite or non-numeric value, runs past
-its timeout, or takes its worker down scores the reward's ``failure_value`` and is counted
+its own timeout. A call that raises, returns a non-finite or non-numeric value or one outside
+the reward's declared bounds, runs past its timeout, or takes its worker down scores the
+reward's failure score (``RewardSpec.failure_score``: its lowest value unless the config sets
+``failure_value``), so failing is never paid more than an honest wrong answer, and is counted
 in ``reward/<name>/failures`` (timeouts also in ``reward/<name>/timeouts``) and logged; so is
 a call whose code sandbox failed for its own reasons (``SandboxError``), never scored as the
 program's result. A worker that times out is killed and replaced; the sandboxed programs it
 started and their working directories go with it. A worker that may have been damaged by a
 completion (its sandbox failed, or a sandboxed process outlived its run) is replaced too,
 after the call; the rewards of the rollout it had not scored yet go to another worker.
+
+Rollouts can also arrive one by one while the caller works on (``begin`` / ``submit`` /
+``collect``, see :class:`RewardBatch`): the trainer scores each completion as soon as the
+rollout engine finishes it.
 
 Workers are forked from a multiprocessing "forkserver", so (as with any multiprocessing
 code) a script that builds the stage needs an ``if __name__ == "__main__":`` guard.
@@ -32,7 +38,7 @@ from typing import Sequence
 import torch
 
 from gdpo_megatron.rewards import sandbox
-from gdpo_megatron.rewards.registry import RewardSpec, get_reward, load_reward_file, validate_specs
+from gdpo_megatron.rewards.registry import RewardSpec, get_reward, load_reward_file, reward_bounds, validate_specs
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +56,7 @@ def _worker_main(conn: Connection, specs: Sequence[RewardSpec], reward_files: Se
         for path in reward_files:
             load_reward_file(path)
         fns = [get_reward(spec.name) for spec in specs]
+        bounds = [reward_bounds(spec.name) for spec in specs]
     except BaseException:
         conn.send((_FATAL, traceback.format_exc()))
         return
@@ -62,6 +69,8 @@ def _worker_main(conn: Connection, specs: Sequence[RewardSpec], reward_files: Se
                 value = fns[k](completion, num_tokens, metadata, **specs[k].kwargs)
                 if not isinstance(value, numbers.Real) or not math.isfinite(value):
                     raise TypeError(f"returned {value!r}, expected a finite number")
+                if bounds[k] is not None and not bounds[k][0] <= value <= bounds[k][1]:
+                    raise ValueError(f"returned {value!r}, outside its declared bounds {bounds[k]}")
                 conn.send((_VALUE, rollout, k, float(value)))
             except (Exception, SystemExit) as e:
                 conn.send((_ERROR, rollout, k, traceback.format_exc(limit=-3)))
@@ -87,19 +96,19 @@ class _Worker:
 class _Scores:
     """What one ``score`` call has collected: values, and failures per reward."""
 
-    specs: list[RewardSpec]
+    failure_scores: list[float]
     values: list[list[float]]
     failures: list[int]
     timeouts: list[int]
     first_error: list[str | None]
 
     @classmethod
-    def empty(cls, n: int, specs: list[RewardSpec]) -> "_Scores":
-        K = len(specs)
-        return cls(specs, [[math.nan] * K for _ in range(n)], [0] * K, [0] * K, [None] * K)
+    def empty(cls, n: int, failure_scores: list[float]) -> "_Scores":
+        K = len(failure_scores)
+        return cls(failure_scores, [[math.nan] * K for _ in range(n)], [0] * K, [0] * K, [None] * K)
 
     def fail(self, i: int, k: int, why: str, timed_out: bool = False) -> None:
-        self.values[i][k] = self.specs[k].failure_value
+        self.values[i][k] = self.failure_scores[k]
         self.failures[k] += 1
         self.timeouts[k] += timed_out
         self.first_error[k] = self.first_error[k] or why
@@ -129,6 +138,7 @@ class RewardStage:
         validate_specs(specs)
         self.specs = list(specs)
         self.timeouts = [spec.timeout_s or timeout_s for spec in self.specs]
+        self.failure_scores = [spec.failure_score() for spec in self.specs]
         # Workers fork from a server that imported the rewards once, so a replacement for a
         # killed worker does not import them again.
         self._ctx = mp.get_context("forkserver")
@@ -155,29 +165,37 @@ class RewardStage:
                 f"reward stage: got {n} completions, {len(num_tokens)} token counts and "
                 f"{len(metadata)} metadata dicts; expected one of each per rollout"
             )
+        batch = self.begin(n)
+        for i in range(n):
+            batch.submit(i, completions[i], num_tokens[i], metadata[i])
+        return batch.collect()
+
+    def begin(self, n: int) -> "RewardBatch":
+        """Start scoring ``n`` rollouts that arrive one by one (e.g. as generation finishes them).
+
+        >>> batch = stage.begin(len(rollouts))
+        >>> batch.submit(i, completion, num_tokens, ground_truth)   # as each rollout is ready
+        >>> rewards, metrics = batch.collect()                      # what score() returns
+        """
         if not self._workers:
-            raise RuntimeError("reward stage: score() called after close()")
-        scores = _Scores.empty(n, self.specs)
-        pending = deque((i, deque(range(len(self.specs)))) for i in range(n))
-        while pending or any(w.rollout is not None for w in self._workers):
-            for w in list(self._workers):
-                if w.ready and w.rollout is None and pending:
-                    i, indices = pending[0]
-                    try:
-                        w.conn.send((i, completions[i], num_tokens[i], metadata[i], list(indices)))
-                    except OSError:  # it died while idle: the rollout waits for the next worker
-                        self._replace(w, scores, pending, "worker process died")
-                        continue
-                    pending.popleft()
-                    w.rollout, w.indices, w.started = i, indices, time.monotonic()
-            self._receive(scores, pending)
-            self._expire(scores, pending)
-        for k, why in enumerate(scores.first_error):
-            if why is not None:
-                log.warning("reward %s failed on %d of %d rollouts; first failure:\n%s",
-                            self.names[k], scores.failures[k], n, why)
-        rewards = torch.tensor(scores.values, dtype=torch.float32).reshape(n, len(self.specs))
-        return rewards, self._metrics(rewards, scores)
+            raise RuntimeError("reward stage: begin() called after close()")
+        return RewardBatch(self, n)
+
+    def _dispatch(self, batch: "RewardBatch") -> None:
+        """Send waiting rollouts to idle workers."""
+        for w in list(self._workers):
+            if w.ready and w.rollout is None and batch.pending:
+                i, indices = batch.pending[0]
+                try:
+                    w.conn.send((i, *batch.inputs[i], list(indices)))
+                except OSError:  # it died while idle: the rollout waits for the next worker
+                    self._replace(w, batch.scores, batch.pending, "worker process died")
+                    continue
+                batch.pending.popleft()
+                w.rollout, w.indices, w.started = i, indices, time.monotonic()
+
+    def _busy(self) -> bool:
+        return any(w.rollout is not None for w in self._workers)
 
     def close(self) -> None:
         for w in self._workers:
@@ -286,3 +304,54 @@ class RewardStage:
         worker.process.kill()
         worker.process.join()
         sandbox.clean_up_after(worker.process.pid)
+
+
+class RewardBatch:
+    """Rollouts of one batch being scored by a :class:`RewardStage` (see :meth:`RewardStage.begin`).
+
+    ``submit`` never blocks: it hands the rollout to an idle worker if there is one and takes
+    in the replies that have already arrived, so the workers score while the caller goes on
+    (e.g. generating). An error of the stage itself (workers that cannot start) is raised by
+    ``collect``, never in the middle of the caller's work.
+    """
+
+    def __init__(self, stage: RewardStage, n: int):
+        self.stage, self.n = stage, n
+        self.scores = _Scores.empty(n, stage.failure_scores)
+        self.inputs: dict[int, tuple[str, int, dict]] = {}
+        self.pending: deque = deque()
+        self._error: BaseException | None = None
+
+    def submit(self, i: int, completion: str, num_tokens: int, metadata: dict) -> None:
+        """Rollout ``i`` (in ``[0, n)``, each once) is ready to be scored."""
+        if not 0 <= i < self.n or i in self.inputs:
+            raise ValueError(f"reward stage: rollout {i} is out of [0, {self.n}) or was submitted twice")
+        self.inputs[i] = (completion, num_tokens, metadata)
+        self.pending.append((i, deque(range(len(self.stage.specs)))))
+        if self._error is not None:
+            return
+        try:
+            if wait([w.conn for w in self.stage._workers], timeout=0):  # replies, workers now ready
+                self.stage._receive(self.scores, self.pending)
+            self.stage._dispatch(self)
+            self.stage._expire(self.scores, self.pending)
+        except Exception as e:  # raised again by collect()
+            self._error = e
+
+    def collect(self) -> tuple[torch.Tensor, dict[str, float]]:
+        """Wait for every reward of every rollout; ``[n, K]`` rewards and the stage's metrics."""
+        if self._error is not None:
+            raise self._error
+        if len(self.inputs) != self.n:
+            raise ValueError(f"reward stage: collect() after {len(self.inputs)} of {self.n} rollouts were submitted")
+        stage, scores = self.stage, self.scores
+        while self.pending or stage._busy():
+            stage._dispatch(self)
+            stage._receive(scores, self.pending)
+            stage._expire(scores, self.pending)
+        for k, why in enumerate(scores.first_error):
+            if why is not None:
+                log.warning("reward %s failed on %d of %d rollouts; first failure:\n%s",
+                            stage.names[k], scores.failures[k], self.n, why)
+        rewards = torch.tensor(scores.values, dtype=torch.float32).reshape(self.n, len(stage.specs))
+        return rewards, stage._metrics(rewards, scores)

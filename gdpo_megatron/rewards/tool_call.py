@@ -41,11 +41,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from gdpo_megatron.rewards.registry import register_reward
+from gdpo_megatron.rewards.tags import tagged_blocks
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 MAX_CORRECTNESS, MIN_CORRECTNESS = 3.0, -3.0
-_CALL_BLOCK = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
 _WITH_CALL = re.compile(
     r"\A<think>.*?</think>\s*<tool_call>(?P<calls>.*?)</tool_call>\Z", re.DOTALL
 )
@@ -66,24 +66,25 @@ def parse_tool_calls(text: str) -> list[dict[str, Any]] | None:
 
     Raises :class:`ToolCallParseError` when a block does not hold valid calls.
     """
-    blocks = _CALL_BLOCK.findall(text)
+    blocks = tagged_blocks(text, CALL_OPEN, CALL_CLOSE)
     if not blocks:
         return None
     calls = []
     for block in blocks:
         try:
             parsed = json.loads(block)
-        except json.JSONDecodeError as e:
-            raise ToolCallParseError(f"tool_call block is not JSON: {e}") from None
+        except (ValueError, RecursionError) as e:  # not JSON, an integer past Python's digit limit, too deep
+            raise ToolCallParseError(f"tool_call block is not JSON: {type(e).__name__}: {str(e)[:200]}") from None
         for call in parsed if isinstance(parsed, list) else [parsed]:
             if not (isinstance(call, dict) and isinstance(call.get("name"), str)
                     and isinstance(call.get("arguments", {}), dict)):
-                raise ToolCallParseError(f"expected {{'name': str, 'arguments': dict}}, got {call!r}")
+                # The type only: the repr of a deeply nested value can itself exceed the recursion limit.
+                raise ToolCallParseError(f"expected {{'name': str, 'arguments': dict}}, got a {type(call).__name__}")
             calls.append({"name": call["name"], "arguments": call.get("arguments", {})})
     return calls
 
 
-@register_reward("tool_format")
+@register_reward("tool_format", bounds=(0.0, 1.0))
 def tool_format(completion: str, num_tokens: int, ground_truth: dict) -> float:
     """1 if the completion has the structure the ground truth asks for, else 0.
 
@@ -110,7 +111,7 @@ def tool_format(completion: str, num_tokens: int, ground_truth: dict) -> float:
     return 1.0 if ok else 0.0
 
 
-@register_reward("tool_correctness")
+@register_reward("tool_correctness", bounds=(MIN_CORRECTNESS, MAX_CORRECTNESS))
 def tool_correctness(
     completion: str, num_tokens: int, ground_truth: dict, normalize_strings: bool = False
 ) -> float:
@@ -248,7 +249,10 @@ def _bfcl_accepts(value: Any, answers: list, schema: dict) -> bool:
     if schema["type"] in ("array", "tuple"):
         nested = _BFCL_TYPES.get((schema.get("items") or {}).get("type"))
     if schema["type"] == "float" and type(value) is int:
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an integer past any float's range equals no answer
+            return False
     valid, is_variable = _bfcl_type_check(value, answers, expected, nested)
     if not valid:
         return False

@@ -89,7 +89,7 @@ def parse_reference(answer: Any) -> tuple[dict[str, Any], ...] | None:
     return tuple(calls)
 
 
-@register_reward("toolrl_format")
+@register_reward("toolrl_format", bounds=(0.0, 1.0))
 def toolrl_format(completion: str, num_tokens: int, ground_truth: dict) -> float:
     """1 if the completion has the structure of the reference's kind of answer (module docstring)."""
     answer = _answer(ground_truth)
@@ -103,15 +103,15 @@ def toolrl_format(completion: str, num_tokens: int, ground_truth: dict) -> float
     return 0.0 if _STRUCTURE[expects_calls, expects_response].fullmatch(text) is None else 1.0
 
 
-def _check_correctness_kwargs(matching: str = "greedy") -> None:
+def _check_matching(matching: str = "greedy") -> None:
     if matching not in MATCHINGS:
         raise ValueError(f"matching must be one of {MATCHINGS}, got {matching!r}")
 
 
-@register_reward("toolrl_correctness", check=_check_correctness_kwargs)
+@register_reward("toolrl_correctness", bounds=(MIN_CORRECTNESS, MAX_CORRECTNESS), check=_check_matching)
 def toolrl_correctness(completion: str, num_tokens: int, ground_truth: dict, matching: str = "greedy") -> float:
     """ToolRL's matching score of the calls, in [-3, 3]; ``matching``: "greedy" or "optimal" (module docstring)."""
-    _check_correctness_kwargs(matching)
+    _check_matching(matching)
     expected = parse_reference(_answer(ground_truth))
     if expected is None:
         return 0.0

@@ -31,7 +31,16 @@ Memory. On GPU ``sleep()`` is vLLM sleep level 1 (weights offloaded to host memo
 discarded; needs ``enable_sleep_mode``); ``update_weights`` on a sleeping engine wakes the
 weights first, and ``wake_up()`` then restores the KV cache: wake weights -> load -> wake KV.
 On CPU vLLM has no sleep mode, so ``sleep`` / ``wake_up`` release nothing; they only mark the
-engine as not ready to generate.
+engine as not ready to generate. vLLM's own KV cache sizing on CPU takes a share of the host's
+memory (``gpu_memory_utilization`` of it) and writes every page, so callers size it to what a
+step can use (:func:`kv_cache_gib`).
+
+The decode loop. ``generate`` drives vLLM's engine one scheduler + model iteration at a time
+and hands each completion to ``on_completion`` as soon as it finishes (the trainer scores it
+while the rest are generated). Per iteration it keeps vLLM's Python work small: only the
+sampled token's logprob, in flat lists; no per-step detokenization unless stop strings need it
+(the text is decoded once per completion); and on CPU in eager mode vLLM's few
+``torch.compile``d sampler helpers run eagerly (compiling them costs seconds at the first step).
 
 Logprobs are vLLM's ``processed_logprobs``: of the distribution actually sampled from
 (logits / temperature, renormalized over the top-k / top-p set when those are on). The policy
@@ -47,11 +56,13 @@ also destroys the default torch.distributed process group.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -132,18 +143,40 @@ class VLLMEngine:
         )
         if not on_gpu and config.tensor_parallel_size > 1:
             self._llm.collective_rpc(_unlink_cpu_shm_name)
+        self._tokenizer = self._llm.get_tokenizer()
+        self._batches = 0  # generate() calls, for unique request ids
+        self._on_gpu = on_gpu
         self._asleep = False
         self._weights_awake = False
 
     @property
     def tokenizer(self):
         """The checkpoint's tokenizer, as vLLM loaded it."""
-        return self._llm.get_tokenizer()
+        return self._tokenizer
+
+    def _compile_stance(self):
+        """On CPU in eager mode, vLLM's few ``torch.compile``d sampler helpers run eagerly too.
+
+        Compiling them (inductor, a C++ build) costs seconds at the first ``generate`` of a
+        process, more than it can save at CPU batch sizes; the policy avoids compilation on
+        CPU for the same reason."""
+        eager = self._llm.llm_engine.vllm_config.model_config.enforce_eager
+        return torch.compiler.set_stance("force_eager") if eager and not self._on_gpu else contextlib.nullcontext()
 
     def generate(
-        self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingConfig,
+        on_completion: Callable[[int, int, Completion], None] | None = None,
     ) -> list[list[Completion]]:
-        """``n`` completions for each prompt, grouped by prompt in input order."""
+        """``n`` completions for each prompt, grouped by prompt in input order.
+
+        ``on_completion(prompt_index, sample_index, completion)``, when given, is called for
+        each completion as soon as it finishes, while the others are still being generated
+        (e.g. to score it). If it raises, the unfinished requests are aborted and the error
+        propagates.
+        """
         from vllm.inputs import TokensPrompt
 
         if self._asleep:
@@ -157,8 +190,25 @@ class VLLMEngine:
             for j in range(n):
                 prompts.append(TokensPrompt(prompt_token_ids=list(ids)))
                 params.append(self._sampling_params(sampling, i, j))
-        outputs = self._llm.generate(prompts, params, use_tqdm=False)
-        completions = [_completion(out.outputs[0]) for out in outputs]
+        detokenized = bool(sampling.stop)
+        completions: list[Completion | None] = [None] * len(prompts)
+        engine = self._llm.llm_engine
+        self._batches += 1
+        index = {f"gdpo-{self._batches}-{k}": k for k in range(len(prompts))}
+        with self._compile_stance():
+            try:
+                for (request_id, k) in index.items():
+                    engine.add_request(request_id, prompts[k], params[k])
+                while engine.has_unfinished_requests():  # one scheduler + model iteration per step
+                    for output in engine.step():
+                        if output.finished:
+                            k = index[output.request_id]
+                            completions[k] = self._completion(output.outputs[0], detokenized)
+                            if on_completion is not None:
+                                on_completion(k // n, k % n, completions[k])
+            except BaseException:
+                engine.abort_request([r for r, k in index.items() if completions[k] is None])
+                raise
         return [completions[i * n : (i + 1) * n] for i in range(len(prompt_token_ids))]
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -213,6 +263,7 @@ class VLLMEngine:
 
     def _sampling_params(self, sampling: SamplingConfig, prompt_index: int, sample_index: int):
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         seed = None if sampling.seed is None else derive_seed(sampling.seed, prompt_index, sample_index)
         return SamplingParams(
@@ -225,7 +276,46 @@ class VLLMEngine:
             stop=list(sampling.stop),
             seed=seed,
             logprobs=0,  # only the sampled token's logprob
+            flat_logprobs=True,  # a few flat lists per request instead of a dict per token
+            # vLLM detokenizes every step (and decodes each logprob token) only where stop
+            # strings need it; otherwise the text is decoded once per completion at the end.
+            detokenize=bool(sampling.stop),
+            output_kind=RequestOutputKind.FINAL_ONLY,  # one output per request, when it finishes
         )
+
+    def _completion(self, output, detokenized: bool) -> Completion:
+        token_ids = list(output.token_ids)
+        if output.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM finished a completion with {output.finish_reason!r}")
+        flat = output.logprobs
+        if flat.token_ids != token_ids or len(flat.logprobs) != len(token_ids):
+            raise RuntimeError("vLLM returned logprobs that are not those of the sampled tokens")
+        text = output.text if detokenized else self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return Completion(token_ids=token_ids, logprobs=list(flat.logprobs), finish_reason=output.finish_reason, text=text)
+
+
+def kv_cache_gib(model_path: str, dtype: str, num_seqs: int, tokens_per_seq: int, max_model_len: int,
+                 block_size: int = 128) -> float:
+    """The KV cache that holds ``num_seqs`` sequences of up to ``tokens_per_seq`` tokens at once.
+
+    For the CPU, where vLLM's own sizing takes a share of the machine's memory (half of it by
+    default) and touches every page of it: a rollout step knows how many sequences it runs and
+    how long they can get. Each sequence is rounded up to whole blocks of ``block_size`` tokens
+    (vLLM's CPU block size for standard attention); vLLM also needs room for one sequence of
+    ``max_model_len`` tokens.
+    """
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv_heads = config.get("num_key_value_heads") or heads
+    element = 4 if dtype == "float32" else 2
+    per_token = 2 * config["num_hidden_layers"] * kv_heads * head_dim * element  # keys and values
+
+    def blocks(tokens: int) -> int:
+        return -(-tokens // block_size)
+
+    tokens = max(num_seqs * blocks(tokens_per_seq), blocks(max_model_len)) * block_size
+    return tokens * per_token / _GIB
 
 
 def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
@@ -265,11 +355,3 @@ def _unlink_cpu_shm_name(worker) -> None:
     name = getattr(getattr(group.device_communicator, "dist_module", None), "group_name", None)
     if name is not None:  # the shared-memory communicator is in use
         (Path("/dev/shm") / f"{name.lstrip('/')}_{group.rank_in_group}").unlink(missing_ok=True)
-
-
-def _completion(output) -> Completion:
-    token_ids = list(output.token_ids)
-    logprobs = [step[token].logprob for step, token in zip(output.logprobs, token_ids)]
-    if output.finish_reason not in ("stop", "length"):
-        raise RuntimeError(f"vLLM finished a completion with {output.finish_reason!r}")
-    return Completion(token_ids=token_ids, logprobs=logprobs, finish_reason=output.finish_reason, text=output.text)

@@ -6,7 +6,8 @@ rollout code builds those columns from an environment whose ``step`` returns
 :class:`RewardStageEnvironment` does that with :class:`~gdpo_megatron.rewards.stage.RewardStage`:
 every reward of the config (tool format and correctness, math, length, code pass / no-bug,
 or a user's reward file) runs in the stage's process pool with a timeout per call, code
-runs in the sandbox, and a failure scores the reward's ``failure_value`` and is counted.
+runs in the sandbox, and a failure scores the reward's ``failure_value`` (by default its
+declared minimum) and is counted.
 
 NeMo-RL runs environments as Ray actors, created from a registered class path with
 ``.options(...).remote(env_config)``. ``RewardStageEnvironmentActor`` (this module's

@@ -1,0 +1,329 @@
+"""End-to-end GDPO training throughput and memory: this trainer vs Hugging Face TRL's GRPOTrainer.
+
+    python benchmarks/vs_trl.py --trl-python /work/envs/trl/bin/python [--runs 3] [--threads 2]
+    GDPO_TRL_PYTHON=/path/to/python python benchmarks/vs_trl.py
+
+TRL lives in its own environment (never a dependency of this package), e.g.
+``python3 -m venv trl && trl/bin/pip install torch==2.13.0 && trl/bin/pip install trl transformers
+math-verify`` (math-verify because TRL's reward functions are this package's, imported from this
+checkout). Both sides do the same work on the same random Llama (the demo tokenizer and chat
+template, fp32): 8 prompts of the bundled tool-calling task x 8 completions of at most 32 tokens
+per step, temperature 1, the same three rewards (tool_format, tool_correctness, length),
+per-reward group normalization then sum then batch normalization (TRL:
+``multi_objective_aggregation="normalize_then_sum"``), the clipped token-mean loss
+(clip 0.2 / 0.28, no KL), one Adam step per batch in one micro-batch, the same number of
+threads (``--threads``, default every core this process may use).
+
+Timed: the training loop only, first step included (start-up, checkpoints and the export are
+left out on both sides). Each run is a fresh process; runs of the two sides alternate
+(ABBA order) and every number is the median over ``--runs`` runs. Columns:
+- completions/s: completions of the whole loop / loop time;
+- generation tok/s: generated tokens / time inside generation (TRL: HF ``generate``; here:
+  the vLLM engine's ``generate``, its Python included);
+- update s/step: median per step of what follows scoring (TRL: the rest of the step; here:
+  the Megatron update plus the weight sync into vLLM);
+- peak RSS: the main process's high-water mark; tree PSS: the highest proportional set size
+  of the process and all its children (reward workers, forkserver), sampled every 0.1 s.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "examples" / "data" / "tool_demo.jsonl"
+PROMPTS, GENERATIONS, NEW_TOKENS = 8, 8, 32
+REWARDS = [{"name": "tool_format"}, {"name": "tool_correctness"}, {"name": "length", "kwargs": {"max_tokens": 50}}]
+LR, CLIP_LOW, CLIP_HIGH, MAX_GRAD_NORM = 1e-5, 0.2, 0.28, 1.0
+# name -> (hidden, heads, layers, ffn, steps per run)
+SIZES = {
+    "tiny": (128, 2, 2, 256, 12),
+    "13m": (512, 8, 4, 1376, 6),
+}
+_GIB = 1 << 30
+
+
+# ---- the models ------------------------------------------------------------------------------
+
+
+def write_model(path: Path, hidden: int, heads: int, layers: int, ffn: int) -> int:
+    """A random fp32 Llama with the demo tokenizer and chat template; returns its parameter count."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from gdpo_megatron.demo.warmup import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=512,
+        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, torch_dtype="float32")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
+
+
+# ---- one run of each side (in its own process) -------------------------------------------------
+
+
+def run_project(model: str, steps: int, out: Path) -> dict:
+    """This trainer: the same Trainer as gdpo-train, its step loop without checkpoints or export."""
+    import yaml
+
+    from gdpo_megatron.config import TrainConfig, load_config
+    from gdpo_megatron.distributed.launch import init_distributed
+    from gdpo_megatron.trainer import Trainer
+
+    config = {
+        "run_dir": str(out / "run"), "base_model": model, "steps": steps, "seed": 0,
+        "data": {"train_path": str(DATA), "family": "tool", "system_prompt": "", "prompts_per_step": PROMPTS,
+                 "max_prompt_tokens": 128},
+        "rewards": {"rewards": REWARDS, "num_workers": 2, "timeout_s": 30},
+        "advantage": {"mode": "gdpo"},
+        "rollout": {"group_size": GENERATIONS, "temperature": 1.0, "max_new_tokens": NEW_TOKENS,
+                    "max_model_len": 256},
+        "policy": {"micro_batch_size": PROMPTS * GENERATIONS,
+                   "optim": {"lr": LR, "weight_decay": 0.0, "clip_grad": MAX_GRAD_NORM},
+                   "loss": {"ratio_clip_low": CLIP_LOW, "ratio_clip_high": CLIP_HIGH}},
+        "checkpoint": {"save_every": 0, "export_hf": False},
+        "logging": {"progress_bar": False},
+    }
+    path = out / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    init_distributed()
+    trainer = Trainer(load_config(TrainConfig, path))
+    try:
+        records, start = [], time.perf_counter()
+        for step in range(steps):
+            metrics = trainer.step(step)
+            trainer.logger.log(step + 1, metrics)
+            records.append(metrics)
+        loop_s = time.perf_counter() - start
+    finally:
+        trainer.close()
+    return {
+        "loop_s": loop_s,
+        "completions": sum(r["rollout/tokens_generated"] / r["rollout/completion_tokens_mean"] for r in records),
+        "tokens": sum(r["rollout/tokens_generated"] for r in records),
+        "generate_s": sum(r["time/generate"] for r in records),
+        "update_s": [r["time/train"] + r["time/sync"] for r in records],
+        "step_s": [r["time/step"] for r in records],
+    }
+
+
+def run_trl(model: str, steps: int, out: Path) -> dict:
+    """TRL 1.x GRPOTrainer with HF generate, configured for the same work."""
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    import gdpo_megatron.rewards  # noqa: F401  (registers the rewards)
+    from gdpo_megatron.data.samples import load_samples
+    from gdpo_megatron.rewards.registry import get_reward
+
+    samples = load_samples(DATA, "tool", system_prompt="")
+    dataset = Dataset.from_list([{"prompt": s.messages, "truth": json.dumps({**s.ground_truth, **s.metadata})}
+                                 for s in samples])
+
+    def reward_fn(spec):
+        fn = get_reward(spec["name"])
+
+        def score(prompts, completions, completion_ids, truth, **_):
+            return [fn(c[0]["content"] if isinstance(c, list) else c, len(ids), json.loads(t), **spec.get("kwargs", {}))
+                    for c, ids, t in zip(completions, completion_ids, truth)]
+
+        score.__name__ = spec["name"]
+        return score
+
+    timing = {"generate_s": 0.0, "tokens": 0, "completions": 0, "score_s": [], "step_s": []}
+
+    class Timed(GRPOTrainer):
+        def _generate_single_turn(self, *args, **kwargs):
+            start = time.perf_counter()
+            ids, logprobs = super()._generate_single_turn(*args, **kwargs)
+            timing["generate_s"] += time.perf_counter() - start
+            timing["tokens"] += sum(len(c) for c in ids)
+            timing["completions"] += len(ids)
+            return ids, logprobs
+
+        def _generate_and_score_completions(self, *args, **kwargs):
+            start = time.perf_counter()
+            result = super()._generate_and_score_completions(*args, **kwargs)
+            timing["score_s"].append(time.perf_counter() - start)
+            return result
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *_, **__):
+            timing["begin"] = timing["last"] = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            now = time.perf_counter()
+            timing["step_s"].append(now - timing["last"])
+            timing["last"] = now
+
+    args = GRPOConfig(
+        output_dir=str(out / "trl"), max_steps=steps, per_device_train_batch_size=PROMPTS * GENERATIONS,
+        gradient_accumulation_steps=1, steps_per_generation=1, num_generations=GENERATIONS,
+        max_completion_length=NEW_TOKENS, temperature=1.0, learning_rate=LR, weight_decay=0.0,
+        lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=MAX_GRAD_NORM, epsilon=CLIP_LOW,
+        epsilon_high=CLIP_HIGH, beta=0.0, loss_type="dapo", multi_objective_aggregation="normalize_then_sum",
+        num_iterations=1, bf16=False, gradient_checkpointing=False, use_cpu=True, report_to="none",
+        save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0, dataloader_num_workers=0,
+        model_init_kwargs={"dtype": torch.float32},
+    )
+    trainer = Timed(model=model, reward_funcs=[reward_fn(s) for s in REWARDS], args=args, train_dataset=dataset,
+                    callbacks=[Clock()])
+    trainer.train()
+    return {
+        "loop_s": timing["last"] - timing["begin"],
+        "completions": timing["completions"],
+        "tokens": timing["tokens"],
+        "generate_s": timing["generate_s"],
+        "update_s": [s - g for s, g in zip(timing["step_s"], timing["score_s"])],
+        "step_s": timing["step_s"],
+    }
+
+
+def child_main(side: str, model: str, steps: int, result: Path) -> None:
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = (run_project if side == "project" else run_trl)(model, steps, Path(tmp))
+    out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / _GIB
+    result.write_text(json.dumps(out))
+
+
+# ---- the comparison --------------------------------------------------------------------------------
+
+
+def tree_pss_peak(pid: int, stop: threading.Event, peak: list) -> None:
+    """Highest summed PSS of process ``pid`` and its descendants until ``stop`` is set."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return
+    while not stop.wait(0.1):
+        total = 0
+        try:
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return
+        for p in procs:
+            try:
+                total += p.memory_full_info().pss
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+        peak[0] = max(peak[0], total)
+
+
+def launch(side: str, python: str, model: str, steps: int, threads: int, tmp: Path) -> dict:
+    result = tmp / f"{side}.json"
+    result.unlink(missing_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT),
+           "VLLM_LOGGING_LEVEL": "ERROR", "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false",
+           "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+    env.pop("MASTER_PORT", None)
+    cmd = [python, str(Path(__file__).resolve()), "--child", side, "--model", model, "--steps", str(steps),
+           "--result", str(result)]
+    log = tmp / f"{side}.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=tmp)
+        stop, peak = threading.Event(), [0]
+        sampler = threading.Thread(target=tree_pss_peak, args=(proc.pid, stop, peak), daemon=True)
+        sampler.start()
+        code = proc.wait()
+        stop.set()
+        sampler.join()
+    if code != 0 or not result.exists():
+        raise SystemExit(f"{side} run failed (exit {code}); its log:\n{log.read_text()[-4000:]}")
+    out = json.loads(result.read_text())
+    out["tree_pss_gib"] = peak[0] / _GIB
+    return out
+
+
+def summarize(runs: list[dict]) -> dict:
+    med = statistics.median
+    return {
+        "completions_per_s": med(r["completions"] / r["loop_s"] for r in runs),
+        "gen_tok_per_s": med(r["tokens"] / r["generate_s"] for r in runs),
+        "update_s": med(med(r["update_s"]) for r in runs),
+        "first_step_s": med(r["step_s"][0] for r in runs),
+        "peak_rss_gib": med(r["peak_rss_gib"] for r in runs),
+        "tree_pss_gib": med(r["tree_pss_gib"] for r in runs),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trl-python", default=os.environ.get("GDPO_TRL_PYTHON"),
+                        help="python of the environment with TRL installed (or GDPO_TRL_PYTHON)")
+    parser.add_argument("--runs", type=int, default=3, help="runs per side and size (medians are reported)")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                        help="threads of each side (OMP_NUM_THREADS; default: every core this process may use)")
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--steps", type=int, default=None, help="steps per run (default: per size)")
+    parser.add_argument("--child", choices=("project", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child_main(args.child, args.model, args.steps, args.result)
+    if not args.trl_python:
+        raise SystemExit("--trl-python (or GDPO_TRL_PYTHON): the python of an environment with TRL installed")
+
+    pythons = {"trl": args.trl_python, "project": sys.executable}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for size in args.sizes:
+            hidden, heads, layers, ffn, default_steps = SIZES[size]
+            steps = args.steps or default_steps
+            model = tmp / size
+            params = write_model(model, hidden, heads, layers, ffn)
+            runs = {"trl": [], "project": []}
+            for i in range(args.runs):
+                order = ("trl", "project") if i % 2 == 0 else ("project", "trl")
+                for side in order:
+                    runs[side].append(launch(side, pythons[side], str(model), steps, args.threads, tmp))
+                    print(f"  {size} run {i + 1} {side}: {json.dumps(runs[side][-1])}", file=sys.stderr, flush=True)
+            rows.append((f"{params / 1e6:.2f}M (hidden {hidden}, {layers} layers)",
+                         summarize(runs["trl"]), summarize(runs["project"])))
+    print_table(rows, args)
+
+
+def print_table(rows, args) -> None:
+    print(f"{PROMPTS} prompts x {GENERATIONS} completions x <= {NEW_TOKENS} tokens per step, {args.threads} thread(s) "
+          f"per side, median of {args.runs} interleaved runs; load average {os.getloadavg()[0]:.1f}")
+    print("| model | TRL completions/s | this project | ratio | generation tok/s TRL / project "
+          "| update s/step TRL / project | first step s TRL / project | peak RSS GiB TRL / project "
+          "| tree PSS GiB TRL / project |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, trl, ours in rows:
+        print(f"| {name} | {trl['completions_per_s']:.1f} | {ours['completions_per_s']:.1f} "
+              f"| {ours['completions_per_s'] / trl['completions_per_s']:.2f}x "
+              f"| {trl['gen_tok_per_s']:,.0f} / {ours['gen_tok_per_s']:,.0f} "
+              f"| {trl['update_s']:.3f} / {ours['update_s']:.3f} "
+              f"| {trl['first_step_s']:.2f} / {ours['first_step_s']:.2f} "
+              f"| {trl['peak_rss_gib']:.2f} / {ours['peak_rss_gib']:.2f} "
+              f"({ours['peak_rss_gib'] / trl['peak_rss_gib']:.2f}x) "
+              f"| {trl['tree_pss_gib']:.2f} / {ours['tree_pss_gib']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

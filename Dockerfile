@@ -11,14 +11,23 @@
 #   TE 2.11.0       in megatron-core 0.16.1's tested range (>= 2.9, < 2.12). Its core library is a
 #                   binary wheel (transformer-engine-cu13); its torch extension is published as
 #                   source only and is compiled here against the installed torch
-#                   (--no-build-isolation: an isolated build would fetch another torch).
+#                   (--no-build-isolation: an isolated build would fetch another torch). That
+#                   sdist builds the torch extension alone (NVTE_FRAMEWORK only steers a build of
+#                   TE's whole repository); it includes cudnn.h (the base's cuDNN headers) and
+#                   compiles with ninja when it is installed.
+#   bubblewrap      the code reward's sandbox runs programs under /usr/bin/bwrap. bwrap creates
+#                   user and mount namespaces, which Docker's default seccomp and AppArmor
+#                   profiles refuse: run with the two --security-opt flags below, or the sandbox
+#                   falls back to its weaker `basic` level and logs why.
 #
 # Not built yet: the machines this project is developed on have no Docker engine and no GPU.
 # tests/test_pins.py resolves the same pins with pip for this image's Python and platform.
 #
 # Build:  docker build -t gdpo-megatron:gpu .
 # Check:  docker run --gpus all gdpo-megatron:gpu gdpo-doctor --config configs/gdpo_7b.yaml
-# Run:    docker run --gpus all --ipc=host --ulimit memlock=-1 -v $PWD/runs:/workspace/runs gdpo-megatron:gpu ...
+# Run:    docker run --gpus all --ipc=host --ulimit memlock=-1 \
+#             --security-opt seccomp=unconfined --security-opt apparmor=unconfined \
+#             -v $PWD/runs:/workspace/runs gdpo-megatron:gpu ...
 ARG BASE_IMAGE=nvidia/cuda:13.0.2-cudnn-devel-ubuntu24.04
 FROM ${BASE_IMAGE}
 
@@ -33,7 +42,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
 RUN apt-get update \
  && apt-get install -y --no-install-recommends \
         python${PYTHON_VERSION} python${PYTHON_VERSION}-dev python${PYTHON_VERSION}-venv \
-        build-essential git \
+        build-essential git bubblewrap \
  && rm -rf /var/lib/apt/lists/*
 
 # Ubuntu's Python is externally managed (PEP 668): everything goes into one virtualenv.

@@ -48,13 +48,16 @@ def plot_main(argv: list[str]) -> int:
     parser = ArgumentParser(prog="gdpo-plot", description="Plot rewards and advantage diagnostics of runs.")
     parser.add_argument("run_dirs", nargs="+")
     parser.add_argument("--out", default=None, help="output directory (default: the first run's)")
-    parser.add_argument("--labels", nargs="*", default=None, help="legend labels, one per run")
+    parser.add_argument("--labels", nargs="+", default=None, help="legend labels, one per run")
     args = parser.parse_args(argv)
 
-    from gdpo_megatron.plot import plot_runs
-    from gdpo_megatron.validation import check_output_dir
+    from gdpo_megatron.plot import DIAGNOSTICS_PNG, REWARDS_PNG, plot_runs
+    from gdpo_megatron.validation import check_output_dir, check_output_file
 
-    out = check_output_dir(args.out or args.run_dirs[0], "--out" if args.out else "RUN_DIR")
+    key = "--out" if args.out else "RUN_DIR"
+    out = check_output_dir(args.out or args.run_dirs[0], key)
+    for name in (REWARDS_PNG, DIAGNOSTICS_PNG):
+        check_output_file(out / name, key)
     for path in plot_runs(args.run_dirs, out, args.labels):
         print(path)
     return 0

@@ -161,6 +161,7 @@ class DataConfig:
     shuffle_seed: int = 0
 
     def __post_init__(self):
+        _check_path(self.train_path, "data.train_path")
         _check(self.family in FAMILIES, "data.family", f"one of {FAMILIES}", self.family)
         _check(self.prompts_per_step >= 1, "data.prompts_per_step", ">= 1", self.prompts_per_step)
         _check(self.max_prompt_tokens >= 1, "data.max_prompt_tokens", ">= 1", self.max_prompt_tokens)
@@ -221,7 +222,16 @@ class TrainConfig:
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
 
     def __post_init__(self):
+        _check_path(self.run_dir, "run_dir")
+        _check_path(self.base_model, "base_model")
         _check(self.steps >= 1, "steps", ">= 1", self.steps)
+        # The policy's logprobs are those of the distribution the rollouts were sampled from.
+        defaults = {f.name: f.default for f in dataclasses.fields(PolicyConfig)}
+        for name, used, instead in (
+                ("temperature", self.rollout.temperature, "samples and trains at rollout.temperature"),
+                ("seed", self.seed, "seeds the policy with seed")):
+            if getattr(self.policy, name) not in (defaults[name], used):
+                raise ConfigError(f"policy.{name}: a training run {instead}; set that instead")
         self.advantage.resolve_conditions(self.rewards.names)
         longest = self.data.max_prompt_tokens + self.rollout.max_new_tokens
         _check(longest <= self.rollout.max_model_len, "rollout.max_model_len",
@@ -256,8 +266,39 @@ def _check(ok: bool, key: str, expected: str, got) -> None:
         raise ConfigError(f"{key}: expected {expected}, got {got!r}")
 
 
+def _check_path(value: str, key: str) -> None:
+    """A path setting is not empty (an empty one would mean the current directory)."""
+    _check(bool(str(value).strip()), key, "a path", value)
+
+
 # ---------------------------------------------------------------------------------------------
 # Loading
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping gives a key twice (PyYAML would keep the last one silently)."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (merge keys ``<<`` may still be overridden)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first: dict = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node)
+                line = key_node.start_mark.line + 1
+                if key in first:
+                    raise DuplicateKeyError(f"line {line}: duplicate key {key!r} (first at line {first[key]})")
+                first[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(text: str):
+    """Plain data from YAML text; :class:`DuplicateKeyError` for a key given twice in one mapping."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)
 
 
 def load_config(cls: type, path: str | Path | None = None, overrides: list[str] | None = None):
@@ -268,9 +309,11 @@ def load_config(cls: type, path: str | Path | None = None, overrides: list[str] 
         if not path.is_file():
             raise ConfigError(f"config file {path}: {'a directory' if path.is_dir() else 'not found'}")
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            data = read_yaml(path.read_text(encoding="utf-8")) or {}
         except UnicodeDecodeError as e:
             raise ConfigError(f"config file {path}: not UTF-8 ({e.reason} at byte {e.start})") from None
+        except DuplicateKeyError as e:
+            raise ConfigError(f"config file {path}: {e}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path}: not valid YAML: {e}") from e
         if not isinstance(data, dict):
@@ -285,7 +328,10 @@ def apply_override(data: dict, item: str) -> None:
     key, sep, raw = item.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {item!r}: expected key.sub=value")
-    value = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        value = read_yaml(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {item!r}: not valid YAML ({e})") from None
     *parents, last = key.split(".")
     node: Any = data
     for depth, part in enumerate(parents):
@@ -394,14 +440,17 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(f"{path}: expected an integer, got {value!r}")
         return value
     if tp is float:
+        number = value
         if isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
             raise ConfigError(f"{path}: expected a number, got {value!r}")
-        return float(value)
+        if not math.isfinite(number):
+            raise ConfigError(f"{path}: expected a finite number, got {value!r}")
+        return float(number)
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{path}: expected a string, got {value!r}")

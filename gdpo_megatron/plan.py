@@ -64,10 +64,10 @@ class Cluster:
         for name in ("nodes", "gpus_per_node"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(self, name)}")
-        if not self.gpu_memory_gib > 0:
-            raise UsageError(f"--gpu-memory: expected > 0 GiB, got {self.gpu_memory_gib}")
-        if not self.overhead_gib >= 0:
-            raise UsageError(f"--overhead: expected >= 0 GiB, got {self.overhead_gib}")
+        if not (self.gpu_memory_gib > 0 and math.isfinite(self.gpu_memory_gib)):
+            raise UsageError(f"--gpu-memory: expected a finite number > 0 GiB, got {self.gpu_memory_gib}")
+        if not (self.overhead_gib >= 0 and math.isfinite(self.overhead_gib)):
+            raise UsageError(f"--overhead: expected a finite number >= 0 GiB, got {self.overhead_gib}")
 
     @property
     def world_size(self) -> int:

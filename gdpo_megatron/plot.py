@@ -18,6 +18,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from gdpo_megatron.errors import InputError, UsageError  # noqa: E402
 from gdpo_megatron.metrics import read_metrics  # noqa: E402
 
+REWARDS_PNG, DIAGNOSTICS_PNG = "rewards.png", "diagnostics.png"
+
 
 def reward_names(records: list[dict]) -> list[str]:
     """Reward names found as ``reward/<name>/mean`` keys, in first-seen order."""
@@ -77,7 +79,7 @@ def _grid(n: int, title: str):
 
 def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[str] | None = None,
               smooth: int = 1) -> list[Path]:
-    """Write ``rewards.png`` and ``diagnostics.png`` to ``out_dir``; return their paths.
+    """Write :data:`REWARDS_PNG` and :data:`DIAGNOSTICS_PNG` to ``out_dir``; return their paths.
 
     Runs sharing a label are drawn as their mean with a min-max band; ``smooth`` > 1 draws
     each run's trailing mean over that many steps.
@@ -109,7 +111,7 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[str]
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     axes[0].legend()
-    rewards_png = out_dir / "rewards.png"
+    rewards_png = out_dir / REWARDS_PNG
     _save(fig, rewards_png)
 
     fig, axes = _grid(len(names) + 1, f"Advantage diagnostics {per_step}")
@@ -127,7 +129,7 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path, labels: list[str]
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
     ax.legend()
-    diagnostics_png = out_dir / "diagnostics.png"
+    diagnostics_png = out_dir / DIAGNOSTICS_PNG
     _save(fig, diagnostics_png)
     return [rewards_png, diagnostics_png]
 

@@ -48,7 +48,7 @@ from gdpo_megatron.policy.worker import PolicyWorker
 from gdpo_megatron.rewards.stage import RewardStage
 from gdpo_megatron.rollout.engine import SamplingConfig
 from gdpo_megatron.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig, kv_cache_gib
-from gdpo_megatron.validation import CHECKPOINT_DIR, TrainingInputs, check_training
+from gdpo_megatron.validation import CHECKPOINT_DIR, SHAPE_FIELDS, TrainingInputs, check_training
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)  # Slurm's time-limit warning, preemption / scancel
 HF_EXPORT_DIR = "hf"
@@ -376,10 +376,6 @@ def run(config: TrainConfig, inputs: TrainingInputs | None = None) -> str:
         return trainer.train()
     finally:
         trainer.close()
-
-
-SHAPE_FIELDS = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads",
-                "num_query_groups")
 
 
 def _warn_on_shape_drift(planned, actual, base_model: str) -> None:

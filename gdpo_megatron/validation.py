@@ -22,9 +22,11 @@ from typing import Iterator, Optional, Sequence
 
 from gdpo_megatron.advantages import Condition
 from gdpo_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
-from gdpo_megatron.checkpoint.hf_files import check_tensor_names, safetensors_index
-from gdpo_megatron.checkpoint.layout import hf_names, model_layout
-from gdpo_megatron.checkpoint.state import check_reshardable, complete_steps, read_training_state
+from gdpo_megatron.checkpoint.hf_files import check_tensors, safetensors_index
+from gdpo_megatron.checkpoint.layout import hf_shapes
+from gdpo_megatron.checkpoint.state import (
+    check_files, check_reshardable, complete_steps, model_section, read_training_state,
+)
 from gdpo_megatron.config import ConfigError, TrainConfig
 from gdpo_megatron.data.samples import Fields, Sample, load_samples
 from gdpo_megatron.errors import InputError, UserError
@@ -32,6 +34,9 @@ from gdpo_megatron.policy.config import ModelConfig, ParallelConfig, check_model
 from gdpo_megatron.rewards.registry import RewardSpec, load_reward_file, registered_rewards, validate_specs
 
 CHECKPOINT_DIR = "checkpoints"  # under run_dir
+# The fields of a ModelConfig that give the shape of its weights.
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads",
+                "num_query_groups")
 
 
 @contextlib.contextmanager
@@ -113,8 +118,9 @@ def load_prompts(path: str | os.PathLike, family: str, system_prompt: Optional[s
         raise InputError(f"{key}: {e}") from e
 
 
-def check_prompt_lengths(samples: Sequence[Sample], path: str, model_dir: str, max_prompt_tokens: int) -> None:
-    """Every prompt of ``path``, rendered by ``model_dir``'s tokenizer and chat template, fits ``max_prompt_tokens``."""
+def prompt_lengths(samples: Sequence[Sample], model_dir: str | os.PathLike, key: str) -> list[int]:
+    """The token count of each prompt rendered by ``model_dir``'s tokenizer and chat template."""
+    from jinja2 import TemplateError
     from transformers import AutoTokenizer
 
     from gdpo_megatron.data.chat import encode_prompt
@@ -122,11 +128,22 @@ def check_prompt_lengths(samples: Sequence[Sample], path: str, model_dir: str, m
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as e:
-        raise InputError(f"base_model: cannot load the tokenizer of {model_dir} ({e})") from e
-    try:
-        lengths = [len(encode_prompt(tokenizer, s.messages)) for s in samples]
-    except ValueError as e:  # no chat template
-        raise InputError(f"base_model: {e}") from e
+        raise InputError(f"{key}: cannot load the tokenizer of {model_dir} ({e})") from e
+    lengths = []
+    for sample in samples:
+        try:
+            lengths.append(len(encode_prompt(tokenizer, sample.messages)))
+        except TemplateError as e:  # a template that does not compile, or refuses the chat (raise_exception)
+            raise InputError(f"{key}: the chat template of {model_dir} cannot render the prompt {sample.id!r} "
+                             f"({type(e).__name__}: {e})") from e
+        except ValueError as e:  # no chat template
+            raise InputError(f"{key}: {e}") from e
+    return lengths
+
+
+def check_prompt_lengths(samples: Sequence[Sample], path: str, model_dir: str, max_prompt_tokens: int) -> None:
+    """Every prompt of ``path``, rendered by ``model_dir``'s tokenizer and chat template, fits ``max_prompt_tokens``."""
+    lengths = prompt_lengths(samples, model_dir, "base_model")
     too_long = [(s, n) for s, n in zip(samples, lengths) if n > max_prompt_tokens]
     if too_long:
         sample, n = max(too_long, key=lambda item: item[1])
@@ -145,8 +162,9 @@ def load_reward_files(paths: Sequence[str], key: str) -> None:
         check_input_file(path, f"{key}.{i}")
         try:
             load_reward_file(path)
-        except Exception as e:  # whatever the user's module raises on import
-            raise InputError(f"{key}.{i}: importing {path} failed: {type(e).__name__}: {e}") from e
+        except (Exception, SystemExit) as e:  # whatever the user's module raises on import, or sys.exit()
+            what = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            raise InputError(f"{key}.{i}: importing {path} failed: {what}") from e
 
 
 def check_reward_specs(specs: Sequence[RewardSpec], key: str, *, in_config: bool = True) -> None:
@@ -183,12 +201,11 @@ def model_shape(hf_config: dict, key: str, **overrides) -> ModelConfig:
 
 
 def check_weights(path: str | os.PathLike, key: str, model: Optional[ModelConfig] = None) -> None:
-    """Every safetensors file present with a readable header (and, given ``model``, exactly its tensors)."""
+    """Every safetensors file present with a readable header (and, given ``model``, exactly its tensors at their shapes)."""
     with about(key):
         index = safetensors_index(path)
         if model is not None:
-            check_tensor_names(index, hf_names(model_layout(model, 1), model.add_qkv_bias), Path(path),
-                               model.tie_word_embeddings)
+            check_tensors(index, hf_shapes(model), Path(path), model.tie_word_embeddings)
 
 
 def check_model_split(model: ModelConfig, parallel: ParallelConfig, world_size: int, key: str) -> None:
@@ -224,25 +241,43 @@ class TrainingInputs:
 
 
 def check_machine(config: TrainConfig) -> None:
-    """Rollout settings a machine without CUDA cannot run. (The policy's precision, the GPU and the
-    installed libraries are gdpo-doctor's preflight, which the trainer runs once the device is set.)"""
+    """Rollout and precision settings a machine without CUDA cannot run. (With CUDA, the GPU's
+    capability, the precision and the installed libraries are gdpo-doctor's preflight, which the
+    trainer runs once the device is set.)"""
     import torch
 
-    if config.rollout.quantization and not torch.cuda.is_available():
+    if torch.cuda.is_available():
+        return
+    if config.rollout.quantization:
         raise ConfigError(f"rollout.quantization: {config.rollout.quantization!r} rollouts need a CUDA GPU; "
                           "use null on this machine")
+    try:
+        config.policy.precision.check_runtime()  # without CUDA it touches no device
+    except ValueError as e:
+        raise ConfigError(f"policy.{e}") from None
 
 
-def check_training(config: TrainConfig, world_size: int) -> TrainingInputs:
-    """Every check of a training run that needs no model; cheap ones first."""
+def check_settings(config: TrainConfig, world_size: int) -> list[Condition]:
+    """The checks of a training run that read neither the base model nor the data; the conditions."""
     config.layout(world_size)
     check_machine(config)
     check_output_dir(config.run_dir, "run_dir")
     rewards = config.rewards
     load_reward_files(rewards.reward_files, "rewards.reward_files")
     check_reward_specs(rewards.rewards, "rewards.rewards")
-    conditions = config.advantage.resolve_conditions(rewards.names)
+    return config.advantage.resolve_conditions(rewards.names)
 
+
+def training_prompts(config: TrainConfig) -> list[Sample]:
+    """The samples of ``data.train_path``, every row checked."""
+    data = config.data
+    return load_prompts(data.train_path, data.family, data.system_prompt, "data.train_path",
+                        fields=data.fields(), split=data.split)
+
+
+def check_training(config: TrainConfig, world_size: int) -> TrainingInputs:
+    """Every check of a training run that needs no model; cheap ones first."""
+    conditions = check_settings(config, world_size)
     hf_config = read_model_config(config.base_model, "base_model")
     model = model_shape(hf_config, "base_model",
                         make_vocab_size_divisible_by=config.policy.model.make_vocab_size_divisible_by)
@@ -252,30 +287,42 @@ def check_training(config: TrainConfig, world_size: int) -> TrainingInputs:
                           f"max_position_embeddings of base_model, got {config.rollout.max_model_len}")
     check_weights(config.base_model, "base_model", model)
 
-    data = config.data
-    samples = load_prompts(data.train_path, data.family, data.system_prompt, "data.train_path",
-                           fields=data.fields(), split=data.split)
-    check_prompt_lengths(samples, data.train_path, config.base_model, data.max_prompt_tokens)
-    _check_resume(config)
+    samples = training_prompts(config)
+    check_prompt_lengths(samples, config.data.train_path, config.base_model, config.data.max_prompt_tokens)
+    _check_resume(config, model)
     return TrainingInputs(samples, hf_config, model, conditions)
 
 
-def _check_resume(config: TrainConfig) -> None:
-    """A run directory with checkpoints resumes only when allowed, and at this config's data position."""
+def _check_resume(config: TrainConfig, model: ModelConfig) -> None:
+    """A run directory with checkpoints resumes only when allowed, from a complete training checkpoint
+    of ``model``'s shape, at this config's data position, with optimizer state this layout can load."""
     root = Path(config.run_dir) / CHECKPOINT_DIR
+    if root.exists():
+        check_output_dir(root, "run_dir")
     steps = complete_steps(root)
     if not steps:
         return
     if not config.checkpoint.resume:
         raise ConfigError(f"checkpoint.resume: false, but {root} holds step_{steps[-1]}; "
                           "choose another run_dir or remove its checkpoints")
-    state = read_training_state(root / f"step_{steps[-1]}")
+    directory = root / f"step_{steps[-1]}"
+    state = read_training_state(directory)
+    if state.data_position is None:
+        raise InputError(f"run_dir: {directory} is not a training checkpoint (it has no data position; "
+                         "gdpo-convert writes such); choose another run_dir")
+    saved = model_section(state.config) or {}
+    differ = [f"{f}={saved[f]} (base_model: {getattr(model, f)})" for f in SHAPE_FIELDS
+              if f in saved and saved[f] != getattr(model, f)]
+    if differ:
+        raise InputError(f"run_dir: {directory} holds a model of another shape: {', '.join(differ)}; "
+                         "choose another run_dir")
     expected = state.step * config.data.prompts_per_step
     if state.data_position != expected:
         raise ConfigError(f"data.prompts_per_step: the checkpoint of step {state.step} was taken after "
                           f"{state.data_position} prompts, this config would resume after {expected}")
     parallel = config.policy.parallel
     if config.policy.optim.use_distributed_optimizer:
-        check_reshardable(root / f"step_{steps[-1]}", state, {
+        check_reshardable(directory, state, {
             "tensor_model_parallel_size": parallel.tensor_model_parallel_size,
             "pipeline_model_parallel_size": parallel.pipeline_model_parallel_size})
+    check_files(directory)

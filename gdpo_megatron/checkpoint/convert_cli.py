@@ -17,7 +17,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from gdpo_megatron.checkpoint.state import complete_steps, read_training_state
+from gdpo_megatron.checkpoint.hf_files import TOKENIZER_FILES
+from gdpo_megatron.checkpoint.state import check_files, complete_steps, model_section, read_training_state
 from gdpo_megatron.errors import ArgumentParser, InputError, UsageError, console_entry, positive_float, positive_int
 from gdpo_megatron.policy.config import DTYPES, ModelConfig, ParallelConfig, PrecisionConfig
 from gdpo_megatron.validation import (check_model_split, check_output_dir, check_weights, launch_world_size,
@@ -53,8 +54,8 @@ def _parser() -> ArgumentParser:
 
 def model_config_of(config: dict, where: str) -> ModelConfig:
     """The model section of a checkpoint's config (``model`` or ``policy.model``)."""
-    section = config.get("model") or (config.get("policy") or {}).get("model")
-    if not isinstance(section, dict):
+    section = model_section(config)
+    if section is None:
         raise InputError(f"{where}: config has no 'model' or 'policy.model' section")
     try:
         return ModelConfig(**section)
@@ -87,6 +88,9 @@ def check(args, parallel: ParallelConfig, world_size: int) -> Plan:
     tokenizer = args.tokenizer
     if tokenizer is not None and not tokenizer.is_dir():
         raise UsageError(f"--tokenizer: {tokenizer} is not a directory")
+    if tokenizer is not None and not any((tokenizer / name).is_file() for name in TOKENIZER_FILES):
+        raise UsageError(f"--tokenizer: {tokenizer} holds no tokenizer files (expected some of "
+                         f"{', '.join(TOKENIZER_FILES)})")
 
     if not args.checkpoint_root.is_dir():
         raise InputError(f"CHECKPOINT_ROOT: {args.checkpoint_root} is not a directory")
@@ -100,6 +104,7 @@ def check(args, parallel: ParallelConfig, world_size: int) -> Plan:
     directory = args.checkpoint_root / f"step_{step}"
     saved = read_training_state(directory).config
     model = model_config_of(saved, str(directory))
+    check_files(directory)
     check_model_split(model, parallel, world_size, layout)
     if tokenizer is None and "hf_dir" in saved and Path(saved["hf_dir"]).is_dir():
         tokenizer = Path(saved["hf_dir"])  # the imported model's, when it is still there

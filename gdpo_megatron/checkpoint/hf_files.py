@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable
 
 from safetensors import SafetensorError, safe_open
 
@@ -17,6 +16,11 @@ from gdpo_megatron.errors import InputError
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# The tokenizer's files, copied along with an export.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+)
 # Tensors some checkpoints carry that the model recomputes: skipped on import.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -57,14 +61,20 @@ def safetensors_index(hf_dir: str | Path) -> dict[str, Path]:
     return index
 
 
-def check_tensor_names(available: Iterable[str], expected: list[str], hf_dir: Path, tied: bool) -> None:
-    """The directory holds every ``expected`` tensor and nothing else (but what the model recomputes)."""
-    available = set(available)
-    missing = [n for n in expected if n not in available]
+def check_tensors(index: dict[str, Path], expected: dict[str, tuple[int, ...]], hf_dir: Path, tied: bool) -> None:
+    """The directory holds every ``expected`` tensor at its shape and nothing else (but what the model recomputes)."""
+    missing = [n for n in expected if n not in index]
     if missing:
         raise InputError(f"{hf_dir}: tensor {missing[0]!r} is missing ({len(missing)} missing in all)")
     allowed = set(expected) | ({"lm_head.weight"} if tied else set())
-    extra = sorted(n for n in available - allowed if not n.endswith(IGNORED_SUFFIXES))
+    extra = sorted(n for n in set(index) - allowed if not n.endswith(IGNORED_SUFFIXES))
     if extra:
         raise InputError(f"{hf_dir}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all); "
                          "is this a Llama / Qwen2 checkpoint of the configured shape?")
+    for path in sorted(set(index.values())):
+        with safe_open(path, framework="pt") as f:  # read by safetensors_index already: only the header
+            for name in f.keys():
+                shape = tuple(f.get_slice(name).get_shape())
+                if name in expected and shape != expected[name]:
+                    raise InputError(f"{path}: tensor {name!r} has shape {list(shape)}, config.json gives "
+                                     f"{list(expected[name])}")

@@ -23,15 +23,13 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from gdpo_megatron.checkpoint.hf_config import hf_config_from_model
-from gdpo_megatron.checkpoint.hf_files import INDEX_FILE, SINGLE_FILE, check_tensor_names, safetensors_index
-from gdpo_megatron.checkpoint.layout import hf_names, model_layout, rule_for, to_megatron, tp_shard
+from gdpo_megatron.checkpoint.hf_files import (
+    INDEX_FILE, SINGLE_FILE, TOKENIZER_FILES, check_tensors, safetensors_index,
+)
+from gdpo_megatron.checkpoint.layout import hf_shapes, model_layout, rule_for, to_megatron, tp_shard
 from gdpo_megatron.checkpoint.weight_stream import iter_hf_weights, megatron_params
 from gdpo_megatron.policy.config import ModelConfig
 
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-)
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
 
@@ -47,7 +45,7 @@ def load_hf_weights(model: torch.nn.Module, config: ModelConfig, hf_dir: str | P
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     layout = model_layout(config, tp_size)
     index = safetensors_index(hf_dir)
-    check_tensor_names(index, hf_names(layout, config.add_qkv_bias), hf_dir, config.tie_word_embeddings)
+    check_tensors(index, hf_shapes(config), hf_dir, config.tie_word_embeddings)
 
     params = megatron_params(model, tie_word_embeddings=False)  # a tied output layer loads the embedding
     with contextlib.ExitStack() as stack:
@@ -139,7 +137,7 @@ def save_hf_checkpoint(
         dist.barrier()  # every rank has checked before rank 0 creates anything
     stream = iter_hf_weights(model, config)
     if _rank() == 0:
-        total = len(hf_names(model_layout(config, 1), config.add_qkv_bias))
+        total = len(hf_shapes(config))
         weights = ((name, tensor.detach().to("cpu", dtype or tensor.dtype).clone())
                    for name, tensor in tqdm(stream, total=total, desc="export", disable=not progress))
         hf_config = hf_config_from_model(config, base_hf_config, dtype or next(model.parameters()).dtype)

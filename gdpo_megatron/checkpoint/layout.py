@@ -206,20 +206,25 @@ def to_megatron(megatron_name: str, hf_tensors: Sequence[Tensor], layout: ModelL
     return rule.to_megatron(*hf_tensors, layout)
 
 
-def hf_names(layout: ModelLayout, qkv_bias: bool) -> list[str]:
-    """Every tensor name a Hugging Face checkpoint of this model holds."""
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not layout.tie_word_embeddings:
-        names.append("lm_head.weight")
-    for layer in range(layout.num_layers):
-        names.append(f"model.layers.{layer}.input_layernorm.weight")
-        names.append(f"model.layers.{layer}.post_attention_layernorm.weight")
-        proj = ["q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"]
-        if qkv_bias:
-            proj += ["q_proj.bias", "k_proj.bias", "v_proj.bias"]
-        names += [_ATTN.format(layer=layer) + p for p in proj]
-        names += [_MLP.format(layer=layer) + p for p in ("gate_proj.weight", "up_proj.weight", "down_proj.weight")]
-    return names
+def hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The name and shape of every tensor a Hugging Face checkpoint of this model holds."""
+    h, f = config.hidden_size, config.ffn_hidden_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_query_groups * config.head_dim
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    projections = {"q_proj": q, "k_proj": kv, "v_proj": kv}
+    for layer in range(config.num_layers):
+        attn, mlp = _ATTN.format(layer=layer), _MLP.format(layer=layer)
+        shapes[f"model.layers.{layer}.input_layernorm.weight"] = (h,)
+        shapes[f"model.layers.{layer}.post_attention_layernorm.weight"] = (h,)
+        shapes.update({f"{attn}{p}.weight": (rows, h) for p, rows in projections.items()})
+        shapes[f"{attn}o_proj.weight"] = (h, q)
+        if config.add_qkv_bias:
+            shapes.update({f"{attn}{p}.bias": (rows,) for p, rows in projections.items()})
+        shapes.update({f"{mlp}gate_proj.weight": (f, h), f"{mlp}up_proj.weight": (f, h),
+                       f"{mlp}down_proj.weight": (h, f)})
+    return shapes
 
 
 # --- tensor parallelism ------------------------------------------------------------------------

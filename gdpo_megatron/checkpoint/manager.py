@@ -48,14 +48,14 @@ from megatron.core.dist_checkpointing.strategies.torch import (
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from gdpo_megatron.checkpoint.state import (
-    STATE_FILE, TMP_PREFIX, CheckpointError, TrainingState, check_reshardable, complete_steps, read_json,
+    MANIFEST, STATE_FILE, TMP_PREFIX, CheckpointError, TrainingState, check_files, check_reshardable,
+    complete_steps,
     read_training_state,
 )
 from gdpo_megatron.checkpoint.weight_stream import unwrap
 from gdpo_megatron.policy import cpu_compat
 
 LATEST = "latest"
-MANIFEST = "manifest.json"
 DIST_DIR = "dist"
 RNG_DIR = "rng"
 FORMAT_VERSION = 1
@@ -312,10 +312,7 @@ class CheckpointManager:
 
     def verify(self, directory: Path) -> None:
         """Raise :class:`CheckpointError` naming the first missing, extra-short or corrupted file."""
-        manifest = read_json(directory / MANIFEST, missing="missing (the checkpoint is incomplete)")
-        missing = [n for n in manifest if not (directory / n).is_file()]
-        if missing:
-            raise CheckpointError(f"{directory / missing[0]}: missing from the checkpoint")
+        manifest = check_files(directory)
         actual = _checksums(directory, sorted(manifest))
         for name in sorted(manifest):
             if actual[name] != manifest[name]:

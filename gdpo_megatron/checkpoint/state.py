@@ -19,6 +19,7 @@ from gdpo_megatron.errors import UserError
 STEP_DIR = re.compile(r"step_(\d+)")
 TMP_PREFIX = ".tmp-"
 STATE_FILE = "trainer_state.json"
+MANIFEST = "manifest.json"  # file name -> size and CRC32 of every other file of the checkpoint
 LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 
 
@@ -66,6 +67,8 @@ def read_training_state(directory: str | os.PathLike) -> TrainingState:
     """The step, data position, config, world size, layout and optimizer format of a checkpoint."""
     path = Path(directory) / STATE_FILE
     state = read_json(path)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(state).__name__}")
     fields = ("step", "data_position", "config", "world_size")
     for key in fields:
         if key not in state:
@@ -86,3 +89,25 @@ def check_reshardable(directory: str | os.PathLike, state: TrainingState, layout
             f"which reloads under another data-parallel size only, and this run changes {', '.join(changed)}; "
             "resume under the saved layout (then save with checkpoint.optimizer_sharding=fully_reshardable to "
             "change it), or load the weights without the optimizer state")
+
+
+def model_section(config: dict) -> dict | None:
+    """The model shape a checkpoint's config holds: ``model`` (gdpo-convert) or ``policy.model`` (training)."""
+    section = config.get("model") or (config.get("policy") or {}).get("model")
+    return section if isinstance(section, dict) else None
+
+
+def check_files(directory: Path) -> dict:
+    """The checkpoint's manifest, every file it lists present at its size (no checksums: cheap to run first)."""
+    manifest = read_json(directory / MANIFEST, missing="missing (the checkpoint is incomplete)")
+    if not (isinstance(manifest, dict)
+            and all(isinstance(entry, dict) and isinstance(entry.get("size"), int) for entry in manifest.values())):
+        raise CheckpointError(f"{directory / MANIFEST}: corrupted (expected file name -> size and crc32)")
+    for name in sorted(manifest):
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing from the checkpoint")
+        size, expected = path.stat().st_size, manifest[name]["size"]
+        if size != expected:
+            raise CheckpointError(f"{path}: corrupted (size {size}, expected size {expected})")
+    return manifest

@@ -119,12 +119,15 @@ def load_samples(path: str | Path, family: str, system_prompt: str | None = None
                                        system_prompt, fields))
         except (EmptyGroundTruth, UnscorableReference) as e:
             left_out.setdefault(_LEFT_OUT_BECAUSE[type(e)], []).append(str(where.number))
+    summary = ""
     if left_out:
         count = sum(map(len, left_out.values()))
         reasons = "; ".join(f"{why}: {where.unit}s {', '.join(numbers)}" for why, numbers in left_out.items())
-        warnings.warn(f"{path}: left out {count} of {rows} rows, {reasons}", stacklevel=2)
+        summary = f"left out {count} of {rows} rows, {reasons}"
     if not samples:
-        raise ValueError(f"dataset {path} has no samples")
+        raise ValueError(f"dataset {path} has no samples" + (f": {summary}" if summary else ""))
+    if summary:
+        warnings.warn(f"{path}: {summary}", stacklevel=2)
     return samples
 
 

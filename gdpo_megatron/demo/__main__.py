@@ -15,26 +15,42 @@ import sys
 import warnings
 from pathlib import Path
 
+from gdpo_megatron.errors import ArgumentParser, console_entry
+
 CONFIG = "configs/tiny_cpu.yaml"
 
 
+@console_entry
 def main(argv: list[str]) -> int:
+    parser = ArgumentParser(prog="python -m gdpo_megatron.demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help=f"dotted overrides of {CONFIG}")
+    args = parser.parse_args(argv)
+
     from gdpo_megatron.cli import quiet_defaults
     from gdpo_megatron.config import TrainConfig, load_config
     from gdpo_megatron.demo.worked_example import worked_example
+    from gdpo_megatron.validation import (check_output_dir, check_settings, check_training, launch_world_size,
+                                          training_prompts)
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM warns on every in-place reload
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")  # CPU: expected
     quiet_defaults()
+    config = load_config(TrainConfig, CONFIG, args.overrides)
+    world_size = launch_world_size()
+    # What needs no base model is checked before the warm-up writes one.
+    check_settings(config, world_size)
+    training_prompts(config)
+    write_base_model = not Path(config.base_model, "config.json").is_file()
+    if write_base_model:
+        check_output_dir(config.base_model, "base_model")
     print(worked_example(), end="\n\n")
-    config = load_config(TrainConfig, CONFIG, argv)
 
     import torch
 
     from gdpo_megatron.demo.warmup import make_base_model
 
     torch.set_num_threads(1)
-    if not Path(config.base_model, "config.json").is_file():
+    if write_base_model:
         print(f"writing the base model to {config.base_model} (supervised warm-up on noisy demonstrations)")
         make_base_model(config.base_model)
 
@@ -42,7 +58,7 @@ def main(argv: list[str]) -> int:
     from gdpo_megatron.plot import plot_runs
     from gdpo_megatron.trainer import HF_EXPORT_DIR, run
 
-    outcome = run(config)
+    outcome = run(config, check_training(config, world_size))
     records = read_metrics(config.run_dir)
     print(f"\n{outcome} after {records[-1]['step']} steps; reward means (first 3 steps -> last 3 steps):")
     for name in config.rewards.names:
@@ -57,4 +73,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

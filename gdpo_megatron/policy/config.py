@@ -231,6 +231,10 @@ class OptimConfig:
     def __post_init__(self):
         _require(self.lr > 0, "optim.lr", "> 0", self.lr)
         _require(0 <= self.min_lr <= self.lr, "optim.min_lr", f"in [0, lr={self.lr}]", self.min_lr)
+        _require(self.weight_decay >= 0, "optim.weight_decay", ">= 0", self.weight_decay)
+        for name in ("adam_beta1", "adam_beta2"):
+            _require(0 <= getattr(self, name) < 1, f"optim.{name}", "in [0, 1)", getattr(self, name))
+        _require(self.adam_eps > 0, "optim.adam_eps", "> 0", self.adam_eps)
         _require(self.clip_grad >= 0, "optim.clip_grad", ">= 0", self.clip_grad)
         _require(self.lr_warmup_steps >= 0, "optim.lr_warmup_steps", ">= 0", self.lr_warmup_steps)
         _require(self.lr_decay_steps > self.lr_warmup_steps, "optim.lr_decay_steps",
@@ -277,10 +281,11 @@ class PolicyConfig:
     # rows sorted by length, each micro-batch cut to its longest row; micro_batch_size is unused.
     micro_batch_tokens: Optional[int] = None
     ppo_epochs: int = 1  # optimizer passes over each batch
-    # The PPO ratio's old logprobs. "policy": recomputed by the policy before the update (one
-    # forward pass), so the ratio starts at 1 and only the policy's own kernels enter it;
-    # "rollout": the rollout engine's sampling logprobs, saving that pass, which is sound only
-    # where both engines compute the same numbers (fp32 on CPU: ~1e-7 apart). None: "policy",
+    # The PPO ratio's old logprobs. "policy": the policy's own before the update, so the ratio
+    # starts at 1 and only the policy's kernels enter it (with ppo_epochs > 1 one extra forward
+    # pass; with one epoch the training pass's logprobs, detached, at no cost); "rollout": the
+    # rollout engine's sampling logprobs, which is sound only where both engines compute the
+    # same numbers (fp32 on CPU: ~1e-7 apart). None: "policy",
     # except with fp32 parameters on a machine without CUDA and no loss.tis_cap.
     old_logprobs: Optional[str] = None
     # While the rollout engine generates: free megatron's gradient buffers and move the optimizer

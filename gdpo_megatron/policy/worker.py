@@ -131,19 +131,23 @@ class PolicyWorker:
     def train_step(self, batch: PolicyBatch) -> dict[str, float]:
         """``ppo_epochs`` optimizer steps on ``batch``; returns the last step's metrics.
 
-        The old logprobs are recomputed by the policy before the first step
-        (``old_logprobs: policy``) or are the batch's rollout logprobs (``rollout``; the
-        current policy's, detached, when the batch has none). ``logprob_mismatch`` in the
+        The old logprobs are the policy's before the update (``old_logprobs: policy``): with
+        one epoch those of the training pass itself, detached (the parameters do not change
+        before the step, and dropout is off), otherwise a forward pass before the first step.
+        With ``rollout`` they are the batch's rollout logprobs (the current policy's, detached,
+        when the batch has none). ``logprob_mismatch`` in the
         result is the mean |policy - rollout| logprob of the trained tokens before the update
         (NaN without rollout logprobs).
         """
         batch.validate(self.config.model.vocab_size)
         self._reload_training_state()
         batch = batch.to(self.device)
-        if self.config.old_logprobs == "policy":
+        if self.config.old_logprobs == "rollout":
+            batch.old_logprobs = batch.rollout_logprobs
+        elif self.config.ppo_epochs > 1:
             batch.old_logprobs = self._forward_logprobs(self.gpt_model, batch)
         else:
-            batch.old_logprobs = batch.rollout_logprobs
+            batch.old_logprobs = None  # the training pass's own, detached: see _loss
         if self.reference is not None:
             batch.ref_logprobs = self._forward_logprobs(self.reference, batch)
         for epoch in range(self.config.ppo_epochs):

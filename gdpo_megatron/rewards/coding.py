@@ -22,6 +22,7 @@ failure of the sandbox itself raises, so the reward stage counts it as a failure
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -44,13 +45,29 @@ def extract_program(completion: str) -> str | None:
     return blocks[-1] if blocks else None
 
 
-@register_reward("code_pass", bounds=(0.0, 1.0))
+def _check_kwargs(limits: dict | None = None) -> None:
+    """``limits``: fields of :class:`SandboxLimits`."""
+    if limits is None:
+        return
+    if not isinstance(limits, dict):
+        raise ValueError(f"limits: expected a mapping of sandbox limits, got {limits!r}")
+    fields = [f.name for f in dataclasses.fields(SandboxLimits)]
+    unknown = sorted(set(limits) - set(fields))
+    if unknown:
+        raise ValueError(f"limits: unknown key {unknown[0]!r} (expected some of: {', '.join(fields)})")
+    try:
+        SandboxLimits(**limits)
+    except TypeError as e:  # a value of the wrong type
+        raise ValueError(f"limits: {e}") from None
+
+
+@register_reward("code_pass", bounds=(0.0, 1.0), check=_check_kwargs)
 def code_pass(completion: str, num_tokens: int, ground_truth: dict, limits: dict | None = None) -> float:
     outcomes = _outcomes(completion, ground_truth, limits)
     return sum(passed for passed, _ in outcomes) / len(outcomes) if outcomes else 0.0
 
 
-@register_reward("code_no_bug", bounds=(0.0, 1.0))
+@register_reward("code_no_bug", bounds=(0.0, 1.0), check=_check_kwargs)
 def code_no_bug(completion: str, num_tokens: int, ground_truth: dict, limits: dict | None = None) -> float:
     outcomes = _outcomes(completion, ground_truth, limits)
     return 1.0 if outcomes and all(ran for _, ran in outcomes) else 0.0

@@ -10,6 +10,10 @@ the keyword arguments of its :class:`RewardSpec`. Built-in rewards register on i
 returns a non-number or a value outside the bounds) scores ``low`` unless its spec sets
 ``failure_value``: a completion that makes its reward fail is never paid more than the worst
 honest answer. A reward declared without bounds fails to 0.
+
+A reward whose kwargs need more than its signature says registers a ``check(**kwargs)`` that
+raises ValueError for kwargs it would refuse, so that a config is refused before training
+instead of scoring every rollout as a failure.
 """
 from __future__ import annotations
 
@@ -26,10 +30,13 @@ RewardFn = Callable[..., float]
 
 _REWARDS: dict[str, RewardFn] = {}
 _BOUNDS: dict[str, tuple[float, float]] = {}
+_CHECKS: dict[str, Callable[..., None]] = {}
 
 
-def register_reward(name: str, bounds: tuple[float, float] | None = None) -> Callable[[RewardFn], RewardFn]:
-    """Decorator: make ``fn`` available as reward ``name``, returning values in ``bounds`` (low, high)."""
+def register_reward(name: str, bounds: tuple[float, float] | None = None,
+                    check: Callable[..., None] | None = None) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: make ``fn`` available as reward ``name``, returning values in ``bounds`` (low, high);
+    ``check(**kwargs)`` (optional) raises ValueError for kwargs ``fn`` would refuse."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"reward name: expected a non-empty string, got {name!r}")
     if bounds is not None and not (
@@ -40,6 +47,8 @@ def register_reward(name: str, bounds: tuple[float, float] | None = None) -> Cal
                          f"got {bounds!r}")
 
     def add(fn: RewardFn) -> RewardFn:
+        if not callable(fn):
+            raise ValueError(f"reward {name!r}: expected a function, got {fn!r}")
         known = _REWARDS.get(name)
         if known is not None and _qualname(known) != _qualname(fn):
             raise ValueError(f"reward {name!r} is already registered by {_qualname(known)}")
@@ -48,6 +57,10 @@ def register_reward(name: str, bounds: tuple[float, float] | None = None) -> Cal
             _BOUNDS.pop(name, None)
         else:
             _BOUNDS[name] = (float(bounds[0]), float(bounds[1]))
+        if check is None:
+            _CHECKS.pop(name, None)
+        else:
+            _CHECKS[name] = check
         return fn
 
     return add
@@ -129,7 +142,7 @@ class RewardSpec:
 
 
 def validate_specs(specs: Sequence[RewardSpec]) -> None:
-    """Names unique and registered; each spec's kwargs accepted by its function."""
+    """Names unique and registered; each spec's kwargs accepted by its function (and its check)."""
     if not specs:
         raise ValueError("rewards: expected at least one reward")
     seen = set()
@@ -142,6 +155,11 @@ def validate_specs(specs: Sequence[RewardSpec]) -> None:
             inspect.signature(fn).bind("", 0, {}, **spec.kwargs)
         except TypeError as e:
             raise ValueError(f"reward {spec.name!r}: kwargs {spec.kwargs} do not fit {_qualname(fn)}: {e}") from None
+        if spec.name in _CHECKS:
+            try:
+                _CHECKS[spec.name](**spec.kwargs)
+            except ValueError as e:
+                raise ValueError(f"{spec.name}: {e}") from None
 
 
 def _is_finite_number(value: Any) -> bool:

@@ -103,11 +103,15 @@ def toolrl_format(completion: str, num_tokens: int, ground_truth: dict) -> float
     return 0.0 if _STRUCTURE[expects_calls, expects_response].fullmatch(text) is None else 1.0
 
 
-@register_reward("toolrl_correctness", bounds=(MIN_CORRECTNESS, MAX_CORRECTNESS))
+def _check_matching(matching: str = "greedy") -> None:
+    if matching not in MATCHINGS:
+        raise ValueError(f"matching must be one of {MATCHINGS}, got {matching!r}")
+
+
+@register_reward("toolrl_correctness", bounds=(MIN_CORRECTNESS, MAX_CORRECTNESS), check=_check_matching)
 def toolrl_correctness(completion: str, num_tokens: int, ground_truth: dict, matching: str = "greedy") -> float:
     """ToolRL's matching score of the calls, in [-3, 3]; ``matching``: "greedy" or "optimal" (module docstring)."""
-    if matching not in MATCHINGS:
-        raise ValueError(f"toolrl_correctness: matching must be one of {MATCHINGS}, got {matching!r}")
+    _check_matching(matching)
     expected = parse_reference(_answer(ground_truth))
     if expected is None:
         return 0.0

@@ -67,6 +67,17 @@ def test_plot_cli_writes_into_the_first_run(tmp_path, capsys):
     assert "rewards.png" in capsys.readouterr().out
 
 
+def test_plot_cli_passes_labels_and_smoothing_through(tmp_path, capsys):
+    for name, slope in [("s0", 0.1), ("s1", 0.05)]:
+        _write_run(tmp_path / name, slope)
+    runs = [str(tmp_path / "s0"), str(tmp_path / "s1")]
+    assert plot_main([*runs, "--labels", "gdpo", "gdpo", "--smooth", "3", "--out", str(tmp_path / "plots")]) == 0
+    assert (tmp_path / "plots" / "rewards.png").read_bytes()[:8] == PNG_MAGIC
+    capsys.readouterr()
+    assert plot_main([*runs, "--smooth", "0", "--out", str(tmp_path / "plots")]) == 2
+    assert capsys.readouterr().err.strip() == "error: smooth: expected a window of >= 1 steps, got 0"
+
+
 def test_wandb_offline_run_gets_the_same_metrics(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")

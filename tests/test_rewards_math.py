@@ -2,7 +2,7 @@
 import pytest
 
 from gdpo_megatron.rewards.length import length
-from gdpo_megatron.rewards.math_answer import final_answer, math_correctness, math_format
+from gdpo_megatron.rewards.math_answer import MAX_NESTING, final_answer, math_correctness, math_format
 
 CORRECTNESS_CASES = [
     # (gold, completion, expected)
@@ -42,6 +42,14 @@ CORRECTNESS_CASES = [
 @pytest.mark.parametrize("gold,text,expected", CORRECTNESS_CASES)
 def test_math_correctness(gold, text, expected):
     assert math_correctness(text, 0, {"answer": gold}) == expected
+
+
+def test_answers_nested_deeper_than_the_limit_are_not_parsed():
+    def nested(depth: int) -> str:  # 1 / (1 / (... 1)) = 1, its braces nested ``depth`` deep
+        return "\\boxed{" + "\\frac{1}{" * depth + "1" + "}" * (depth + 1)
+
+    assert math_correctness(nested(MAX_NESTING), 0, {"answer": "1"}) == 1.0
+    assert math_correctness(nested(MAX_NESTING + 1), 0, {"answer": "1"}) == 0.0
 
 
 def test_math_correctness_names_bad_ground_truth():

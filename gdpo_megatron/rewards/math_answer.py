@@ -22,6 +22,10 @@ _EXTRACTION = (LatexExtractionConfig(), ExprExtractionConfig())
 # (whole seconds of wall time, main thread only); an answer cut off by one is not equal to the
 # ground truth.
 _TIMEOUT_S = 1
+# Those alarms can be lost (a signal handler that runs inside a finalizer has its exception
+# swallowed), so the parser's worst case is also bounded by the input: an answer nested deeper
+# than this (braces, brackets, parentheses) is not parsed and is not equal to any ground truth.
+MAX_NESTING = 32
 # Parsed once per process before the first answer (see _warm_up).
 _WARM_UP = ("$\\frac{1}{2}$", "$2\\sqrt{2}$", "$\\{1, 2\\}$", "$(0, 1]$", "$x^{2} + 1$", "$0.5$")
 _MATH_DELIMITER = re.compile(r"(?<!\\)\$")  # a "$" that is not an escaped "\$" (currency)
@@ -43,7 +47,7 @@ def math_correctness(completion: str, num_tokens: int, ground_truth: dict) -> fl
     if not isinstance(gold, (str, int, float)) or isinstance(gold, bool):
         raise ValueError(f"ground_truth: expected an 'answer' string or number, got {ground_truth!r}")
     answer = final_answer(completion)
-    if answer is None:
+    if answer is None or _nesting(answer) > MAX_NESTING:
         return 0.0
     _warm_up()
     gold_parsed = parse(_as_latex(gold if isinstance(gold, str) else _plain_number(gold)), _EXTRACTION,
@@ -98,6 +102,18 @@ def _last_boxed(text: str) -> str | None:
         if depth == 0:
             return text[i:j]
     return None
+
+
+def _nesting(text: str) -> int:
+    """The deepest nesting of ``{[(`` in ``text`` (closers without an opener ignored)."""
+    depth = deepest = 0
+    for ch in text:
+        if ch in "{[(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "}])" and depth:
+            depth -= 1
+    return deepest
 
 
 def _as_latex(answer: str) -> str:

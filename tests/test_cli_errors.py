@@ -305,14 +305,20 @@ def test_train_data_whose_rows_are_all_left_out(base_model, tmp_path, capsys, no
                           "lines 1, 2")
 
 
-def test_train_base_model_with_weights_of_the_wrong_shape(base_model, tmp_path, capsys, nothing_heavy):
+def copy_with_tensor(base_model, tmp_path, name: str, change) -> Path:
+    """A copy of ``base_model`` whose tensor ``name`` is replaced by ``change(tensor)``."""
     from safetensors.torch import load_file, save_file
 
     model = tmp_path / "model"
     shutil.copytree(base_model, model)
     tensors = load_file(model / "model.safetensors")
-    tensors["model.norm.weight"] = torch.zeros(64)
+    tensors[name] = change(tensors[name])
     save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    return model
+
+
+def test_train_base_model_with_weights_of_the_wrong_shape(base_model, tmp_path, capsys, nothing_heavy):
+    model = copy_with_tensor(base_model, tmp_path, "model.norm.weight", lambda _: torch.zeros(64))
     expect_user_error(capsys, tmp_path, train(model, tmp_path / "run"),
                       f"base_model: {model / 'model.safetensors'}: tensor 'model.norm.weight' has shape [64], "
                       "config.json gives [128]")
@@ -548,13 +554,7 @@ def test_convert_checks_the_checkpoint_and_tokenizer_before_building(base_model,
 
 
 def test_convert_weights_of_the_wrong_shape(base_model, tmp_path, capsys, nothing_heavy):
-    from safetensors.torch import load_file, save_file
-
-    model = tmp_path / "model"
-    shutil.copytree(base_model, model)
-    tensors = load_file(model / "model.safetensors")
-    tensors["model.layers.1.mlp.down_proj.weight"] = tensors["model.layers.1.mlp.down_proj.weight"].T.contiguous()
-    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    model = copy_with_tensor(base_model, tmp_path, "model.layers.1.mlp.down_proj.weight", lambda t: t.T.contiguous())
     expect_user_error(capsys, tmp_path, lambda: convert_main(["hf-to-megatron", str(model), str(tmp_path / "out")]),
                       f"HF_DIR: {model / 'model.safetensors'}: tensor 'model.layers.1.mlp.down_proj.weight' has shape "
                       "[256, 128], config.json gives [128, 256]")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gdpo_megatron.rollout import SamplingConfig, VLLMEngine, VLLMEngineConfig
-from gdpo_megatron.rollout.vllm_engine import kv_cache_gib
+from gdpo_megatron.rollout.vllm_engine import CPU_BLOCK_SIZE, kv_cache_gib
 
 # Longer than a KV-cache block, so a stale prefix cache after a weight update would be hit.
 LONG_PROMPT = [(7 * i) % 500 + 1 for i in range(300)]
@@ -235,15 +235,21 @@ def test_bad_input_is_named(engine, tmp_path):
         VLLMEngineConfig(str(tmp_path), quantization="int3")
 
 
+def test_cpu_cache_blocks_are_the_size_the_sizing_assumes(engine):
+    assert engine._llm.llm_engine.vllm_config.cache_config.block_size == CPU_BLOCK_SIZE
+
+
 def test_kv_cache_for_a_step_holds_its_sequences_in_whole_blocks(tmp_path):
     import json
 
     (tmp_path / "config.json").write_text(json.dumps(dict(
         hidden_size=512, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=4)))
     per_token = 2 * 4 * 2 * 64  # keys and values, layers, KV heads, head_dim
-    # 64 sequences of up to 100 tokens: one 128-token block each
-    assert kv_cache_gib(str(tmp_path), "float32", 64, 100, 512) * 2**30 == 64 * 128 * per_token * 4
-    # 3 sequences of up to 130 tokens: two blocks each, in bf16
-    assert kv_cache_gib(str(tmp_path), "bfloat16", 3, 130, 256) * 2**30 == 6 * 128 * per_token * 2
+    # 64 sequences of up to 100 tokens: four 32-token blocks each
+    assert kv_cache_gib(str(tmp_path), "float32", 64, 100, 512) * 2**30 == 64 * 4 * 32 * per_token * 4
+    # 3 sequences of up to 130 tokens: five blocks each, in bf16
+    assert kv_cache_gib(str(tmp_path), "bfloat16", 3, 130, 256) * 2**30 == 3 * 5 * 32 * per_token * 2
     # at least one sequence of max_model_len (vLLM's own requirement)
-    assert kv_cache_gib(str(tmp_path), "float32", 1, 10, 1000) * 2**30 == 8 * 128 * per_token * 4
+    assert kv_cache_gib(str(tmp_path), "float32", 1, 10, 1000) * 2**30 == 32 * 32 * per_token * 4
+    # other block sizes
+    assert kv_cache_gib(str(tmp_path), "float32", 3, 130, 256, block_size=128) * 2**30 == 6 * 128 * per_token * 4

@@ -69,6 +69,10 @@ import torch
 from gdpo_megatron.rollout.engine import Completion, SamplingConfig, derive_seed
 
 _GIB = 1 << 30
+# KV cache block on CPU: the smallest that vLLM's CPU attention takes (multiples of 32). Its
+# default of 128 tokens reserves up to 127 unused tokens per sequence of a step's cache.
+CPU_BLOCK_SIZE = 32
+
 # vLLM's layer-wise in-place reload, imported by the workers (gdpo-doctor checks that the
 # installed vLLM has it and that its workers take the arguments of ``reload_kwargs``).
 RELOAD_MODULE = "vllm.model_executor.model_loader.reload"
@@ -140,6 +144,7 @@ class VLLMEngine:
             quantization=config.quantization,
             logprobs_mode="processed_logprobs",
             seed=config.seed,
+            **({} if on_gpu else {"block_size": CPU_BLOCK_SIZE}),
         )
         if not on_gpu and config.tensor_parallel_size > 1:
             self._llm.collective_rpc(_unlink_cpu_shm_name)
@@ -295,14 +300,14 @@ class VLLMEngine:
 
 
 def kv_cache_gib(model_path: str, dtype: str, num_seqs: int, tokens_per_seq: int, max_model_len: int,
-                 block_size: int = 128) -> float:
+                 block_size: int = CPU_BLOCK_SIZE) -> float:
     """The KV cache that holds ``num_seqs`` sequences of up to ``tokens_per_seq`` tokens at once.
 
     For the CPU, where vLLM's own sizing takes a share of the machine's memory (half of it by
     default) and touches every page of it: a rollout step knows how many sequences it runs and
     how long they can get. Each sequence is rounded up to whole blocks of ``block_size`` tokens
-    (vLLM's CPU block size for standard attention); vLLM also needs room for one sequence of
-    ``max_model_len`` tokens.
+    (the engine's block size on CPU); vLLM also needs room for one sequence of ``max_model_len``
+    tokens.
     """
     config = json.loads((Path(model_path) / "config.json").read_text())
     heads = config["num_attention_heads"]

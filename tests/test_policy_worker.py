@@ -11,6 +11,7 @@ The weight helpers below are written from megatron's tensor attributes (``partit
 ``partition_stride``, the global ``layer_number``), independently of the project's checkpoint
 conversion, so that every layout starts from, and is compared on, the same full weights.
 """
+import contextlib
 import math
 import re
 
@@ -194,14 +195,19 @@ def plain_step(full: dict, loss: dict, model: str) -> dict:
         destroy_model_parallel()
 
 
-def megatron_steps(full: dict, config_kwargs: dict, split: bool, steps: int = 1) -> dict:
-    """Logprobs of the whole batch, then ``steps`` train steps on this rank's batch."""
-    config = tiny_config(**config_kwargs)
-    with PolicyWorker(config, init_weights=loader(full)) as worker:
+@contextlib.contextmanager
+def worker_with_batch(full: dict, config_kwargs: dict, split: bool):
+    """A worker on ``full`` weights, the logprobs of the whole batch, and this rank's batch
+    (its data-parallel share when ``split``)."""
+    with PolicyWorker(tiny_config(**config_kwargs), init_weights=loader(full)) as worker:
         batch = make_batch()
         logprobs = worker.compute_logprobs(batch)
-        if split:
-            batch = data_parallel_share(batch)
+        yield worker, logprobs, data_parallel_share(batch) if split else batch
+
+
+def megatron_steps(full: dict, config_kwargs: dict, split: bool, steps: int = 1) -> dict:
+    """Logprobs of the whole batch, then ``steps`` train steps on this rank's batch."""
+    with worker_with_batch(full, config_kwargs, split) as (worker, logprobs, batch):
         metrics = [worker.train_step(batch) for _ in range(steps)]
         return dict(logprobs=logprobs, metrics=metrics, weights=full_state(worker.gpt_model))
 
@@ -279,12 +285,7 @@ def test_tp2_pp2_update_matches_plain_pytorch(gloo_world_4, initial, expected):
 def one_backward(full: dict, config_kwargs: dict, split: bool) -> dict:
     """Gradients (after megatron's finalize: DP all-reduce, division by the global token
     count), metrics and logprobs of one forward-backward, plus the micro-batch shapes."""
-    config = tiny_config(**config_kwargs)
-    with PolicyWorker(config, init_weights=loader(full)) as worker:
-        batch = make_batch()
-        logprobs = worker.compute_logprobs(batch)
-        if split:
-            batch = data_parallel_share(batch)
+    with worker_with_batch(full, config_kwargs, split) as (worker, logprobs, batch):
         worker.model.zero_grad_buffer()
         _, micro_batches = worker._split(batch)
         outputs = worker._run(worker.model, micro_batches, worker._loss, forward_only=False)

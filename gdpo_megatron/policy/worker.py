@@ -135,9 +135,9 @@ class PolicyWorker:
         one epoch those of the training pass itself, detached (the parameters do not change
         before the step, and dropout is off), otherwise a forward pass before the first step.
         With ``rollout`` they are the batch's rollout logprobs (the current policy's, detached,
-        when the batch has none). ``logprob_mismatch`` in the
-        result is the mean |policy - rollout| logprob of the trained tokens before the update
-        (NaN without rollout logprobs).
+        when the batch has none). ``logprob_mismatch`` in the result is the mean
+        |policy - rollout| logprob of the trained tokens before the update (NaN without rollout
+        logprobs).
         """
         batch.validate(self.config.model.vocab_size)
         self._reload_training_state()

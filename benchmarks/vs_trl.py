@@ -135,7 +135,7 @@ def run_trl(model: str, steps: int, out: Path) -> dict:
     from gdpo_megatron.rewards.registry import get_reward
 
     samples = load_samples(DATA, "tool", system_prompt="")
-    dataset = Dataset.from_list([{"prompt": s.messages, "truth": json.dumps({**s.ground_truth, **s.metadata})}
+    dataset = Dataset.from_list([{"prompt": s.messages, "truth": json.dumps(s.reward_truth())}
                                  for s in samples])
 
     def reward_fn(spec):

@@ -52,7 +52,7 @@ def evaluate(model_dir: str | Path, samples: Sequence[Sample], rewards: Sequence
     if rewards:
         with RewardStage(rewards, num_workers=num_workers) as stage:
             values, stage_metrics = stage.score(texts, [len(c.token_ids) for c in completions],
-                                                [{**s.ground_truth, **s.metadata} for s in kept_samples])
+                                                [s.reward_truth() for s in kept_samples])
         for k, spec in enumerate(rewards):
             metrics[f"eval/{spec.name}/mean"] = values[:, k].mean().item()
             metrics[f"eval/{spec.name}/failures"] = stage_metrics[f"reward/{spec.name}/failures"]

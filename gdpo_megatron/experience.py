@@ -126,15 +126,10 @@ def to_policy_batch(rollouts: Rollouts, group_size: int, advantages: torch.Tenso
                        rollout_logprobs=rollout_logprobs, lengths=lengths)
 
 
-def ground_truth(sample: Sample) -> dict:
-    """What a reward function receives as ``ground_truth`` for a rollout of ``sample``."""
-    return {**sample.ground_truth, **sample.metadata}
-
-
 def reward_submitter(batch: RewardBatch, samples: Sequence[Sample], group_size: int):
     """An ``on_completion`` callback for the rollout engine: completion ``j`` of prompt ``i``
     goes to the reward batch as rollout ``i * group_size + j`` as soon as it is finished."""
-    truths = [ground_truth(s) for s in samples]
+    truths = [s.reward_truth() for s in samples]
 
     def submit(i: int, j: int, completion: Completion) -> None:
         batch.submit(i * group_size + j, completion.text, len(completion.token_ids), truths[i])

@@ -90,6 +90,10 @@ class Sample:
     ground_truth: dict[str, Any]
     metadata: dict[str, Any] = field(default_factory=dict)
 
+    def reward_truth(self) -> dict[str, Any]:
+        """What a reward function receives as ``ground_truth``: the ground truth and the metadata."""
+        return {**self.ground_truth, **self.metadata}
+
 
 @dataclass(frozen=True)
 class Fields:

@@ -41,7 +41,7 @@ def write_response_jsonl(src: str | Path, family: str, dst: str | Path, system_p
     tmp = dst.with_name(f".{dst.name}.tmp")
     with tmp.open("w", encoding="utf-8") as f:
         for s in samples:
-            truth = json.dumps({**s.ground_truth, **s.metadata}, ensure_ascii=False)
+            truth = json.dumps(s.reward_truth(), ensure_ascii=False)
             f.write(json.dumps({"id": s.id, "messages": s.messages, "ground_truth": truth}, ensure_ascii=False) + "\n")
     os.replace(tmp, dst)
     return len(samples)

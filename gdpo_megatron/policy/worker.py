@@ -150,8 +150,9 @@ class PolicyWorker:
             batch.old_logprobs = None  # the training pass's own, detached: see _loss
         if self.reference is not None:
             batch.ref_logprobs = self._forward_logprobs(self.reference, batch)
+        micro_batches = self._split(batch)[1]  # the same for every epoch
         for epoch in range(self.config.ppo_epochs):
-            metrics = self._optimizer_step(batch)
+            metrics = self._optimizer_step(micro_batches)
             if epoch == 0:  # the policy's logprobs before any update entered this pass
                 mismatch = metrics["rollout_gap"] if batch.rollout_logprobs is not None else float("nan")
         metrics.pop("rollout_gap")
@@ -184,11 +185,11 @@ class PolicyWorker:
                 self.optimizer.restore_from_cpu()
             self.offloaded = False
 
-    def _optimizer_step(self, batch: PolicyBatch) -> dict[str, float]:
+    def _optimizer_step(self, micro_batches: list[PolicyBatch]) -> dict[str, float]:
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run(self.model, self._split(batch)[1], self._loss, forward_only=False)
+        outputs = self._run(self.model, micro_batches, self._loss, forward_only=False)
         lr = self.optimizer.param_groups[0]["lr"]
         with cpu_compat.device_scope():
             ok, grad_norm, _ = self.optimizer.step()

@@ -203,9 +203,9 @@ def model_shape(hf_config: dict, key: str, **overrides) -> ModelConfig:
 def check_weights(path: str | os.PathLike, key: str, model: Optional[ModelConfig] = None) -> None:
     """Every safetensors file present with a readable header (and, given ``model``, exactly its tensors at their shapes)."""
     with about(key):
-        index = safetensors_index(path)
+        index, shapes = safetensors_index(path)
         if model is not None:
-            check_tensors(index, hf_shapes(model), Path(path), model.tie_word_embeddings)
+            check_tensors(index, shapes, hf_shapes(model), Path(path), model.tie_word_embeddings)
 
 
 def check_model_split(model: ModelConfig, parallel: ParallelConfig, world_size: int, key: str) -> None:

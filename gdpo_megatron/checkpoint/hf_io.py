@@ -44,8 +44,8 @@ def load_hf_weights(model: torch.nn.Module, config: ModelConfig, hf_dir: str | P
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     layout = model_layout(config, tp_size)
-    index = safetensors_index(hf_dir)
-    check_tensors(index, hf_shapes(config), hf_dir, config.tie_word_embeddings)
+    index, shapes = safetensors_index(hf_dir)
+    check_tensors(index, shapes, hf_shapes(config), hf_dir, config.tie_word_embeddings)
 
     params = megatron_params(model, tie_word_embeddings=False)  # a tied output layer loads the embedding
     with contextlib.ExitStack() as stack:

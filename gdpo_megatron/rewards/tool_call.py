@@ -325,10 +325,6 @@ def _berkeley_equal(value: Any, answer: Any) -> bool:
         return isinstance(value, dict) and _bfcl_dict_accepts(value, [answer])
     if isinstance(answer, list) and answer and all(isinstance(a, dict) for a in answer):
         return isinstance(value, list) and _bfcl_dict_list_accepts(value, [answer])
-    if isinstance(answer, str) and isinstance(value, str):
-        return standardize_string(value) == standardize_string(answer)
-    if isinstance(answer, list) and isinstance(value, list):
-        return len(value) == len(answer) and all(_equal(v, a, True) for v, a in zip(value, answer))
     return _equal(value, answer, True)
 
 

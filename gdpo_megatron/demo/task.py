@@ -38,11 +38,12 @@ _REQUESTS = {
     "get_time": ["What time is it in {city}?", "Tell me the local time in {city}.", "Current time in {city}?"],
     "convert_currency": ["Convert {amount} {src} to {dst}.", "How much is {amount} {src} in {dst}?"],
 }
+TOOLS = tuple(sorted(_REQUESTS))  # every tool the prompts ask for
 SHORT_THOUGHT = {"get_weather": "weather", "get_time": "time", "convert_currency": "convert"}
 LONG_THOUGHT = "the user asks me something, so I look at the request and pick the {tool} tool for it"
 
 
-def make_examples(count: int, seed: int, tools: tuple[str, ...] = tuple(sorted(_REQUESTS))) -> list[dict]:
+def make_examples(count: int, seed: int, tools: tuple[str, ...] = TOOLS) -> list[dict]:
     """``count`` records in the tool-family JSONL format (``messages``, ``tool_calls``)."""
     rng = random.Random(seed)
     out = []
@@ -98,7 +99,7 @@ def tokenizer_corpus(seed: int = 0) -> list[str]:
     return corpus
 
 
-def write_jsonl(path, count: int, seed: int, tools: tuple[str, ...] = tuple(sorted(_REQUESTS))) -> None:
+def write_jsonl(path, count: int, seed: int, tools: tuple[str, ...] = TOOLS) -> None:
     """The demo's prompt file (``examples/data/tool_demo.jsonl`` is ``write_jsonl(path, 512, 7)``)."""
     with open(path, "w", encoding="utf-8") as f:
         for record in make_examples(count, seed, tools):

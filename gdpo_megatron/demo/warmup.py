@@ -59,7 +59,7 @@ def sft_batches(tokenizer, examples: list[dict], batch_size: int, rng: random.Ra
 
 def make_base_model(out_dir: str | Path, steps: int = 150, batch_size: int = 32, lr: float = 3e-3, seed: int = 0,
                     demonstration: Callable[[dict, random.Random], str] = task.demonstration,
-                    tools: tuple[str, ...] = tuple(sorted(task._REQUESTS))) -> Path:
+                    tools: tuple[str, ...] = task.TOOLS) -> Path:
     """Fine-tune a tiny random Llama on noisy demonstrations; save it with its tokenizer.
 
     ``demonstration(example, rng)`` writes one answer (default: the demo task's noise) to

@@ -195,7 +195,6 @@ class VLLMEngine:
             for j in range(n):
                 prompts.append(TokensPrompt(prompt_token_ids=list(ids)))
                 params.append(self._sampling_params(sampling, i, j))
-        detokenized = bool(sampling.stop)
         completions: list[Completion | None] = [None] * len(prompts)
         engine = self._llm.llm_engine
         self._batches += 1
@@ -208,7 +207,7 @@ class VLLMEngine:
                     for output in engine.step():
                         if output.finished:
                             k = index[output.request_id]
-                            completions[k] = self._completion(output.outputs[0], detokenized)
+                            completions[k] = self._completion(output.outputs[0], params[k].detokenize)
                             if on_completion is not None:
                                 on_completion(k // n, k % n, completions[k])
             except BaseException:

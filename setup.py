@@ -55,7 +55,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "gdpo-train = gdpo_megatron.cli:train_main",
+            "gdpo-train = gdpo_megatron.cli:train_program",
             "gdpo-plot = gdpo_megatron.cli:plot_main",
             "gdpo-convert = gdpo_megatron.checkpoint.convert_cli:main",
             "gdpo-eval = gdpo_megatron.evaluate:main",

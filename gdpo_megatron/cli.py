@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
+from gdpo_megatron.cpu_malloc import reexec_with_tcmalloc
 from gdpo_megatron.errors import ArgumentParser, UsageError, console_entry
 
 # Exit status of a run stopped by SIGUSR1/SIGTERM after saving a checkpoint: EX_TEMPFAIL,
@@ -34,6 +35,13 @@ def train_main(argv: list[str]) -> int:
     from gdpo_megatron.trainer import run
 
     return EXIT_INTERRUPTED if run(config, inputs) == "interrupted" else 0
+
+
+def train_program() -> int:
+    """The ``gdpo-train`` program: :func:`train_main` on ``sys.argv``, in a process whose host
+    allocator is set up for CPU training (:mod:`gdpo_megatron.cpu_malloc`)."""
+    reexec_with_tcmalloc()
+    return train_main()
 
 
 def quiet_defaults() -> None:
@@ -80,4 +88,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    reexec_with_tcmalloc()
     sys.exit(main())

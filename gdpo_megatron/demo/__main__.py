@@ -15,6 +15,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from gdpo_megatron.cpu_malloc import reexec_with_tcmalloc
 from gdpo_megatron.errors import ArgumentParser, console_entry
 
 CONFIG = "configs/tiny_cpu.yaml"
@@ -73,4 +74,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    reexec_with_tcmalloc()
     sys.exit(main())

@@ -1,0 +1,70 @@
+"""CPU runs allocate host memory with tcmalloc, as vLLM recommends for its CPU backend.
+
+Under glibc's malloc a CPU training process's resident set climbs for several steps: freed
+activations stay in glibc's heap, and every large free raises its mmap threshold, so later
+tensors of that size land in the heap too. tcmalloc reuses those pages (13.2M-parameter
+update alone, ``benchmarks/vs_trl.py`` model and batch: peak RSS 1.80 GiB under glibc, 1.43
+GiB under tcmalloc, and a little faster). A library can only be preloaded before the process
+starts, so :func:`reexec_with_tcmalloc` restarts the process in place (same pid and argv)
+with tcmalloc in ``LD_PRELOAD``. It does so only when
+
+* no NVIDIA driver is present: every tensor is on the CPU (GPU runs are left as they are);
+* tcmalloc is installed (Debian/Ubuntu: ``libtcmalloc-minimal4``);
+* ``LD_PRELOAD`` names no tcmalloc yet, and ``GDPO_MALLOC`` is not ``system`` (the opt-out).
+
+Programs call it first thing, before torch is imported (``gdpo-train``, ``python -m
+gdpo_megatron.cli``, ``python -m gdpo_megatron.demo``); their ``main`` functions, which tests
+call in-process, do not.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+
+OPT_OUT_ENV = "GDPO_MALLOC"
+TCMALLOC = "tcmalloc_minimal"
+
+
+def has_nvidia_driver() -> bool:
+    """True when the NVIDIA driver library (``libcuda.so.1``) can be loaded."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+def tcmalloc_library() -> str | None:
+    """The tcmalloc shared library's name as the dynamic loader finds it, or None."""
+    return ctypes.util.find_library(TCMALLOC)
+
+
+def preload_env(environ: dict[str, str], library: str) -> dict[str, str]:
+    """``environ`` with ``library`` first in ``LD_PRELOAD`` (what was there stays after it)."""
+    preload = " ".join(p for p in (library, environ.get("LD_PRELOAD", "")) if p)
+    return {**environ, "LD_PRELOAD": preload}
+
+
+def wants_tcmalloc(environ=os.environ) -> str | None:
+    """The library to preload into this process, or None when it should keep its allocator."""
+    if environ.get(OPT_OUT_ENV, "").strip().lower() == "system" or TCMALLOC in environ.get("LD_PRELOAD", ""):
+        return None
+    if has_nvidia_driver():
+        return None
+    return tcmalloc_library()
+
+
+def reexec_with_tcmalloc() -> None:
+    """Replace this process by itself with tcmalloc preloaded, when :func:`wants_tcmalloc` says so.
+
+    Returns only when nothing is to be done. The new image sees the library in ``LD_PRELOAD``
+    and returns at once, so there is at most one restart.
+    """
+    library = wants_tcmalloc()
+    if library is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, sys.orig_argv, preload_env(dict(os.environ), library))

@@ -122,7 +122,7 @@ class Trainer:
             dtype="auto" if torch.cuda.is_available() else "float32",
             max_model_len=config.rollout.max_model_len,
             gpu_memory_utilization=config.rollout.gpu_memory_utilization,
-            kv_cache_gib=self._kv_cache_gib(rollouts_per_replica),
+            kv_cache_gib=self._kv_cache_gib(rollouts_per_replica, inputs.longest_prompt),
             enforce_eager=config.rollout.enforce_eager,
             quantization=config.rollout.quantization,
             seed=config.seed,
@@ -265,14 +265,15 @@ class Trainer:
         kept = informative.sum().item() / max(present.sum().item(), 1)
         return compute_advantages(rewards, group_ids, result.mask & informative[position], **kwargs), kept
 
-    def _kv_cache_gib(self, rollouts_per_replica: int) -> float | None:
+    def _kv_cache_gib(self, rollouts_per_replica: int, longest_prompt: int) -> float | None:
         """``rollout.kv_cache_gib``, or on CPU (where vLLM would take half of the host's memory)
-        the cache that one step's rollouts fill at most."""
+        the cache that one step's rollouts fill at most: the data's longest prompt plus
+        ``rollout.max_new_tokens`` each."""
         rollout = self.config.rollout
         if rollout.kv_cache_gib is not None or torch.cuda.is_available():
             return rollout.kv_cache_gib
         return kv_cache_gib(self.config.base_model, "float32", rollouts_per_replica,
-                            self.config.data.max_prompt_tokens + rollout.max_new_tokens, rollout.max_model_len)
+                            longest_prompt + rollout.max_new_tokens, rollout.max_model_len)
 
     def _sync_weights(self) -> None:
         self.engine.update_weights(iter_hf_weights(self.worker.gpt_model, self.policy_config.model))

@@ -141,8 +141,9 @@ def prompt_lengths(samples: Sequence[Sample], model_dir: str | os.PathLike, key:
     return lengths
 
 
-def check_prompt_lengths(samples: Sequence[Sample], path: str, model_dir: str, max_prompt_tokens: int) -> None:
-    """Every prompt of ``path``, rendered by ``model_dir``'s tokenizer and chat template, fits ``max_prompt_tokens``."""
+def check_prompt_lengths(samples: Sequence[Sample], path: str, model_dir: str, max_prompt_tokens: int) -> list[int]:
+    """Every prompt of ``path``, rendered by ``model_dir``'s tokenizer and chat template, fits
+    ``max_prompt_tokens``; returns their lengths in tokens."""
     lengths = prompt_lengths(samples, model_dir, "base_model")
     too_long = [(s, n) for s, n in zip(samples, lengths) if n > max_prompt_tokens]
     if too_long:
@@ -151,6 +152,7 @@ def check_prompt_lengths(samples: Sequence[Sample], path: str, model_dir: str, m
             f"data.max_prompt_tokens: {len(too_long)} prompt(s) of {path} are longer than {max_prompt_tokens} "
             f"tokens, the longest {sample.id!r} with {n}; raise data.max_prompt_tokens (and "
             "rollout.max_model_len) or drop them")
+    return lengths
 
 
 # ---- rewards ---------------------------------------------------------------------------------
@@ -238,6 +240,7 @@ class TrainingInputs:
     hf_config: dict  # base_model/config.json
     model: ModelConfig  # the policy's shape, from hf_config
     conditions: list[Condition]  # advantage.conditions as reward columns
+    longest_prompt: int  # tokens of the longest prompt of the data, chat template applied
 
 
 def check_machine(config: TrainConfig) -> None:
@@ -288,9 +291,9 @@ def check_training(config: TrainConfig, world_size: int) -> TrainingInputs:
     check_weights(config.base_model, "base_model", model)
 
     samples = training_prompts(config)
-    check_prompt_lengths(samples, config.data.train_path, config.base_model, config.data.max_prompt_tokens)
+    lengths = check_prompt_lengths(samples, config.data.train_path, config.base_model, config.data.max_prompt_tokens)
     _check_resume(config, model)
-    return TrainingInputs(samples, hf_config, model, conditions)
+    return TrainingInputs(samples, hf_config, model, conditions, max(lengths))
 
 
 def _check_resume(config: TrainConfig, model: ModelConfig) -> None:

@@ -151,6 +151,33 @@ def _build_only(overrides):
     Trainer(load_config(TrainConfig, CONFIG, overrides)).close()
 
 
+def _kv_cache_gib_of_the_engine(overrides):
+    from gdpo_megatron.trainer import Trainer
+
+    trainer = Trainer(load_config(TrainConfig, CONFIG, overrides))
+    try:
+        return trainer.engine.config.kv_cache_gib
+    finally:
+        trainer.close()
+
+
+def test_the_cpu_kv_cache_holds_one_step_of_the_datas_longest_prompts(base_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    from gdpo_megatron.rollout.vllm_engine import kv_cache_gib
+    from gdpo_megatron.validation import training_prompts
+
+    overrides = _overrides(base_model, tmp_path / "kv", 1, "rollout.kv_cache_gib=null")
+    config = load_config(TrainConfig, CONFIG, overrides)
+    tokenizer = AutoTokenizer.from_pretrained(base_model)
+    longest = max(len(tokenizer.apply_chat_template(s.messages, add_generation_prompt=True, tokenize=True))
+                  for s in training_prompts(config))
+    assert longest < config.data.max_prompt_tokens  # sizing by the bound would take more
+    rollouts = 4 * 4  # data.prompts_per_step x rollout.group_size
+    assert run_local(_kv_cache_gib_of_the_engine, 1, overrides) == [
+        kv_cache_gib(base_model, "float32", rollouts, longest + 64, config.rollout.max_model_len)]
+
+
 def test_a_fresh_start_refuses_a_run_directory_with_checkpoints(base_model, tmp_path):
     from gdpo_megatron.distributed.local_world import WorkerError
 

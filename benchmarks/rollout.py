@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from gdpo_megatron.cpu_malloc import reexec_with_tcmalloc
 from gdpo_megatron.rollout import SamplingConfig, VLLMEngine, VLLMEngineConfig
 from gdpo_megatron.rollout.tiny_model import TinyLlamaSpec, save_tiny_llama
 from timing import median_time
@@ -155,6 +156,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--gpu", action="store_true", help="run the GPU part instead of the CPU parts")
     args = parser.parse_args()
+    reexec_with_tcmalloc()  # both engines under the allocator a CPU training run uses
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         if args.gpu:

@@ -22,8 +22,16 @@ left out on both sides). Each run is a fresh process; runs of the two sides alte
   the vLLM engine's ``generate``, its Python included);
 - update s/step: median per step of what follows scoring (TRL: the rest of the step; here:
   the Megatron update plus the weight sync into vLLM);
+- malloc: the host allocator each side ran with (this project preloads tcmalloc on CPU, see
+  ``gdpo_megatron/cpu_malloc.py``; ``--trl-tcmalloc`` gives TRL the same);
 - peak RSS: the main process's high-water mark; tree PSS: the highest proportional set size
   of the process and all its children (reward workers, forkserver), sampled every 0.1 s.
+
+A second table takes the vLLM engine's part out, to show where the rest of this trainer stands:
+completions/s over the loop's time outside generation, and peak RSS less vLLM's share (the
+RSS that importing vLLM adds on top of torch, megatron-core and transformers, plus its KV cache
+and its copy of the weights). The engine's own generation speed, outside any trainer, is
+``benchmarks/rollout.py``.
 """
 from __future__ import annotations
 
@@ -38,6 +46,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from gdpo_megatron.cpu_malloc import preload_env, reexec_with_tcmalloc, tcmalloc_library
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "examples" / "data" / "tool_demo.jsonl"
@@ -102,8 +112,12 @@ def run_project(model: str, steps: int, out: Path) -> dict:
     }
     path = out / "config.yaml"
     path.write_text(yaml.safe_dump(config))
+    before_vllm = rss_bytes()  # torch, megatron-core and transformers are loaded by now
+    import vllm.entrypoints.llm  # noqa: F401  (what VLLMEngine imports)
+    vllm_modules = rss_bytes() - before_vllm
     init_distributed()
     trainer = Trainer(load_config(TrainConfig, path))
+    vllm_tensors = trainer.engine.config.kv_cache_gib * _GIB + Path(model, "model.safetensors").stat().st_size
     try:
         records, start = [], time.perf_counter()
         for step in range(steps):
@@ -120,7 +134,14 @@ def run_project(model: str, steps: int, out: Path) -> dict:
         "generate_s": sum(r["time/generate"] for r in records),
         "update_s": [r["time/train"] + r["time/sync"] for r in records],
         "step_s": [r["time/step"] for r in records],
+        "vllm_share_gib": (vllm_modules + vllm_tensors) / _GIB,
     }
+
+
+def rss_bytes() -> int:
+    """This process's resident set now."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def run_trl(model: str, steps: int, out: Path) -> dict:
@@ -198,12 +219,15 @@ def run_trl(model: str, steps: int, out: Path) -> dict:
 
 
 def child_main(side: str, model: str, steps: int, result: Path) -> None:
+    if side == "project":
+        reexec_with_tcmalloc()  # what gdpo-train does first on a CPU machine
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     with tempfile.TemporaryDirectory() as tmp:
         out = (run_project if side == "project" else run_trl)(model, steps, Path(tmp))
     out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / _GIB
+    out["tcmalloc"] = "tcmalloc" in Path("/proc/self/maps").read_text()
     result.write_text(json.dumps(out))
 
 
@@ -232,13 +256,15 @@ def tree_pss_peak(pid: int, stop: threading.Event, peak: list) -> None:
         peak[0] = max(peak[0], total)
 
 
-def launch(side: str, python: str, model: str, steps: int, threads: int, tmp: Path) -> dict:
+def launch(side: str, python: str, model: str, steps: int, threads: int, tmp: Path, trl_tcmalloc: bool) -> dict:
     result = tmp / f"{side}.json"
     result.unlink(missing_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT),
            "VLLM_LOGGING_LEVEL": "ERROR", "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false",
            "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
     env.pop("MASTER_PORT", None)
+    if side == "trl" and trl_tcmalloc:
+        env = preload_env(env, tcmalloc_library())
     cmd = [python, str(Path(__file__).resolve()), "--child", side, "--model", model, "--steps", str(steps),
            "--result", str(result)]
     log = tmp / f"{side}.log"
@@ -266,6 +292,9 @@ def summarize(runs: list[dict]) -> dict:
         "first_step_s": med(r["step_s"][0] for r in runs),
         "peak_rss_gib": med(r["peak_rss_gib"] for r in runs),
         "tree_pss_gib": med(r["tree_pss_gib"] for r in runs),
+        "malloc": "/".join(sorted({"tcmalloc" if r["tcmalloc"] else "glibc" for r in runs})),
+        "outside_generation_per_s": med(r["completions"] / (r["loop_s"] - r["generate_s"]) for r in runs),
+        "vllm_share_gib": med(r.get("vllm_share_gib", 0.0) for r in runs),
     }
 
 
@@ -278,6 +307,9 @@ def main() -> None:
                         help="threads of each side (OMP_NUM_THREADS; default: every core this process may use)")
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--steps", type=int, default=None, help="steps per run (default: per size)")
+    parser.add_argument("--trl-tcmalloc", action="store_true",
+                        help="preload tcmalloc into TRL's process too (this project's side uses it on CPU, "
+                             "see gdpo_megatron/cpu_malloc.py)")
     parser.add_argument("--child", choices=("project", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -286,6 +318,8 @@ def main() -> None:
         return child_main(args.child, args.model, args.steps, args.result)
     if not args.trl_python:
         raise SystemExit("--trl-python (or GDPO_TRL_PYTHON): the python of an environment with TRL installed")
+    if args.trl_tcmalloc and tcmalloc_library() is None:
+        raise SystemExit("--trl-tcmalloc: tcmalloc is not installed (Debian/Ubuntu: libtcmalloc-minimal4)")
 
     pythons = {"trl": args.trl_python, "project": sys.executable}
     rows = []
@@ -300,7 +334,8 @@ def main() -> None:
             for i in range(args.runs):
                 order = ("trl", "project") if i % 2 == 0 else ("project", "trl")
                 for side in order:
-                    runs[side].append(launch(side, pythons[side], str(model), steps, args.threads, tmp))
+                    runs[side].append(launch(side, pythons[side], str(model), steps, args.threads, tmp,
+                                               args.trl_tcmalloc))
                     print(f"  {size} run {i + 1} {side}: {json.dumps(runs[side][-1])}", file=sys.stderr, flush=True)
             rows.append((f"{params / 1e6:.2f}M (hidden {hidden}, {layers} layers)",
                          summarize(runs["trl"]), summarize(runs["project"])))
@@ -311,18 +346,31 @@ def print_table(rows, args) -> None:
     print(f"{PROMPTS} prompts x {GENERATIONS} completions x <= {NEW_TOKENS} tokens per step, {args.threads} thread(s) "
           f"per side, median of {args.runs} interleaved runs; load average {os.getloadavg()[0]:.1f}")
     print("| model | TRL completions/s | this project | ratio | generation tok/s TRL / project "
-          "| update s/step TRL / project | first step s TRL / project | peak RSS GiB TRL / project "
+          "| update s/step TRL / project | first step s TRL / project | malloc TRL / project | peak RSS GiB TRL / project "
           "| tree PSS GiB TRL / project |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, trl, ours in rows:
         print(f"| {name} | {trl['completions_per_s']:.1f} | {ours['completions_per_s']:.1f} "
               f"| {ours['completions_per_s'] / trl['completions_per_s']:.2f}x "
               f"| {trl['gen_tok_per_s']:,.0f} / {ours['gen_tok_per_s']:,.0f} "
               f"| {trl['update_s']:.3f} / {ours['update_s']:.3f} "
               f"| {trl['first_step_s']:.2f} / {ours['first_step_s']:.2f} "
+              f"| {trl['malloc']} / {ours['malloc']} "
               f"| {trl['peak_rss_gib']:.2f} / {ours['peak_rss_gib']:.2f} "
               f"({ours['peak_rss_gib'] / trl['peak_rss_gib']:.2f}x) "
               f"| {trl['tree_pss_gib']:.2f} / {ours['tree_pss_gib']:.2f} |")
+    print("\nWithout the vLLM engine's part: completions per second of the loop less its time in "
+          "generation; peak RSS less vLLM's share (its modules, measured as the RSS their import adds, "
+          "plus its KV cache and weight copy)")
+    print("| model | TRL completions/s outside generation | this project | ratio | vLLM's share GiB "
+          "| peak RSS GiB TRL / project less vLLM's share | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for name, trl, ours in rows:
+        rest = ours["peak_rss_gib"] - ours["vllm_share_gib"]
+        print(f"| {name} | {trl['outside_generation_per_s']:.1f} | {ours['outside_generation_per_s']:.1f} "
+              f"| {ours['outside_generation_per_s'] / trl['outside_generation_per_s']:.2f}x "
+              f"| {ours['vllm_share_gib']:.2f} | {trl['peak_rss_gib']:.2f} / {rest:.2f} "
+              f"| {rest / trl['peak_rss_gib']:.2f}x |")
 
 
 if __name__ == "__main__":

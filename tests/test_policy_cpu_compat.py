@@ -43,3 +43,25 @@ def test_device_scope_maps_cuda_requests_to_the_cpu():
     assert kind == "torch.cuda.FloatTensor"
     assert torch.zeros(1).type() == "torch.FloatTensor"  # outside the scope nothing changes
     assert torch.cuda.current_device() == torch.device("cpu")
+
+
+def test_megatrons_fused_swiglu_runs_eagerly_and_matches_autograd():
+    """The policy uses megatron's SwiGLU autograd function (it saves only its input); in the
+    scope its torch.compile'd helpers run eagerly, with autograd's gradients."""
+    import torch._dynamo
+    import torch.nn.functional as F
+    from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+
+    torch.manual_seed(0)
+    y = torch.randn(6, 5, 16, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(6, 5, 8, dtype=torch.float64)
+    torch._dynamo.reset()
+    with cpu_compat.device_scope():
+        fused = bias_swiglu_impl(y, None)
+        (fused_grad,) = torch.autograd.grad(fused, y, grad)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0  # nothing was compiled
+    gate, linear = y.chunk(2, dim=-1)
+    reference = F.silu(gate) * linear
+    (reference_grad,) = torch.autograd.grad(reference, y, grad)
+    torch.testing.assert_close(fused, reference, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fused_grad, reference_grad, rtol=1e-12, atol=1e-12)

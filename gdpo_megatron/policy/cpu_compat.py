@@ -112,9 +112,14 @@ def install() -> None:
     _installed = True
 
 
-def device_scope() -> contextlib.AbstractContextManager:
-    """Context for megatron-core calls: maps CUDA device literals to the CPU (no-op with CUDA)."""
+@contextlib.contextmanager
+def device_scope() -> Iterator[None]:
+    """Context for megatron-core calls: maps CUDA device literals to the CPU, and runs megatron's
+    ``torch.compile``d fusions eagerly (inductor would build C++ kernels for seconds at each
+    first call, more than they save at CPU sizes). A no-op with CUDA."""
     if cuda_available():
-        return contextlib.nullcontext()
+        yield
+        return
     install()
-    return _CudaOnCpuMode()
+    with _CudaOnCpuMode(), torch.compiler.set_stance("force_eager"):
+        yield

@@ -25,7 +25,10 @@ left out on both sides). Each run is a fresh process; runs of the two sides alte
 - malloc: the host allocator each side ran with (this project preloads tcmalloc on CPU, see
   ``gdpo_megatron/cpu_malloc.py``; ``--trl-tcmalloc`` gives TRL the same);
 - peak RSS: the main process's high-water mark; tree PSS: the highest proportional set size
-  of the process and all its children (reward workers, forkserver), sampled every 0.1 s.
+  of the process and all its children (reward workers, forkserver), sampled every
+  ``PSS_INTERVAL_S``. A sample reads the page tables of every process in the tree (~16 ms each
+  here): sampled ten times a second it took half a core from this project's four processes and
+  a tenth from TRL's one, which skews any run whose threads use every core.
 
 A second table takes the vLLM engine's part out, to show where the rest of this trainer stands:
 completions/s over the loop's time outside generation, and peak RSS less vLLM's share (the
@@ -60,6 +63,7 @@ SIZES = {
     "13m": (512, 8, 4, 1376, 6),
 }
 _GIB = 1 << 30
+PSS_INTERVAL_S = 1.0
 
 
 # ---- the models ------------------------------------------------------------------------------
@@ -242,7 +246,7 @@ def tree_pss_peak(pid: int, stop: threading.Event, peak: list) -> None:
         root = psutil.Process(pid)
     except psutil.NoSuchProcess:
         return
-    while not stop.wait(0.1):
+    while not stop.wait(PSS_INTERVAL_S):
         total = 0
         try:
             procs = [root, *root.children(recursive=True)]

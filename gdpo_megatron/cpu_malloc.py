@@ -10,7 +10,8 @@ with tcmalloc in ``LD_PRELOAD``. It does so only when
 
 * no NVIDIA driver is present: every tensor is on the CPU (GPU runs are left as they are);
 * tcmalloc is installed (Debian/Ubuntu: ``libtcmalloc-minimal4``);
-* ``LD_PRELOAD`` names no tcmalloc yet, and ``GDPO_MALLOC`` is not ``system`` (the opt-out).
+* ``LD_PRELOAD`` names no allocator yet (``*malloc*``: tcmalloc, jemalloc, mimalloc), and
+  ``GDPO_MALLOC`` is not ``system`` (the opt-out).
 
 Programs call it first thing, before torch is imported (``gdpo-train``, ``python -m
 gdpo_megatron.cli``, ``python -m gdpo_megatron.demo``); their ``main`` functions, which tests
@@ -48,8 +49,8 @@ def preload_env(environ: dict[str, str], library: str) -> dict[str, str]:
 
 
 def wants_tcmalloc(environ=os.environ) -> str | None:
-    """The library to preload into this process, or None when it should keep its allocator."""
-    if environ.get(OPT_OUT_ENV, "").strip().lower() == "system" or TCMALLOC in environ.get("LD_PRELOAD", ""):
+    """The library to preload into this process, or None when it keeps its allocator."""
+    if environ.get(OPT_OUT_ENV, "").strip().lower() == "system" or "malloc" in environ.get("LD_PRELOAD", ""):
         return None
     if has_nvidia_driver():
         return None
@@ -63,7 +64,7 @@ def reexec_with_tcmalloc() -> None:
     and returns at once, so there is at most one restart.
     """
     library = wants_tcmalloc()
-    if library is None:
+    if library is None or not sys.executable:
         return
     sys.stdout.flush()
     sys.stderr.flush()

@@ -48,6 +48,7 @@ def test_the_opt_out_and_a_tcmalloc_already_preloaded_are_left_alone():
 def test_what_is_preloaded_when():
     assert cpu_malloc.wants_tcmalloc({"GDPO_MALLOC": " System "}) is None
     assert cpu_malloc.wants_tcmalloc({"LD_PRELOAD": "/opt/lib/libtcmalloc_minimal.so.4"}) is None
+    assert cpu_malloc.wants_tcmalloc({"LD_PRELOAD": "libjemalloc.so.2"}) is None  # the user chose one
     expected = None if cpu_malloc.has_nvidia_driver() else cpu_malloc.tcmalloc_library()
     assert cpu_malloc.wants_tcmalloc({}) == expected
     assert cpu_malloc.preload_env({"A": "1"}, "libx.so") == {"A": "1", "LD_PRELOAD": "libx.so"}

@@ -93,7 +93,7 @@ def main(argv: list[str]) -> int:
 
     from gdpo_megatron.cli import quiet_defaults
     from gdpo_megatron.validation import (check_output_file, check_reward_specs, check_weights, load_prompts,
-                                          prompt_token_ids, read_model_config)
+                                          prompt_lengths, read_model_config)
 
     quiet_defaults()
     # Every check before the engine starts.
@@ -111,7 +111,7 @@ def main(argv: list[str]) -> int:
         fields = Fields(args.prompt_key, args.system_key, args.ground_truth_key)
         samples = load_prompts(args.data, args.family, args.system_prompt, "--data", fields=fields,
                                split=args.split)[: args.limit]
-    shortest = min(len(ids) for ids in prompt_token_ids(samples, args.model, "--model"))
+    shortest = min(prompt_lengths(samples, args.model, "--model"))
     if shortest + args.max_new_tokens > max_model_len:
         raise UsageError(f"--max-model-len: none of the {len(samples)} prompts fits in {max_model_len} tokens with "
                          f"--max-new-tokens={args.max_new_tokens} (the shortest has {shortest})")

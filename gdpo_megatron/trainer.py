@@ -37,6 +37,7 @@ from gdpo_megatron.checkpoint.hf_io import load_hf_weights, save_hf_checkpoint
 from gdpo_megatron.checkpoint.manager import CheckpointManager
 from gdpo_megatron.checkpoint.weight_stream import iter_hf_weights
 from gdpo_megatron.config import TrainConfig, to_dict
+from gdpo_megatron.data.chat import encode_prompt
 from gdpo_megatron.distributed import compute_advantages
 from gdpo_megatron.distributed.threads import use_rank_threads
 from gdpo_megatron.doctor import preflight
@@ -87,7 +88,7 @@ class Trainer:
         self.reward_names = rewards.names
         self.reward_weights = [r.weight for r in rewards.rewards]
         self.conditions = inputs.conditions
-        self.samples, self.prompt_ids = inputs.samples, inputs.prompt_ids
+        self.samples = inputs.samples
         self.schedule = PromptSchedule(len(self.samples), config.data.prompts_per_step, config.data.shuffle_seed)
         self.hf_config, model = inputs.hf_config, inputs.model
         _warn_on_shape_drift(config.policy.model, model, config.base_model)
@@ -121,7 +122,7 @@ class Trainer:
             dtype="auto" if torch.cuda.is_available() else "float32",
             max_model_len=config.rollout.max_model_len,
             gpu_memory_utilization=config.rollout.gpu_memory_utilization,
-            kv_cache_gib=self._kv_cache_gib(rollouts_per_replica, max(map(len, self.prompt_ids))),
+            kv_cache_gib=self._kv_cache_gib(rollouts_per_replica, inputs.longest_prompt),
             enforce_eager=config.rollout.enforce_eager,
             quantization=config.rollout.quantization,
             seed=config.seed,
@@ -174,8 +175,8 @@ class Trainer:
         with _timed(times, "rollout"):
             indices = self.schedule.indices(step)[self.dp_rank :: self.dp_size]
             samples = [self.samples[i] for i in indices]
-            prompt_ids = [self.prompt_ids[i] for i in indices]
             global_ids = list(range(self.dp_rank, cfg.data.prompts_per_step, self.dp_size))
+            prompt_ids = self._on_every_rank(lambda: self._encode(samples))
             sampling = SamplingConfig(
                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                 max_new_tokens=cfg.rollout.max_new_tokens, stop=tuple(cfg.rollout.stop),
@@ -238,6 +239,14 @@ class Trainer:
         if flag.item():
             raise RuntimeError("another rank failed in this step (its error is in its log)")
         return value
+
+    def _encode(self, samples) -> list[list[int]]:
+        ids = [encode_prompt(self.tokenizer, s.messages) for s in samples]
+        limit = self.config.data.max_prompt_tokens
+        too_long = [f"{s.id!r} ({len(i)} tokens)" for s, i in zip(samples, ids) if len(i) > limit]
+        if too_long:
+            raise ValueError(f"data.max_prompt_tokens={limit}: longer prompts: {', '.join(too_long[:3])}")
+        return ids
 
     def _advantages(self, rewards: torch.Tensor, group_ids: torch.Tensor):
         """The step's advantages, and with dynamic sampling the share of prompt groups kept."""

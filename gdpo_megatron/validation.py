@@ -118,8 +118,8 @@ def load_prompts(path: str | os.PathLike, family: str, system_prompt: Optional[s
         raise InputError(f"{key}: {e}") from e
 
 
-def prompt_token_ids(samples: Sequence[Sample], model_dir: str | os.PathLike, key: str) -> list[list[int]]:
-    """The token ids of each prompt rendered by ``model_dir``'s tokenizer and chat template."""
+def prompt_lengths(samples: Sequence[Sample], model_dir: str | os.PathLike, key: str) -> list[int]:
+    """The token count of each prompt rendered by ``model_dir``'s tokenizer and chat template."""
     from jinja2 import TemplateError
     from transformers import AutoTokenizer
 
@@ -129,31 +129,30 @@ def prompt_token_ids(samples: Sequence[Sample], model_dir: str | os.PathLike, ke
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as e:
         raise InputError(f"{key}: cannot load the tokenizer of {model_dir} ({e})") from e
-    ids = []
+    lengths = []
     for sample in samples:
         try:
-            ids.append(encode_prompt(tokenizer, sample.messages))
+            lengths.append(len(encode_prompt(tokenizer, sample.messages)))
         except TemplateError as e:  # a template that does not compile, or refuses the chat (raise_exception)
             raise InputError(f"{key}: the chat template of {model_dir} cannot render the prompt {sample.id!r} "
                              f"({type(e).__name__}: {e})") from e
         except ValueError as e:  # no chat template
             raise InputError(f"{key}: {e}") from e
-    return ids
+    return lengths
 
 
-def check_prompt_lengths(samples: Sequence[Sample], path: str, model_dir: str,
-                         max_prompt_tokens: int) -> list[list[int]]:
+def check_prompt_lengths(samples: Sequence[Sample], path: str, model_dir: str, max_prompt_tokens: int) -> list[int]:
     """Every prompt of ``path``, rendered by ``model_dir``'s tokenizer and chat template, fits
-    ``max_prompt_tokens``; returns their token ids."""
-    ids = prompt_token_ids(samples, model_dir, "base_model")
-    too_long = [(s, len(i)) for s, i in zip(samples, ids) if len(i) > max_prompt_tokens]
+    ``max_prompt_tokens``; returns their lengths in tokens."""
+    lengths = prompt_lengths(samples, model_dir, "base_model")
+    too_long = [(s, n) for s, n in zip(samples, lengths) if n > max_prompt_tokens]
     if too_long:
         sample, n = max(too_long, key=lambda item: item[1])
         raise ConfigError(
             f"data.max_prompt_tokens: {len(too_long)} prompt(s) of {path} are longer than {max_prompt_tokens} "
             f"tokens, the longest {sample.id!r} with {n}; raise data.max_prompt_tokens (and "
             "rollout.max_model_len) or drop them")
-    return ids
+    return lengths
 
 
 # ---- rewards ---------------------------------------------------------------------------------
@@ -241,7 +240,7 @@ class TrainingInputs:
     hf_config: dict  # base_model/config.json
     model: ModelConfig  # the policy's shape, from hf_config
     conditions: list[Condition]  # advantage.conditions as reward columns
-    prompt_ids: list[list[int]]  # each sample's prompt, chat template applied, tokenized
+    longest_prompt: int  # tokens of the longest prompt of the data, chat template applied
 
 
 def check_machine(config: TrainConfig) -> None:
@@ -292,10 +291,9 @@ def check_training(config: TrainConfig, world_size: int) -> TrainingInputs:
     check_weights(config.base_model, "base_model", model)
 
     samples = training_prompts(config)
-    prompt_ids = check_prompt_lengths(samples, config.data.train_path, config.base_model,
-                                      config.data.max_prompt_tokens)
+    lengths = check_prompt_lengths(samples, config.data.train_path, config.base_model, config.data.max_prompt_tokens)
     _check_resume(config, model)
-    return TrainingInputs(samples, hf_config, model, conditions, prompt_ids)
+    return TrainingInputs(samples, hf_config, model, conditions, max(lengths))
 
 
 def _check_resume(config: TrainConfig, model: ModelConfig) -> None:

@@ -10,8 +10,10 @@ with tcmalloc in ``LD_PRELOAD``. It does so only when
 
 * no NVIDIA driver is present: every tensor is on the CPU (GPU runs are left as they are);
 * tcmalloc is installed (Debian/Ubuntu: ``libtcmalloc-minimal4``);
-* ``LD_PRELOAD`` names no allocator yet (``*malloc*``: tcmalloc, jemalloc, mimalloc), and
-  ``GDPO_MALLOC`` is not ``system`` (the opt-out).
+* ``LD_PRELOAD`` is empty (what the user preloads, an allocator or a sanitizer, is theirs);
+* ``GDPO_MALLOC`` is unset. ``GDPO_MALLOC=system`` keeps glibc's allocator; the restart sets it
+  to ``tcmalloc``, so that a loader that drops ``LD_PRELOAD`` (a setuid or setcap python)
+  cannot cause a second restart.
 
 Programs call it first thing, before torch is imported (``gdpo-train``, ``python -m
 gdpo_megatron.cli``, ``python -m gdpo_megatron.demo``); their ``main`` functions, which tests
@@ -24,7 +26,7 @@ import ctypes.util
 import os
 import sys
 
-OPT_OUT_ENV = "GDPO_MALLOC"
+CHOICE_ENV = "GDPO_MALLOC"
 TCMALLOC = "tcmalloc_minimal"
 
 
@@ -50,7 +52,7 @@ def preload_env(environ: dict[str, str], library: str) -> dict[str, str]:
 
 def wants_tcmalloc(environ=os.environ) -> str | None:
     """The library to preload into this process, or None when it keeps its allocator."""
-    if environ.get(OPT_OUT_ENV, "").strip().lower() == "system" or "malloc" in environ.get("LD_PRELOAD", ""):
+    if environ.get(CHOICE_ENV, "").strip() or environ.get("LD_PRELOAD", "").strip():
         return None
     if has_nvidia_driver():
         return None
@@ -60,12 +62,12 @@ def wants_tcmalloc(environ=os.environ) -> str | None:
 def reexec_with_tcmalloc() -> None:
     """Replace this process by itself with tcmalloc preloaded, when :func:`wants_tcmalloc` says so.
 
-    Returns only when nothing is to be done. The new image sees the library in ``LD_PRELOAD``
-    and returns at once, so there is at most one restart.
+    Returns only when nothing is to be done; the new image returns at once.
     """
     library = wants_tcmalloc()
     if library is None or not sys.executable:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, sys.orig_argv, preload_env(dict(os.environ), library))
+    env = {**preload_env(dict(os.environ), library), CHOICE_ENV: "tcmalloc"}
+    os.execve(sys.executable, sys.orig_argv, env)

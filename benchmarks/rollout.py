@@ -23,12 +23,16 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from gdpo_megatron.cpu_malloc import reexec_with_tcmalloc
-from gdpo_megatron.rollout import SamplingConfig, VLLMEngine, VLLMEngineConfig
-from gdpo_megatron.rollout.tiny_model import TinyLlamaSpec, save_tiny_llama
-from timing import median_time
+
+if __name__ == "__main__":
+    reexec_with_tcmalloc()  # before torch loads: both engines under the allocator training uses
+
+import torch  # noqa: E402
+
+from gdpo_megatron.rollout import SamplingConfig, VLLMEngine, VLLMEngineConfig  # noqa: E402
+from gdpo_megatron.rollout.tiny_model import TinyLlamaSpec, save_tiny_llama  # noqa: E402
+from timing import median_time  # noqa: E402
 
 PROMPTS, SAMPLES, NEW_TOKENS, PROMPT_LEN = 8, 8, 32, 16
 SYNC_SIZES = {
@@ -156,7 +160,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--gpu", action="store_true", help="run the GPU part instead of the CPU parts")
     args = parser.parse_args()
-    reexec_with_tcmalloc()  # both engines under the allocator a CPU training run uses
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         if args.gpu:

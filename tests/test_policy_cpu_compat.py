@@ -55,11 +55,11 @@ def test_megatrons_fused_swiglu_runs_eagerly_and_matches_autograd():
     torch.manual_seed(0)
     y = torch.randn(6, 5, 16, dtype=torch.float64, requires_grad=True)
     grad = torch.randn(6, 5, 8, dtype=torch.float64)
-    torch._dynamo.reset()
+    compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     with cpu_compat.device_scope():
         fused = bias_swiglu_impl(y, None)
         (fused_grad,) = torch.autograd.grad(fused, y, grad)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0  # nothing was compiled
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled  # nothing was compiled
     gate, linear = y.chunk(2, dim=-1)
     reference = F.silu(gate) * linear
     (reference_grad,) = torch.autograd.grad(reference, y, grad)

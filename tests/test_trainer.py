@@ -164,18 +164,23 @@ def _kv_cache_gib_of_the_engine(overrides):
 def test_the_cpu_kv_cache_holds_one_step_of_the_datas_longest_prompts(base_model, tmp_path):
     from transformers import AutoTokenizer
 
-    from gdpo_megatron.rollout.vllm_engine import kv_cache_gib
+    from gdpo_megatron.rollout.vllm_engine import CPU_BLOCK_SIZE, kv_cache_gib
     from gdpo_megatron.validation import training_prompts
 
-    overrides = _overrides(base_model, tmp_path / "kv", 1, "rollout.kv_cache_gib=null")
-    config = load_config(TrainConfig, CONFIG, overrides)
+    config = load_config(TrainConfig, CONFIG, _overrides(base_model, tmp_path / "kv", 1))
     tokenizer = AutoTokenizer.from_pretrained(base_model)
-    longest = max(len(tokenizer.apply_chat_template(s.messages, add_generation_prompt=True, tokenize=True))
-                  for s in training_prompts(config))
-    assert longest < config.data.max_prompt_tokens  # sizing by the bound would take more
-    rollouts = 4 * 4  # data.prompts_per_step x rollout.group_size
-    assert run_local(_kv_cache_gib_of_the_engine, 1, overrides) == [
-        kv_cache_gib(base_model, "float32", rollouts, longest + 64, config.rollout.max_model_len)]
+    rendered = (tokenizer.apply_chat_template(s.messages, add_generation_prompt=True, tokenize=False)
+                for s in training_prompts(config))
+    longest = max(len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in rendered)
+    assert 8 < longest < config.data.max_prompt_tokens
+    # New tokens that put the longest rollout one token into a block: one token less per
+    # prompt, or the max_prompt_tokens bound, would size the cache differently.
+    new_tokens = 3 * CPU_BLOCK_SIZE + 1 - longest
+    overrides = _overrides(base_model, tmp_path / "kv", 1, "rollout.kv_cache_gib=null",
+                           f"rollout.max_new_tokens={new_tokens}")
+    expected = kv_cache_gib(base_model, "float32", 4 * 4, longest + new_tokens, config.rollout.max_model_len)
+    assert expected > kv_cache_gib(base_model, "float32", 4 * 4, longest - 1 + new_tokens, config.rollout.max_model_len)
+    assert run_local(_kv_cache_gib_of_the_engine, 1, overrides) == [expected]  # 4 prompts x 4 rollouts
 
 
 def test_a_fresh_start_refuses_a_run_directory_with_checkpoints(base_model, tmp_path):

@@ -27,8 +27,8 @@ left out on both sides). Each run is a fresh process; runs of the two sides alte
 - peak RSS: the main process's high-water mark; tree PSS: the highest proportional set size
   of the process and all its children (reward workers, forkserver), sampled every
   ``PSS_INTERVAL_S``. A sample reads the page tables of every process in the tree (~16 ms each
-  here): sampled ten times a second it took half a core from this project's four processes and
-  a tenth from TRL's one, which skews any run whose threads use every core.
+  here): sampled ten times a second it took two thirds of a core from this project's four
+  processes and a sixth from TRL's one, which skews any run whose threads use every core.
 
 A second table takes the vLLM engine's part out, to show where the rest of this trainer stands:
 completions/s over the loop's time outside generation, and peak RSS less vLLM's share (the

@@ -30,13 +30,12 @@ CHOICE_ENV = "GDPO_MALLOC"
 TCMALLOC = "tcmalloc_minimal"
 
 
-def has_nvidia_driver() -> bool:
-    """True when the NVIDIA driver library (``libcuda.so.1``) can be loaded."""
+def nvidia_driver() -> ctypes.CDLL | None:
+    """The NVIDIA driver library (``libcuda.so.1``), or None on a machine without one."""
     try:
-        ctypes.CDLL("libcuda.so.1")
+        return ctypes.CDLL("libcuda.so.1")
     except OSError:
-        return False
-    return True
+        return None
 
 
 def tcmalloc_library() -> str | None:
@@ -54,7 +53,7 @@ def wants_tcmalloc(environ=os.environ) -> str | None:
     """The library to preload into this process, or None when it keeps its allocator."""
     if environ.get(CHOICE_ENV, "").strip() or environ.get("LD_PRELOAD", "").strip():
         return None
-    if has_nvidia_driver():
+    if nvidia_driver() is not None:
         return None
     return tcmalloc_library()
 

@@ -46,6 +46,7 @@ from packaging.version import Version
 
 from gdpo_megatron.cli import quiet_defaults
 from gdpo_megatron.config import ConfigError, TrainConfig, load_config
+from gdpo_megatron.cpu_malloc import nvidia_driver
 from gdpo_megatron.errors import ArgumentParser, UsageError, UserError, console_entry
 from gdpo_megatron.pins import PIN_FILE, Pin, cuda_major, read_pins
 from gdpo_megatron.policy.config import transformer_engine_available
@@ -128,9 +129,8 @@ def check_versions(target: Target) -> list[Check]:
 def driver_cuda_version() -> Optional[int]:
     """The CUDA version the NVIDIA driver supports (13000 for 13.0), from the driver API itself
     (``cuDriverGetVersion`` needs no ``cuInit``); None without a driver."""
-    try:
-        libcuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
+    libcuda = nvidia_driver()
+    if libcuda is None:
         return None
     version = ctypes.c_int(0)
     return version.value if libcuda.cuDriverGetVersion(ctypes.byref(version)) == 0 else None

@@ -13,7 +13,7 @@ from gdpo_megatron import cpu_malloc
 PROBE = ("import os; from gdpo_megatron.cpu_malloc import reexec_with_tcmalloc; reexec_with_tcmalloc(); "
          "print('tcmalloc' in open('/proc/self/maps').read(), os.getpid(), os.environ.get('LD_PRELOAD', ''))")
 
-needs_tcmalloc = pytest.mark.skipif(cpu_malloc.tcmalloc_library() is None or cpu_malloc.has_nvidia_driver(),
+needs_tcmalloc = pytest.mark.skipif(cpu_malloc.tcmalloc_library() is None or cpu_malloc.nvidia_driver() is not None,
                                     reason="needs tcmalloc (libtcmalloc-minimal4) and no NVIDIA driver")
 
 
@@ -44,7 +44,7 @@ def test_the_opt_out_a_users_preload_and_the_restart_marker_are_left_alone():
 def test_what_is_preloaded_when():
     assert cpu_malloc.wants_tcmalloc({"GDPO_MALLOC": "system"}) is None
     assert cpu_malloc.wants_tcmalloc({"LD_PRELOAD": "libjemalloc.so.2"}) is None
-    expected = None if cpu_malloc.has_nvidia_driver() else cpu_malloc.tcmalloc_library()
+    expected = None if cpu_malloc.nvidia_driver() is not None else cpu_malloc.tcmalloc_library()
     assert cpu_malloc.wants_tcmalloc({"LD_PRELOAD": " "}) == expected
     assert cpu_malloc.preload_env({"A": "1", "LD_PRELOAD": "liby.so"}, "libx.so") == {
         "A": "1", "LD_PRELOAD": "libx.so liby.so"}

@@ -25,6 +25,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from gdpo_megatron.policy import cpu_compat
+from gdpo_megatron.policy.attention import SDPAttention
 from gdpo_megatron.policy.config import ModelConfig, ParallelConfig, PrecisionConfig, check_model_parallel
 
 
@@ -126,12 +127,16 @@ class TorchNorm:
 
 def layer_spec(config: TransformerConfig, precision: PrecisionConfig) -> ModuleSpec | TransformerBlockSubmodules:
     """Transformer Engine layers when enabled (GPU, needed for FP8); else megatron's local ones
-    with :class:`TorchNorm` for every norm, this pipeline stage's layers and the final norm."""
+    with :class:`TorchNorm` for every norm and :class:`SDPAttention` as core attention, this
+    pipeline stage's layers and the final norm."""
     if precision.transformer_engine:
         return get_gpt_layer_with_transformer_engine_spec()
     local = get_gpt_layer_local_spec(normalization=config.normalization)
+    attention = local.submodules.self_attention
+    attention = dataclasses.replace(attention, submodules=dataclasses.replace(
+        attention.submodules, core_attention=SDPAttention))
     layer = dataclasses.replace(local, submodules=dataclasses.replace(
-        local.submodules, input_layernorm=TorchNorm, pre_mlp_layernorm=TorchNorm))
+        local.submodules, input_layernorm=TorchNorm, pre_mlp_layernorm=TorchNorm, self_attention=attention))
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=TorchNorm)
 
 

@@ -1,13 +1,19 @@
-"""Policy train-step throughput: TP=1 vs TP=2 (and PP=2) on the CPU; BF16 vs FP8 MFU on a GPU.
+"""Policy train-step throughput: TP=1 vs TP=2 (and PP=2) on the CPU; the local spec's core
+attention vs megatron's; BF16 vs FP8 MFU on a GPU.
 
     OMP_NUM_THREADS=1 python benchmarks/policy_step.py [--repeats 5]   # CPU, tiny model
+    OMP_NUM_THREADS=1 python benchmarks/policy_step.py --attention      # CPU, 13.2M model
     python benchmarks/policy_step.py --gpu                                 # needs CUDA + TE
 
 (a) CPU: the tiny model (hidden 128, 2 heads of 64, 2 layers, vocab 512, fp32), one
     `PolicyWorker.train_step` (forward-backward over micro-batches, DDP, Adam) on the same
     batch, at TP=1 in one process and at TP=2 and PP=2 in two gloo processes. Tokens/s counts
     every token of the batch (prompt and completion). Layouts alternate repeat by repeat.
-(b) --gpu: a Llama-2-7B-shaped slice (hidden 4096, FFN 11008, 32 heads) with 2 layers, one
+(b) --attention: a 13.2M-parameter Llama (hidden 512, 8 heads, 4 layers, FFN 1376, vocab
+    512, fp32), 4 x 1024 tokens in one micro-batch, one process per run: the local spec's core
+    attention (torch's scaled_dot_product_attention) against megatron-core's own
+    DotProductAttention swapped in, step time and the process's peak RSS.
+(c) --gpu: a Llama-2-7B-shaped slice (hidden 4096, FFN 11008, 32 heads) with 2 layers, one
     GPU, bf16 vs FP8 (hybrid, delayed scaling) through Transformer Engine. MFU is model
     FLOPs (6 x matmul parameters + 12 x layers x hidden x sequence, per token) over the
     GPU's dense BF16 peak.
@@ -16,6 +22,7 @@ Every number is the median of `--repeats` repeats of `--steps` steps, after one 
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import time
 
@@ -80,6 +87,38 @@ def cpu_benchmark(args) -> None:
         print(f"{name:8} {size:>9} {median:8.4f} {tokens / median:10.0f} {base / median:8.2f}x")
 
 
+def attention_run(megatron_attention: bool, config: PolicyConfig, batch_size: int, seq_length: int,
+                  steps: int) -> tuple[float, float]:
+    """Median step seconds and peak RSS (GiB) of this process, with megatron's core attention
+    swapped into the local spec when ``megatron_attention``."""
+    if megatron_attention:
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        from gdpo_megatron.policy import model
+
+        model.SDPAttention = DotProductAttention
+    seconds = timed_steps(config, batch_size, seq_length, steps)
+    return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def attention_benchmark(args) -> None:
+    model = ModelConfig(vocab_size=512, hidden_size=512, ffn_hidden_size=1376, num_layers=4, num_attention_heads=8,
+                        max_position_embeddings=max(2048, args.seq_length))
+    config = PolicyConfig(model=model, optim=OptimConfig(lr=1e-5), micro_batch_size=args.batch_size)
+    runs = {"sdpa (this project)": [], "megatron DotProductAttention": []}
+    for _ in range(args.repeats):
+        for name, values in runs.items():
+            with LocalWorld(1) as world:  # a fresh process: the peak RSS is this run's
+                values.append(world.run(attention_run, name.startswith("megatron"), config, args.batch_size,
+                                        args.seq_length, args.steps)[0])
+    print(f"13.2M model, batch {args.batch_size} x {args.seq_length} tokens, one micro-batch, "
+          f"median of {args.repeats} x {args.steps} steps")
+    print(f"{'core attention':30} {'s/step':>8} {'peak RSS GiB':>13}")
+    for name, values in runs.items():
+        print(f"{name:30} {statistics.median(v[0] for v in values):8.3f} "
+              f"{statistics.median(v[1] for v in values):13.2f}")
+
+
 def matmul_flops_per_token(model: ModelConfig, seq_length: int) -> float:
     """Training FLOPs per token: 6 x matmul parameters + 12 x layers x hidden x sequence."""
     h, f, L = model.hidden_size, model.ffn_hidden_size, model.num_layers
@@ -117,18 +156,22 @@ def gpu_benchmark(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpu", action="store_true", help="BF16 vs FP8 on one GPU instead of the CPU layouts")
+    parser.add_argument("--attention", action="store_true",
+                        help="the local spec's core attention vs megatron's instead of the CPU layouts")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per repeat")
-    parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (CPU 8, GPU 8)")
-    parser.add_argument("--seq-length", type=int, default=None, help="tokens per sequence (CPU 128, GPU 2048)")
-    parser.add_argument("--micro-batch-size", type=int, default=None, help="(CPU 4, GPU 1)")
+    parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (CPU 8, --attention 4, GPU 8)")
+    parser.add_argument("--seq-length", type=int, default=None, help="tokens per sequence (CPU 128, --attention 1024, GPU 2048)")
+    parser.add_argument("--micro-batch-size", type=int, default=None, help="(CPU 4, GPU 1; --attention: the whole batch)")
     args = parser.parse_args()
-    defaults = (8, 2048, 1) if args.gpu else (8, 128, 4)
+    defaults = (8, 2048, 1) if args.gpu else (4, 1024, 4) if args.attention else (8, 128, 4)
     for field, default in zip(("batch_size", "seq_length", "micro_batch_size"), defaults):
         if getattr(args, field) is None:
             setattr(args, field, default)
     if args.gpu:
         gpu_benchmark(args)
+    elif args.attention:
+        attention_benchmark(args)
     else:
         cpu_benchmark(args)
 

@@ -3,10 +3,12 @@
 megatron-core's own local ``DotProductAttention`` materializes the ``[b, heads, s, s]`` scores
 and keeps the probabilities for backward: memory quadratic in the sequence length, plus a
 process-wide scores buffer of the same size. Transformer Engine's fused attention has none of
-that, but TE is GPU-only. This module is the local spec's core attention instead: torch picks
-a fused kernel (flash attention on CPU and on CUDA) that keeps only the output and the
-log-sum-exp, linear in the sequence length. It computes the same function as megatron's:
-causal self-attention, softmax scale ``1 / sqrt(head_dim)``, grouped-query heads.
+that, but TE is GPU-only. This module is the local spec's core attention instead, the same
+function as megatron's (causal self-attention, softmax scale ``1 / sqrt(kv_channels)`` unless
+the config sets one, grouped-query heads) through a fused kernel whose memory is linear in
+the sequence length: flash attention on CPU (any float dtype) and on CUDA in fp16 / bf16, the
+memory-efficient kernel on CUDA in fp32 (it has no grouped-query mode, so keys and values are
+repeated per query head there, as megatron does).
 """
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import divide
 
 
 class SDPAttention(MegatronModule):
@@ -42,21 +43,22 @@ class SDPAttention(MegatronModule):
             if bad:
                 raise ValueError(f"SDPAttention: {name} is not supported (causal self-attention without "
                                  "dropout, windows or softmax offsets only)")
-        tp = config.tensor_model_parallel_size
-        self.heads = divide(config.num_attention_heads, tp)
-        self.query_groups = divide(config.num_query_groups, tp)
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor], attn_mask_type: Optional[AttnMaskType] = None,
                 attention_bias: Optional[torch.Tensor] = None, packed_seq_params=None) -> torch.Tensor:
-        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
-            raise ValueError("SDPAttention: causal attention only (no attention_mask, attention_bias or "
-                             "packed sequences)")
+        if (attention_mask is not None or attention_bias is not None or packed_seq_params is not None
+                or attn_mask_type not in (None, AttnMaskType.causal) or query.shape[0] != key.shape[0]):
+            raise ValueError("SDPAttention: causal self-attention over the whole sequence only (no "
+                             "attention_mask, attention_bias, packed sequences or KV cache)")
         # [s, b, heads, d] -> [b, heads, s, d]
         query, key, value = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        repeat = query.shape[1] // key.shape[1]
+        native_groups = not query.is_cuda or query.dtype in (torch.float16, torch.bfloat16)
+        if repeat > 1 and not native_groups:
+            key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
         context = F.scaled_dot_product_attention(
-            query, key, value, is_causal=True, scale=self.softmax_scale,
-            enable_gqa=self.heads != self.query_groups)
+            query, key, value, is_causal=True, scale=self.softmax_scale, enable_gqa=key.shape[1] != query.shape[1])
         sequence, batch = context.shape[2], context.shape[0]
         return context.permute(2, 0, 1, 3).reshape(sequence, batch, -1)

@@ -91,11 +91,10 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: 
         # the activation in backward, where the unfused path keeps the input, the activation and
         # a copy of the linear half (13.2M model, 64 x 50 tokens: 140 MiB more). Its compiled
         # helpers run eagerly on CPU (cpu_compat.device_scope). The fused bias-dropout-add has
-        # nothing to save with no bias and no dropout; the fused softmax needs megatron's CUDA
-        # extension, absent from PyPI (TE has its own).
+        # nothing to save with no bias and no dropout. (No masked softmax to fuse: the core
+        # attention is TE's or SDPAttention.)
         bias_activation_fusion=True,
         bias_dropout_fusion=on_gpu,
-        masked_softmax_fusion=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         **fp8,

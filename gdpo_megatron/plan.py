@@ -120,10 +120,10 @@ def activation_bytes_per_token_layer(model: ModelConfig, parallel: ParallelConfi
     return (hidden + sharded) * param_bytes
 
 
-def kv_cache_bytes_per_token(model: ModelConfig, rollout_tp: int) -> int:
+def kv_cache_bytes_per_token(model: ModelConfig, rollout_tp: int, element_bytes: int = VLLM_DTYPE_BYTES) -> int:
     """K and V of every layer for one token on one vLLM rank (KV heads replicate past TP = heads)."""
     heads = math.ceil(model.num_query_groups / rollout_tp)
-    return 2 * model.num_layers * heads * model.head_dim * VLLM_DTYPE_BYTES
+    return 2 * model.num_layers * heads * model.head_dim * element_bytes
 
 
 def vllm_weight_bytes(model: ModelConfig, rollout_tp: int, quantization: Optional[str]) -> int:

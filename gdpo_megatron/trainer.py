@@ -44,6 +44,7 @@ from gdpo_megatron.doctor import preflight
 from gdpo_megatron.experience import (PromptSchedule, Rollouts, leader_broadcast, leader_call, reward_submitter,
                                       sampling_seed, to_policy_batch)
 from gdpo_megatron.metrics import MetricsLogger
+from gdpo_megatron.plan import FP32_BYTES, kv_cache_bytes_per_token
 from gdpo_megatron.policy.worker import PolicyWorker
 from gdpo_megatron.rewards.stage import RewardStage
 from gdpo_megatron.rollout.engine import SamplingConfig
@@ -272,8 +273,9 @@ class Trainer:
         rollout = self.config.rollout
         if rollout.kv_cache_gib is not None or torch.cuda.is_available():
             return rollout.kv_cache_gib
-        return kv_cache_gib(self.config.base_model, "float32", rollouts_per_replica,
-                            longest_prompt + rollout.max_new_tokens, rollout.max_model_len)
+        per_token = kv_cache_bytes_per_token(self.policy_config.model, rollout.tensor_parallel_size, FP32_BYTES)
+        return kv_cache_gib(per_token, rollouts_per_replica, longest_prompt + rollout.max_new_tokens,
+                            rollout.max_model_len)
 
     def _sync_weights(self) -> None:
         self.engine.update_weights(iter_hf_weights(self.worker.gpt_model, self.policy_config.model))

@@ -239,17 +239,21 @@ def test_cpu_cache_blocks_are_the_size_the_sizing_assumes(engine):
     assert engine._llm.llm_engine.vllm_config.cache_config.block_size == CPU_BLOCK_SIZE
 
 
-def test_kv_cache_for_a_step_holds_its_sequences_in_whole_blocks(tmp_path):
-    import json
+def test_kv_cache_for_a_step_holds_its_sequences_in_whole_blocks():
+    from gdpo_megatron.plan import kv_cache_bytes_per_token
+    from gdpo_megatron.policy.config import ModelConfig
 
-    (tmp_path / "config.json").write_text(json.dumps(dict(
-        hidden_size=512, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=4)))
+    model = ModelConfig(vocab_size=128, hidden_size=512, ffn_hidden_size=1024, num_layers=4, num_attention_heads=8,
+                        num_query_groups=2)
     per_token = 2 * 4 * 2 * 64  # keys and values, layers, KV heads, head_dim
+    assert kv_cache_bytes_per_token(model, 1, element_bytes=4) == per_token * 4
+    assert kv_cache_bytes_per_token(model, 2, element_bytes=4) == per_token * 4 // 2  # one KV head per rank
+    assert kv_cache_bytes_per_token(model, 4, element_bytes=2) == per_token * 2 // 2  # KV heads replicate
     # 64 sequences of up to 100 tokens: four 32-token blocks each
-    assert kv_cache_gib(str(tmp_path), "float32", 64, 100, 512) * 2**30 == 64 * 4 * 32 * per_token * 4
-    # 3 sequences of up to 130 tokens: five blocks each, in bf16
-    assert kv_cache_gib(str(tmp_path), "bfloat16", 3, 130, 256) * 2**30 == 3 * 5 * 32 * per_token * 2
+    assert kv_cache_gib(per_token * 4, 64, 100, 512) * 2**30 == 64 * 4 * 32 * per_token * 4
+    # 3 sequences of up to 130 tokens: five blocks each
+    assert kv_cache_gib(per_token * 2, 3, 130, 256) * 2**30 == 3 * 5 * 32 * per_token * 2
     # at least one sequence of max_model_len (vLLM's own requirement)
-    assert kv_cache_gib(str(tmp_path), "float32", 1, 10, 1000) * 2**30 == 32 * 32 * per_token * 4
+    assert kv_cache_gib(per_token * 4, 1, 10, 1000) * 2**30 == 32 * 32 * per_token * 4
     # other block sizes
-    assert kv_cache_gib(str(tmp_path), "float32", 3, 130, 256, block_size=128) * 2**30 == 6 * 128 * per_token * 4
+    assert kv_cache_gib(per_token * 4, 3, 130, 256, block_size=128) * 2**30 == 6 * 128 * per_token * 4

@@ -178,8 +178,11 @@ def test_the_cpu_kv_cache_holds_one_step_of_the_datas_longest_prompts(base_model
     new_tokens = 3 * CPU_BLOCK_SIZE + 1 - longest
     overrides = _overrides(base_model, tmp_path / "kv", 1, "rollout.kv_cache_gib=null",
                            f"rollout.max_new_tokens={new_tokens}")
-    expected = kv_cache_gib(base_model, "float32", 4 * 4, longest + new_tokens, config.rollout.max_model_len)
-    assert expected > kv_cache_gib(base_model, "float32", 4 * 4, longest - 1 + new_tokens, config.rollout.max_model_len)
+    hf = json.loads((Path(base_model) / "config.json").read_text())
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    per_token = 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * head_dim * 4  # K and V, fp32
+    expected = kv_cache_gib(per_token, 4 * 4, longest + new_tokens, config.rollout.max_model_len)
+    assert expected > kv_cache_gib(per_token, 4 * 4, longest - 1 + new_tokens, config.rollout.max_model_len)
     assert run_local(_kv_cache_gib_of_the_engine, 1, overrides) == [expected]  # 4 prompts x 4 rollouts
 
 

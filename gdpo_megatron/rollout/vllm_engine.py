@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -298,7 +297,7 @@ class VLLMEngine:
         return Completion(token_ids=token_ids, logprobs=list(flat.logprobs), finish_reason=output.finish_reason, text=text)
 
 
-def kv_cache_gib(model_path: str, dtype: str, num_seqs: int, tokens_per_seq: int, max_model_len: int,
+def kv_cache_gib(bytes_per_token: int, num_seqs: int, tokens_per_seq: int, max_model_len: int,
                  block_size: int = CPU_BLOCK_SIZE) -> float:
     """The KV cache that holds ``num_seqs`` sequences of up to ``tokens_per_seq`` tokens at once.
 
@@ -306,20 +305,15 @@ def kv_cache_gib(model_path: str, dtype: str, num_seqs: int, tokens_per_seq: int
     default) and touches every page of it: a rollout step knows how many sequences it runs and
     how long they can get. Each sequence is rounded up to whole blocks of ``block_size`` tokens
     (the engine's block size on CPU); vLLM also needs room for one sequence of ``max_model_len``
-    tokens.
+    tokens. ``bytes_per_token``: keys and values of every layer on one engine rank
+    (:func:`gdpo_megatron.plan.kv_cache_bytes_per_token`).
     """
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    kv_heads = config.get("num_key_value_heads") or heads
-    element = 4 if dtype == "float32" else 2
-    per_token = 2 * config["num_hidden_layers"] * kv_heads * head_dim * element  # keys and values
 
     def blocks(tokens: int) -> int:
         return -(-tokens // block_size)
 
     tokens = max(num_seqs * blocks(tokens_per_seq), blocks(max_model_len)) * block_size
-    return tokens * per_token / _GIB
+    return tokens * bytes_per_token / _GIB
 
 
 def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:

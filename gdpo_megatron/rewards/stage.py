@@ -217,12 +217,13 @@ class RewardStage:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _receive(self, scores: _Scores, pending: deque) -> None:
-        """Handle the workers' messages, waiting at most until the next call times out."""
+    def _receive(self, scores: _Scores, pending: deque, block: bool = True) -> None:
+        """Handle the workers' messages; with ``block``, first wait for one, at most until the
+        next call times out."""
         running = [w.started + self.timeouts[w.indices[0]] for w in self._workers if w.rollout is not None]
         timeout = max(0.0, min(running) - time.monotonic()) if running else _START_TIMEOUT_S
-        ready = wait([w.conn for w in self._workers], timeout=timeout)
-        if not ready and not running:
+        ready = wait([w.conn for w in self._workers], timeout=timeout if block else 0)
+        if block and not ready and not running:
             self.close()
             raise RuntimeError(f"reward stage: no worker became ready within {_START_TIMEOUT_S} s")
         for conn in ready:
@@ -331,8 +332,7 @@ class RewardBatch:
         if self._error is not None:
             return
         try:
-            if wait([w.conn for w in self.stage._workers], timeout=0):  # replies, workers now ready
-                self.stage._receive(self.scores, self.pending)
+            self.stage._receive(self.scores, self.pending, block=False)  # replies, workers now ready
             self.stage._dispatch(self)
             self.stage._expire(self.scores, self.pending)
         except Exception as e:  # raised again by collect()

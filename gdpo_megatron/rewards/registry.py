@@ -28,9 +28,17 @@ from typing import Any, Callable, Sequence
 
 RewardFn = Callable[..., float]
 
-_REWARDS: dict[str, RewardFn] = {}
-_BOUNDS: dict[str, tuple[float, float]] = {}
-_CHECKS: dict[str, Callable[..., None]] = {}
+
+@dataclass(frozen=True)
+class _Registered:
+    """What ``register_reward`` recorded for one name."""
+
+    fn: RewardFn
+    bounds: tuple[float, float] | None  # the (low, high) its values lie in, when declared
+    check: Callable[..., None] | None  # raises ValueError for kwargs ``fn`` would refuse
+
+
+_REGISTRY: dict[str, _Registered] = {}
 
 
 def register_reward(name: str, bounds: tuple[float, float] | None = None,
@@ -49,38 +57,33 @@ def register_reward(name: str, bounds: tuple[float, float] | None = None,
     def add(fn: RewardFn) -> RewardFn:
         if not callable(fn):
             raise ValueError(f"reward {name!r}: expected a function, got {fn!r}")
-        known = _REWARDS.get(name)
-        if known is not None and _qualname(known) != _qualname(fn):
-            raise ValueError(f"reward {name!r} is already registered by {_qualname(known)}")
-        _REWARDS[name] = fn
-        if bounds is None:
-            _BOUNDS.pop(name, None)
-        else:
-            _BOUNDS[name] = (float(bounds[0]), float(bounds[1]))
-        if check is None:
-            _CHECKS.pop(name, None)
-        else:
-            _CHECKS[name] = check
+        known = _REGISTRY.get(name)
+        if known is not None and _qualname(known.fn) != _qualname(fn):
+            raise ValueError(f"reward {name!r} is already registered by {_qualname(known.fn)}")
+        _REGISTRY[name] = _Registered(fn, None if bounds is None else (float(bounds[0]), float(bounds[1])), check)
         return fn
 
     return add
 
 
-def get_reward(name: str) -> RewardFn:
+def _registered(name: str) -> _Registered:
     try:
-        return _REWARDS[name]
+        return _REGISTRY[name]
     except KeyError:
-        raise ValueError(f"reward {name!r} is not registered; known rewards: {sorted(_REWARDS)}") from None
+        raise ValueError(f"reward {name!r} is not registered; known rewards: {sorted(_REGISTRY)}") from None
+
+
+def get_reward(name: str) -> RewardFn:
+    return _registered(name).fn
 
 
 def registered_rewards() -> list[str]:
-    return sorted(_REWARDS)
+    return sorted(_REGISTRY)
 
 
 def reward_bounds(name: str) -> tuple[float, float] | None:
     """The (low, high) values reward ``name`` declared at registration, or ``None``."""
-    get_reward(name)
-    return _BOUNDS.get(name)
+    return _registered(name).bounds
 
 
 def load_reward_file(path: str | Path) -> None:
@@ -150,14 +153,15 @@ def validate_specs(specs: Sequence[RewardSpec]) -> None:
         if spec.name in seen:
             raise ValueError(f"rewards: {spec.name!r} is listed twice")
         seen.add(spec.name)
-        fn = get_reward(spec.name)
+        registered = _registered(spec.name)
         try:
-            inspect.signature(fn).bind("", 0, {}, **spec.kwargs)
+            inspect.signature(registered.fn).bind("", 0, {}, **spec.kwargs)
         except TypeError as e:
-            raise ValueError(f"reward {spec.name!r}: kwargs {spec.kwargs} do not fit {_qualname(fn)}: {e}") from None
-        if spec.name in _CHECKS:
+            raise ValueError(f"reward {spec.name!r}: kwargs {spec.kwargs} do not fit {_qualname(registered.fn)}: "
+                             f"{e}") from None
+        if registered.check is not None:
             try:
-                _CHECKS[spec.name](**spec.kwargs)
+                registered.check(**spec.kwargs)
             except ValueError as e:
                 raise ValueError(f"{spec.name}: {e}") from None
 

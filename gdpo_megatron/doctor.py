@@ -47,7 +47,7 @@ from packaging.version import Version
 from gdpo_megatron.cli import quiet_defaults
 from gdpo_megatron.config import ConfigError, TrainConfig, load_config
 from gdpo_megatron.cpu_malloc import nvidia_driver
-from gdpo_megatron.errors import ArgumentParser, UsageError, UserError, console_entry
+from gdpo_megatron.errors import ArgumentParser, UsageError, UserError, console_entry, positive_int
 from gdpo_megatron.pins import PIN_FILE, Pin, cuda_major, read_pins
 from gdpo_megatron.policy.config import transformer_engine_available
 
@@ -345,7 +345,7 @@ def main(argv: list[str]) -> int:
         description="Check this machine's libraries, GPU, NCCL and memory against the pins and a config. "
                     f"{SKIP_ENV}=CHECK[,CHECK...] skips checks (e.g. memory, where gdpo-plan's estimate is wrong).")
     parser.add_argument("--config", help="training YAML: also check its precision and memory plan here")
-    parser.add_argument("--nodes", type=int, default=1, help="nodes of the job (for the memory plan)")
+    parser.add_argument("--nodes", type=positive_int, default=1, help="nodes of the job (for the memory plan)")
     parser.add_argument("--only", action="append", choices=list(CHECKS), metavar="CHECK",
                         help=f"run only this check (repeatable): {', '.join(CHECKS)}")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides of the config")
@@ -353,8 +353,6 @@ def main(argv: list[str]) -> int:
     quiet_defaults()
     if args.overrides and not args.config:
         parser.error("overrides need --config")
-    if args.nodes < 1:
-        raise UsageError(f"--nodes: expected >= 1, got {args.nodes}")
     config = load_config(TrainConfig, args.config, args.overrides) if args.config else None
     pins = read_pins()
     world_size = args.nodes * max(torch.cuda.device_count(), 1)

@@ -170,7 +170,7 @@ def test_bad_input_is_one_line_and_status_2(capsys, tmp_path):
     assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
     assert capsys.readouterr().err == f"error: config file {tmp_path / 'missing.yaml'}: not found\n"
     assert main(["--config", CONFIG, "--nodes", "0"]) == 2
-    assert "--nodes: expected >= 1, got 0" in capsys.readouterr().err
+    assert "argument --nodes: expected an integer >= 1, got 0" in capsys.readouterr().err
 
 
 def _build_only(overrides):

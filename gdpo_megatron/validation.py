@@ -25,7 +25,7 @@ from gdpo_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_con
 from gdpo_megatron.checkpoint.hf_files import check_tensors, safetensors_index
 from gdpo_megatron.checkpoint.layout import hf_shapes
 from gdpo_megatron.checkpoint.state import (
-    check_files, check_reshardable, complete_steps, model_section, read_training_state,
+    check_files, check_reshardable, complete_steps, model_section, read_training_state, step_dir,
 )
 from gdpo_megatron.config import ConfigError, TrainConfig
 from gdpo_megatron.data.samples import Fields, Sample, load_samples
@@ -308,7 +308,7 @@ def _check_resume(config: TrainConfig, model: ModelConfig) -> None:
     if not config.checkpoint.resume:
         raise ConfigError(f"checkpoint.resume: false, but {root} holds step_{steps[-1]}; "
                           "choose another run_dir or remove its checkpoints")
-    directory = root / f"step_{steps[-1]}"
+    directory = step_dir(root, steps[-1])
     state = read_training_state(directory)
     if state.data_position is None:
         raise InputError(f"run_dir: {directory} is not a training checkpoint (it has no data position; "

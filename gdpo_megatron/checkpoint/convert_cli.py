@@ -18,7 +18,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from gdpo_megatron.checkpoint.hf_files import TOKENIZER_FILES
-from gdpo_megatron.checkpoint.state import check_files, complete_steps, model_section, read_training_state
+from gdpo_megatron.checkpoint.state import check_files, complete_steps, model_section, read_training_state, step_dir
 from gdpo_megatron.errors import ArgumentParser, InputError, UsageError, console_entry, positive_float, positive_int
 from gdpo_megatron.policy.config import DTYPES, ModelConfig, ParallelConfig, PrecisionConfig
 from gdpo_megatron.validation import (check_model_split, check_output_dir, check_weights, launch_world_size,
@@ -101,7 +101,7 @@ def check(args, parallel: ParallelConfig, world_size: int) -> Plan:
     step = steps[-1] if args.step is None else args.step
     if step not in steps:
         raise UsageError(f"--step: no step {step} in {args.checkpoint_root}; steps: {', '.join(map(str, steps))}")
-    directory = args.checkpoint_root / f"step_{step}"
+    directory = step_dir(args.checkpoint_root, step)
     saved = read_training_state(directory).config
     model = model_config_of(saved, str(directory))
     check_files(directory)

@@ -49,8 +49,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from gdpo_megatron.checkpoint.state import (
     MANIFEST, STATE_FILE, TMP_PREFIX, CheckpointError, TrainingState, check_files, check_reshardable,
-    complete_steps,
-    read_training_state,
+    complete_steps, read_training_state, step_dir,
 )
 from gdpo_megatron.checkpoint.weight_stream import unwrap
 from gdpo_megatron.policy import cpu_compat
@@ -194,7 +193,7 @@ class CheckpointManager:
         self.optimizer_sharding = optimizer_sharding
 
     def step_dir(self, step: int) -> Path:
-        return self.root / f"step_{step}"
+        return step_dir(self.root, step)
 
     # --- finding checkpoints ---------------------------------------------------------------
 

@@ -23,6 +23,11 @@ MANIFEST = "manifest.json"  # file name -> size and CRC32 of every other file of
 LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 
 
+def step_dir(root: Path, step: int) -> Path:
+    """Where step ``step``'s checkpoint lives under ``root`` (a name :data:`STEP_DIR` matches)."""
+    return Path(root) / f"step_{step}"
+
+
 class CheckpointError(UserError, RuntimeError):
     """A checkpoint is missing, incomplete or corrupted (the message names the file)."""
 

@@ -25,7 +25,7 @@ from gdpo_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_con
 from gdpo_megatron.checkpoint.hf_files import check_tensors, safetensors_index
 from gdpo_megatron.checkpoint.layout import hf_shapes
 from gdpo_megatron.checkpoint.state import (
-    check_files, check_reshardable, complete_steps, model_section, read_training_state, step_dir,
+    LAYOUT_KEYS, check_files, check_reshardable, complete_steps, model_section, read_training_state, step_dir,
 )
 from gdpo_megatron.config import ConfigError, TrainConfig
 from gdpo_megatron.data.samples import Fields, Sample, load_samples
@@ -323,9 +323,7 @@ def _check_resume(config: TrainConfig, model: ModelConfig) -> None:
     if state.data_position != expected:
         raise ConfigError(f"data.prompts_per_step: the checkpoint of step {state.step} was taken after "
                           f"{state.data_position} prompts, this config would resume after {expected}")
-    parallel = config.policy.parallel
     if config.policy.optim.use_distributed_optimizer:
-        check_reshardable(directory, state, {
-            "tensor_model_parallel_size": parallel.tensor_model_parallel_size,
-            "pipeline_model_parallel_size": parallel.pipeline_model_parallel_size})
+        parallel = config.policy.parallel
+        check_reshardable(directory, state, {key: getattr(parallel, key) for key in LAYOUT_KEYS})
     check_files(directory)

@@ -93,6 +93,26 @@ def test_a_failure_scores_the_declared_low_bound_unless_the_spec_says_otherwise(
     assert RewardSpec("test_unbounded").failure_score() == 0.0
 
 
+def refusing_zero(max_tokens=1):
+    if max_tokens == 0:
+        raise ValueError("max_tokens must be positive")
+
+
+def test_registering_a_name_again_replaces_its_bounds_and_check():
+    """A module imported twice (its functions have the same qualified name) registers anew."""
+    def reward(completion, num_tokens, ground_truth, max_tokens=1):
+        return 0.0
+
+    register_reward("test_reregistered", bounds=(0, 2), check=refusing_zero)(reward)
+    assert reward_bounds("test_reregistered") == (0.0, 2.0)
+    with pytest.raises(ValueError, match="test_reregistered: max_tokens must be positive"):
+        validate_specs([RewardSpec("test_reregistered", kwargs={"max_tokens": 0})])
+
+    register_reward("test_reregistered")(reward)
+    assert reward_bounds("test_reregistered") is None
+    validate_specs([RewardSpec("test_reregistered", kwargs={"max_tokens": 0})])  # no check any more
+
+
 def test_configs_with_and_without_failure_value_load():
     assert from_dict(RewardSpec, {"name": "tool_correctness"}, "rewards.0").failure_score() == -3.0
     assert from_dict(RewardSpec, {"name": "tool_correctness", "failure_value": 0}, "rewards.0").failure_score() == 0.0

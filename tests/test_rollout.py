@@ -235,8 +235,15 @@ def test_bad_input_is_named(engine, tmp_path):
         VLLMEngineConfig(str(tmp_path), quantization="int3")
 
 
-def test_cpu_cache_blocks_are_the_size_the_sizing_assumes(engine):
-    assert engine._llm.llm_engine.vllm_config.cache_config.block_size == CPU_BLOCK_SIZE
+def test_cpu_cache_blocks_are_the_size_the_sizing_assumes(engine, models):
+    from gdpo_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
+    from gdpo_megatron.plan import kv_cache_bytes_per_token
+
+    cache = engine._llm.llm_engine.vllm_config.cache_config
+    assert cache.block_size == CPU_BLOCK_SIZE
+    model = model_config_from_hf(read_hf_config(models["paths"]["base"]))
+    block_bytes = kv_cache_bytes_per_token(model, 1, element_bytes=4) * CPU_BLOCK_SIZE
+    assert cache.num_gpu_blocks == int(0.25 * 2**30) // block_bytes  # the engine's 0.25 GiB, in blocks
 
 
 def test_kv_cache_for_a_step_holds_its_sequences_in_whole_blocks():
@@ -249,11 +256,11 @@ def test_kv_cache_for_a_step_holds_its_sequences_in_whole_blocks():
     assert kv_cache_bytes_per_token(model, 1, element_bytes=4) == per_token * 4
     assert kv_cache_bytes_per_token(model, 2, element_bytes=4) == per_token * 4 // 2  # one KV head per rank
     assert kv_cache_bytes_per_token(model, 4, element_bytes=2) == per_token * 2 // 2  # KV heads replicate
-    # 64 sequences of up to 100 tokens: four 32-token blocks each
-    assert kv_cache_gib(per_token * 4, 64, 100, 512) * 2**30 == 64 * 4 * 32 * per_token * 4
+    # 64 sequences of up to 100 tokens: four 32-token blocks each, and the block pool's null block
+    assert kv_cache_gib(per_token * 4, 64, 100, 512) * 2**30 == (64 * 4 + 1) * 32 * per_token * 4
     # 3 sequences of up to 130 tokens: five blocks each
-    assert kv_cache_gib(per_token * 2, 3, 130, 256) * 2**30 == 3 * 5 * 32 * per_token * 2
+    assert kv_cache_gib(per_token * 2, 3, 130, 256) * 2**30 == (3 * 5 + 1) * 32 * per_token * 2
     # at least one sequence of max_model_len (vLLM's own requirement)
-    assert kv_cache_gib(per_token * 4, 1, 10, 1000) * 2**30 == 32 * 32 * per_token * 4
+    assert kv_cache_gib(per_token * 4, 1, 10, 1000) * 2**30 == (32 + 1) * 32 * per_token * 4
     # other block sizes
-    assert kv_cache_gib(per_token * 4, 3, 130, 256, block_size=128) * 2**30 == 6 * 128 * per_token * 4
+    assert kv_cache_gib(per_token * 4, 3, 130, 256, block_size=128) * 2**30 == (6 + 1) * 128 * per_token * 4

@@ -218,8 +218,8 @@ class RewardStage:
         self.close()
 
     def _receive(self, scores: _Scores, pending: deque, block: bool = True) -> None:
-        """Handle the workers' messages; with ``block``, first wait for one, at most until the
-        next call times out."""
+        """Handle the workers' messages; with ``block``, first wait for one: until the next
+        running call times out, or while none runs, up to the workers' start timeout."""
         running = [w.started + self.timeouts[w.indices[0]] for w in self._workers if w.rollout is not None]
         timeout = max(0.0, min(running) - time.monotonic()) if running else _START_TIMEOUT_S
         ready = wait([w.conn for w in self._workers], timeout=timeout if block else 0)

@@ -305,8 +305,8 @@ def kv_cache_gib(bytes_per_token: int, num_seqs: int, tokens_per_seq: int, max_m
     default) and touches every page of it: a rollout step knows how many sequences it runs and
     how long they can get. Each sequence is rounded up to whole blocks of ``block_size`` tokens
     (the engine's block size on CPU); vLLM also needs room for one sequence of ``max_model_len``
-    tokens, and its block pool keeps one block aside as a placeholder. ``bytes_per_token``: keys and values of every layer on one engine rank
-    (:func:`gdpo_megatron.plan.kv_cache_bytes_per_token`).
+    tokens, and its block pool keeps one block aside as a placeholder. ``bytes_per_token``: keys
+    and values of every layer on one engine rank (:func:`gdpo_megatron.plan.kv_cache_bytes_per_token`).
     """
 
     def blocks(tokens: int) -> int:

@@ -16,7 +16,7 @@ threads (``--threads``, default every core this process may use).
 
 Timed: the training loop only, first step included (start-up, checkpoints and the export are
 left out on both sides). Each run is a fresh process; runs of the two sides alternate
-(ABBA order) and every number is the median over ``--runs`` runs. Columns:
+(in one order, then reversed) and every number is the median over ``--runs`` runs. Columns:
 - completions/s: completions of the whole loop / loop time;
 - generation tok/s: generated tokens / time inside generation (TRL: HF ``generate``; here:
   the vLLM engine's ``generate``, its Python included);
@@ -26,20 +26,28 @@ left out on both sides). Each run is a fresh process; runs of the two sides alte
   ``gdpo_megatron/cpu_malloc.py``; ``--trl-tcmalloc`` gives TRL the same);
 - peak RSS: the main process's high-water mark; tree PSS: the highest proportional set size
   of the process and all its children (reward workers, forkserver), sampled every
-  ``PSS_INTERVAL_S``. A sample reads the page tables of every process in the tree (~16 ms each
-  here): sampled ten times a second it took two thirds of a core from this project's four
-  processes and a sixth from TRL's one, which skews any run whose threads use every core.
+  ``--tree-pss-interval`` seconds. A sample reads the page tables of every process in the tree
+  (~16 ms each here), CPU time taken from any run whose threads use every core: with two
+  threads on two cores, sampling every second lowered the 0.46M model's completions/s from
+  218.5 to 201.2 (TRL) and from 186.1 to 158.3 (this project), medians of three runs each.
+  ``--tree-pss-interval 0`` leaves the column (and its cost) out.
 
 A second table takes the vLLM engine's part out, to show where the rest of this trainer stands:
 completions/s over the loop's time outside generation, and peak RSS less vLLM's share (the
 RSS that importing vLLM adds on top of torch, megatron-core and transformers, plus its KV cache
-and its copy of the weights). The engine's own generation speed, outside any trainer, is
-``benchmarks/rollout.py``.
+and its copy of the weights).
+
+A third table asks whether the vLLM CPU engine is what keeps this trainer from 1.2x TRL's
+completions/s: the generation speed that would get there (given this trainer's measured time
+outside generation), next to what the engine does alone. The engine alone is a third process
+per run: the same engine, built as the trainer builds it, generating the trainer's prompts with
+its sampling, batch after batch with nothing in between (``run_engine``).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import statistics
@@ -62,8 +70,12 @@ SIZES = {
     "tiny": (128, 2, 2, 256, 12),
     "13m": (512, 8, 4, 1376, 6),
 }
+# the runs of one size, in this order and then reversed; "engine" is the vLLM engine alone
+# (run_engine) and "bare" the update's arithmetic alone (run_bare)
+SIDES = ("trl", "project", "engine", "bare")
+TARGET = 1.2  # the completions/s ratio to TRL that the generation table asks about
 _GIB = 1 << 30
-PSS_INTERVAL_S = 1.0
+GEMM_SIZE, GEMM_REPEATS = 2048, 9  # the square fp32 matmul that measures this core's GEMM rate
 
 
 # ---- the models ------------------------------------------------------------------------------
@@ -92,8 +104,9 @@ def write_model(path: Path, hidden: int, heads: int, layers: int, ffn: int) -> i
 # ---- one run of each side (in its own process) -------------------------------------------------
 
 
-def run_project(model: str, steps: int, out: Path) -> dict:
-    """This trainer: the same Trainer as gdpo-train, its step loop without checkpoints or export."""
+def project_trainer(model: str, steps: int, out: Path):
+    """This trainer as gdpo-train builds it for the comparison's work, and the RSS that
+    importing vLLM added on top of torch, megatron-core and transformers."""
     import yaml
 
     from gdpo_megatron.config import TrainConfig, load_config
@@ -120,7 +133,12 @@ def run_project(model: str, steps: int, out: Path) -> dict:
     import vllm.entrypoints.llm  # noqa: F401  (what VLLMEngine imports)
     vllm_modules = rss_bytes() - before_vllm
     init_distributed()
-    trainer = Trainer(load_config(TrainConfig, path))
+    return Trainer(load_config(TrainConfig, path)), vllm_modules
+
+
+def run_project(model: str, steps: int, out: Path) -> dict:
+    """This trainer: the same Trainer as gdpo-train, its step loop without checkpoints or export."""
+    trainer, vllm_modules = project_trainer(model, steps, out)
     vllm_tensors = trainer.engine.config.kv_cache_gib * _GIB + Path(model, "model.safetensors").stat().st_size
     try:
         records, start = [], time.perf_counter()
@@ -142,10 +160,79 @@ def run_project(model: str, steps: int, out: Path) -> dict:
     }
 
 
+def run_engine(model: str, steps: int, out: Path) -> dict:
+    """The trainer's vLLM engine alone: the prompts and sampling of the trainer's steps, one
+    batch after another, with no scoring, update or weight sync between them."""
+    from gdpo_megatron.data.chat import encode_prompt
+    from gdpo_megatron.experience import sampling_seed
+    from gdpo_megatron.rollout.engine import SamplingConfig
+
+    trainer, _ = project_trainer(model, steps, out)
+    try:
+        generate_s, tokens = 0.0, 0
+        for step in range(steps):
+            prompts = [encode_prompt(trainer.tokenizer, trainer.samples[i].messages)
+                       for i in trainer.schedule.indices(step)]
+            sampling = SamplingConfig(temperature=1.0, max_new_tokens=NEW_TOKENS, seed=sampling_seed(0, step, 0))
+            start = time.perf_counter()
+            groups = trainer.engine.generate(prompts, GENERATIONS, sampling)
+            generate_s += time.perf_counter() - start
+            tokens += sum(len(c.token_ids) for group in groups for c in group)
+    finally:
+        trainer.close()
+    return {"generate_s": generate_s, "tokens": tokens}
+
+
 def rss_bytes() -> int:
     """This process's resident set now."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def run_bare(model: str, steps: int, out: Path) -> dict:
+    """The update's arithmetic alone, the floor of both trainers' updates: the HF model in plain
+    PyTorch, one batch as wide as the longest prompt plus the completions, logits of the
+    completion positions only (as TRL computes them), a policy-gradient token mean, backward,
+    clipping, one Adam step. Also its FLOPs (torch's counter) and this core's fp32 GEMM rate."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gdpo_megatron.data.chat import encode_prompt
+    from gdpo_megatron.data.samples import load_samples
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    longest_prompt = max(len(encode_prompt(tokenizer, s.messages)) for s in load_samples(DATA, "tool", system_prompt=""))
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=LR, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, policy.config.vocab_size, (PROMPTS * GENERATIONS, longest_prompt + NEW_TOKENS),
+                        generator=generator)
+    advantages = torch.randn(ids.shape[0], 1, generator=generator)
+
+    def update():
+        logits = policy(input_ids=ids, logits_to_keep=NEW_TOKENS + 1).logits[:, :-1]
+        logprobs = logits.log_softmax(-1).gather(-1, ids[:, -NEW_TOKENS:, None]).squeeze(-1)
+        (-(advantages * logprobs).mean()).backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), MAX_GRAD_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    with FlopCounterMode(display=False) as counter:
+        update()
+    step_s = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        update()
+        step_s.append(time.perf_counter() - start)
+    a, b = torch.randn(GEMM_SIZE, GEMM_SIZE), torch.randn(GEMM_SIZE, GEMM_SIZE)
+    gemm_s = []
+    for _ in range(GEMM_REPEATS):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        gemm_s.append(time.perf_counter() - start)
+    return {"update_flops": counter.get_total_flops(), "update_s": step_s,
+            "gemm_flops_per_s": 2 * GEMM_SIZE ** 3 / statistics.median(gemm_s)}
 
 
 def run_trl(model: str, steps: int, out: Path) -> dict:
@@ -223,13 +310,14 @@ def run_trl(model: str, steps: int, out: Path) -> dict:
 
 
 def child_main(side: str, model: str, steps: int, result: Path) -> None:
-    if side == "project":
+    if side in ("project", "engine"):
         reexec_with_tcmalloc()  # what gdpo-train does first on a CPU machine
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     with tempfile.TemporaryDirectory() as tmp:
-        out = (run_project if side == "project" else run_trl)(model, steps, Path(tmp))
+        run = {"project": run_project, "engine": run_engine, "bare": run_bare, "trl": run_trl}[side]
+        out = run(model, steps, Path(tmp))
     out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / _GIB
     out["tcmalloc"] = "tcmalloc" in Path("/proc/self/maps").read_text()
     result.write_text(json.dumps(out))
@@ -238,7 +326,7 @@ def child_main(side: str, model: str, steps: int, result: Path) -> None:
 # ---- the comparison --------------------------------------------------------------------------------
 
 
-def tree_pss_peak(pid: int, stop: threading.Event, peak: list) -> None:
+def tree_pss_peak(pid: int, interval_s: float, stop: threading.Event, peak: list) -> None:
     """Highest summed PSS of process ``pid`` and its descendants until ``stop`` is set."""
     import psutil
 
@@ -246,7 +334,7 @@ def tree_pss_peak(pid: int, stop: threading.Event, peak: list) -> None:
         root = psutil.Process(pid)
     except psutil.NoSuchProcess:
         return
-    while not stop.wait(PSS_INTERVAL_S):
+    while not stop.wait(interval_s):
         total = 0
         try:
             procs = [root, *root.children(recursive=True)]
@@ -260,30 +348,33 @@ def tree_pss_peak(pid: int, stop: threading.Event, peak: list) -> None:
         peak[0] = max(peak[0], total)
 
 
-def launch(side: str, python: str, model: str, steps: int, threads: int, tmp: Path, trl_tcmalloc: bool) -> dict:
+def launch(side: str, python: str, model: str, steps: int, args: argparse.Namespace, tmp: Path) -> dict:
     result = tmp / f"{side}.json"
     result.unlink(missing_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT),
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT),
            "VLLM_LOGGING_LEVEL": "ERROR", "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false",
            "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
     env.pop("MASTER_PORT", None)
-    if side == "trl" and trl_tcmalloc:
+    if side == "trl" and args.trl_tcmalloc:
         env = preload_env(env, tcmalloc_library())
     cmd = [python, str(Path(__file__).resolve()), "--child", side, "--model", model, "--steps", str(steps),
            "--result", str(result)]
     log = tmp / f"{side}.log"
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=tmp)
-        stop, peak = threading.Event(), [0]
-        sampler = threading.Thread(target=tree_pss_peak, args=(proc.pid, stop, peak), daemon=True)
-        sampler.start()
+        stop, peak, sampler = threading.Event(), [0], None
+        if args.tree_pss_interval > 0:
+            sampler = threading.Thread(target=tree_pss_peak, args=(proc.pid, args.tree_pss_interval, stop, peak),
+                                       daemon=True)
+            sampler.start()
         code = proc.wait()
         stop.set()
-        sampler.join()
+        if sampler is not None:
+            sampler.join()
     if code != 0 or not result.exists():
         raise SystemExit(f"{side} run failed (exit {code}); its log:\n{log.read_text()[-4000:]}")
     out = json.loads(result.read_text())
-    out["tree_pss_gib"] = peak[0] / _GIB
+    out["tree_pss_gib"] = peak[0] / _GIB if args.tree_pss_interval > 0 else math.nan
     return out
 
 
@@ -298,6 +389,7 @@ def summarize(runs: list[dict]) -> dict:
         "tree_pss_gib": med(r["tree_pss_gib"] for r in runs),
         "malloc": "/".join(sorted({"tcmalloc" if r["tcmalloc"] else "glibc" for r in runs})),
         "outside_generation_per_s": med(r["completions"] / (r["loop_s"] - r["generate_s"]) for r in runs),
+        "tokens_per_completion": med(r["tokens"] / r["completions"] for r in runs),
         "vllm_share_gib": med(r.get("vllm_share_gib", 0.0) for r in runs),
     }
 
@@ -314,7 +406,10 @@ def main() -> None:
     parser.add_argument("--trl-tcmalloc", action="store_true",
                         help="preload tcmalloc into TRL's process too (this project's side uses it on CPU, "
                              "see gdpo_megatron/cpu_malloc.py)")
-    parser.add_argument("--child", choices=("project", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--tree-pss-interval", type=float, default=1.0, metavar="SECONDS",
+                        help="how often to sample the tree PSS column (0: not at all; sampling takes CPU "
+                             "time from runs whose threads use every core)")
+    parser.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -325,7 +420,7 @@ def main() -> None:
     if args.trl_tcmalloc and tcmalloc_library() is None:
         raise SystemExit("--trl-tcmalloc: tcmalloc is not installed (Debian/Ubuntu: libtcmalloc-minimal4)")
 
-    pythons = {"trl": args.trl_python, "project": sys.executable}
+    pythons = {side: sys.executable for side in SIDES} | {"trl": args.trl_python}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -334,47 +429,84 @@ def main() -> None:
             steps = args.steps or default_steps
             model = tmp / size
             params = write_model(model, hidden, heads, layers, ffn)
-            runs = {"trl": [], "project": []}
+            runs = {side: [] for side in SIDES}
             for i in range(args.runs):
-                order = ("trl", "project") if i % 2 == 0 else ("project", "trl")
-                for side in order:
-                    runs[side].append(launch(side, pythons[side], str(model), steps, args.threads, tmp,
-                                               args.trl_tcmalloc))
+                for side in SIDES if i % 2 == 0 else SIDES[::-1]:
+                    runs[side].append(launch(side, pythons[side], str(model), steps, args, tmp))
                     print(f"  {size} run {i + 1} {side}: {json.dumps(runs[side][-1])}", file=sys.stderr, flush=True)
-            rows.append((f"{params / 1e6:.2f}M (hidden {hidden}, {layers} layers)",
-                         summarize(runs["trl"]), summarize(runs["project"])))
+            bare = runs["bare"]
+            rows.append({
+                "name": f"{params / 1e6:.2f}M (hidden {hidden}, {layers} layers)",
+                "trl": summarize(runs["trl"]), "ours": summarize(runs["project"]),
+                "engine_tok_per_s": statistics.median(r["tokens"] / r["generate_s"] for r in runs["engine"]),
+                "update_gflop": statistics.median(r["update_flops"] for r in bare) / 1e9,
+                "bare_update_s": statistics.median(statistics.median(r["update_s"]) for r in bare),
+                "gemm_gflop_per_s": statistics.median(r["gemm_flops_per_s"] for r in bare) / 1e9,
+            })
     print_table(rows, args)
 
 
-def print_table(rows, args) -> None:
+def print_table(rows: list[dict], args) -> None:
     print(f"{PROMPTS} prompts x {GENERATIONS} completions x <= {NEW_TOKENS} tokens per step, {args.threads} thread(s) "
           f"per side, median of {args.runs} interleaved runs; load average {os.getloadavg()[0]:.1f}")
     print("| model | TRL completions/s | this project | ratio | generation tok/s TRL / project "
           "| update s/step TRL / project | first step s TRL / project | malloc TRL / project | peak RSS GiB TRL / project "
           "| tree PSS GiB TRL / project |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, trl, ours in rows:
-        print(f"| {name} | {trl['completions_per_s']:.1f} | {ours['completions_per_s']:.1f} "
+    for row in rows:
+        trl, ours = row["trl"], row["ours"]
+        pss = ("not sampled" if math.isnan(ours["tree_pss_gib"])
+               else f"{trl['tree_pss_gib']:.2f} / {ours['tree_pss_gib']:.2f}")
+        print(f"| {row['name']} | {trl['completions_per_s']:.1f} | {ours['completions_per_s']:.1f} "
               f"| {ours['completions_per_s'] / trl['completions_per_s']:.2f}x "
               f"| {trl['gen_tok_per_s']:,.0f} / {ours['gen_tok_per_s']:,.0f} "
               f"| {trl['update_s']:.3f} / {ours['update_s']:.3f} "
               f"| {trl['first_step_s']:.2f} / {ours['first_step_s']:.2f} "
               f"| {trl['malloc']} / {ours['malloc']} "
               f"| {trl['peak_rss_gib']:.2f} / {ours['peak_rss_gib']:.2f} "
-              f"({ours['peak_rss_gib'] / trl['peak_rss_gib']:.2f}x) "
-              f"| {trl['tree_pss_gib']:.2f} / {ours['tree_pss_gib']:.2f} |")
+              f"({ours['peak_rss_gib'] / trl['peak_rss_gib']:.2f}x) | {pss} |")
     print("\nWithout the vLLM engine's part: completions per second of the loop less its time in "
           "generation; peak RSS less vLLM's share (its modules, measured as the RSS their import adds, "
           "plus its KV cache and weight copy)")
     print("| model | TRL completions/s outside generation | this project | ratio | vLLM's share GiB "
           "| peak RSS GiB TRL / project less vLLM's share | ratio |")
     print("|---|---|---|---|---|---|---|")
-    for name, trl, ours in rows:
+    for row in rows:
+        trl, ours = row["trl"], row["ours"]
         rest = ours["peak_rss_gib"] - ours["vllm_share_gib"]
-        print(f"| {name} | {trl['outside_generation_per_s']:.1f} | {ours['outside_generation_per_s']:.1f} "
+        print(f"| {row['name']} | {trl['outside_generation_per_s']:.1f} | {ours['outside_generation_per_s']:.1f} "
               f"| {ours['outside_generation_per_s'] / trl['outside_generation_per_s']:.2f}x "
               f"| {ours['vllm_share_gib']:.2f} | {trl['peak_rss_gib']:.2f} / {rest:.2f} "
               f"| {rest / trl['peak_rss_gib']:.2f}x |")
+    print(f"\nGeneration: the tokens/s this trainer's generation would need for {TARGET}x TRL's completions/s "
+          "(given its measured time outside generation), next to the vLLM engine alone (the same prompts and "
+          "sampling, batches back to back, nothing between them) and inside this trainer, and HF generate "
+          "inside TRL")
+    print("| model | needed tok/s | vLLM engine alone tok/s | vLLM in this trainer | HF generate in TRL |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        trl, ours = row["trl"], row["ours"]
+        print(f"| {row['name']} | {needed_generation_rate(trl, ours)} | {row['engine_tok_per_s']:,.0f} "
+              f"| {ours['gen_tok_per_s']:,.0f} | {trl['gen_tok_per_s']:,.0f} |")
+    print("\nThe update against its arithmetic alone: the same update in plain PyTorch (run_bare), its FLOPs "
+          "by torch's counter, and the rate each side's update reaches against this core's fp32 GEMM rate "
+          f"({GEMM_SIZE}^3 matmul); TRL's update includes the rest of its step, this project's the weight sync")
+    print("| model | update GFLOP | update s/step plain PyTorch / TRL / project "
+          "| GFLOP/s plain PyTorch / TRL / project | GEMM GFLOP/s |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        flop, times = row["update_gflop"], (row["bare_update_s"], row["trl"]["update_s"], row["ours"]["update_s"])
+        print(f"| {row['name']} | {flop:.1f} | {' / '.join(f'{t:.3f}' for t in times)} "
+              f"| {' / '.join(f'{flop / t:.0f}' for t in times)} | {row['gemm_gflop_per_s']:.0f} |")
+
+
+def needed_generation_rate(trl: dict, ours: dict) -> str:
+    """Generated tokens/s that would bring this trainer to ``TARGET`` x TRL's completions/s,
+    its time outside generation as measured; "none" where that time alone is too long."""
+    seconds_per_completion = 1 / (TARGET * trl["completions_per_s"]) - 1 / ours["outside_generation_per_s"]
+    if seconds_per_completion <= 0:
+        return "none (the rest of the step alone is too slow)"
+    return f"{ours['tokens_per_completion'] / seconds_per_completion:,.0f}"
 
 
 if __name__ == "__main__":

@@ -92,12 +92,16 @@ def main(argv: list[str]) -> int:
         parser.error(f"{given[0]} goes with --data, not --bfcl")
 
     from gdpo_megatron.cli import quiet_defaults
-    from gdpo_megatron.validation import (check_output_file, check_reward_specs, check_weights, load_prompts,
+    from gdpo_megatron.rollout.vllm_engine import check_vllm_can_load
+    from gdpo_megatron.validation import (about, check_output_file, check_reward_specs, check_weights, load_prompts,
                                           prompt_lengths, read_model_config)
 
     quiet_defaults()
     # Every check before the engine starts.
-    max_model_len = _max_model_len(read_model_config(args.model, "--model"), args.max_model_len, args.max_new_tokens)
+    hf_config = read_model_config(args.model, "--model")
+    with about("--model"):
+        check_vllm_can_load(hf_config)
+    max_model_len = _max_model_len(hf_config, args.max_model_len, args.max_new_tokens)
     check_weights(args.model, "--model")
     rewards = [RewardSpec(name) for name in args.rewards.split(",") if name]
     check_reward_specs(rewards, "--rewards", in_config=False)

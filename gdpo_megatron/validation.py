@@ -32,6 +32,7 @@ from gdpo_megatron.data.samples import Fields, Sample, load_samples
 from gdpo_megatron.errors import InputError, UserError
 from gdpo_megatron.policy.config import ModelConfig, ParallelConfig, check_model_parallel
 from gdpo_megatron.rewards.registry import RewardSpec, load_reward_file, registered_rewards, validate_specs
+from gdpo_megatron.rollout.vllm_engine import check_vllm_can_load
 
 CHECKPOINT_DIR = "checkpoints"  # under run_dir
 # The fields of a ModelConfig that give the shape of its weights.
@@ -284,6 +285,8 @@ def check_training(config: TrainConfig, world_size: int) -> TrainingInputs:
     hf_config = read_model_config(config.base_model, "base_model")
     model = model_shape(hf_config, "base_model",
                         make_vocab_size_divisible_by=config.policy.model.make_vocab_size_divisible_by)
+    with about("base_model"):
+        check_vllm_can_load(hf_config)
     check_model_split(model, config.policy.parallel, world_size, "policy.parallel (base_model's shape)")
     if config.rollout.max_model_len > model.max_position_embeddings:
         raise ConfigError(f"rollout.max_model_len: expected <= {model.max_position_embeddings}, the "

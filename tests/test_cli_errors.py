@@ -305,6 +305,26 @@ def test_train_data_whose_rows_are_all_left_out(base_model, tmp_path, capsys, no
                           "lines 1, 2")
 
 
+def as_qwen2_with_head_dim(base_model, tmp_path, head_dim: int) -> Path:
+    """A copy of ``base_model`` whose config.json is a Qwen2 one with an explicit ``head_dim``."""
+    model = tmp_path / "qwen2"
+    shutil.copytree(base_model, model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", head_dim=head_dim)
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+def test_a_qwen2_head_dim_that_vllm_ignores_is_refused_up_front(base_model, tmp_path, capsys, nothing_heavy):
+    config = json.loads((Path(base_model) / "config.json").read_text())
+    split = config["hidden_size"] // config["num_attention_heads"]
+    model = as_qwen2_with_head_dim(base_model, tmp_path, split // 2)
+    message = (f"config.json head_dim: vLLM's Qwen2 uses hidden_size / num_attention_heads = {split} and cannot "
+               f"load head_dim={split // 2}")
+    expect_user_error(capsys, tmp_path, train(model, tmp_path / "run"), f"base_model: {message}")
+    expect_user_error(capsys, tmp_path, lambda: eval_main(["--model", str(model), "--bfcl"]), f"--model: {message}")
+
+
 def copy_with_tensor(base_model, tmp_path, name: str, change) -> Path:
     """A copy of ``base_model`` whose tensor ``name`` is replaced by ``change(tensor)``."""
     from safetensors.torch import load_file, save_file

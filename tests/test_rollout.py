@@ -264,3 +264,36 @@ def test_kv_cache_for_a_step_holds_its_sequences_in_whole_blocks():
     assert kv_cache_gib(per_token * 4, 1, 10, 1000) * 2**30 == (32 + 1) * 32 * per_token * 4
     # other block sizes
     assert kv_cache_gib(per_token * 4, 3, 130, 256, block_size=128) * 2**30 == (6 + 1) * 128 * per_token * 4
+
+
+def test_the_pinned_vllm_cannot_load_a_qwen2_head_dim_that_check_vllm_can_load_refuses(tmp_path):
+    """vLLM's Qwen2 derives head_dim from hidden / heads: a checkpoint with another one fails at
+    the engine's weight load, which is why training and gdpo-eval refuse it before anything
+    starts. If this vLLM loads it, the check is out of date."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from gdpo_megatron.errors import InputError
+    from gdpo_megatron.rollout.tiny_model import build_tokenizer
+    from gdpo_megatron.rollout.vllm_engine import check_vllm_can_load
+
+    tokenizer = build_tokenizer(512)
+    config = Qwen2Config(vocab_size=512, hidden_size=128, num_attention_heads=1, num_key_value_heads=1, head_dim=64,
+                         num_hidden_layers=1, intermediate_size=256, max_position_embeddings=256,
+                         eos_token_id=tokenizer.eos_token_id, torch_dtype="float32")
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(InputError, match="head_dim: vLLM's Qwen2 uses hidden_size / num_attention_heads = 128 "
+                                         "and cannot load head_dim=64"):
+        check_vllm_can_load(json.loads((tmp_path / "config.json").read_text()))
+    # vLLM's Llama reads head_dim: the same shape as a Llama passes
+    check_vllm_can_load({**config.to_dict(), "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    start = ("from gdpo_megatron.rollout import VLLMEngine, VLLMEngineConfig; "
+             f"VLLMEngine(VLLMEngineConfig({str(tmp_path)!r}, dtype='float32', max_model_len=256, kv_cache_gib=0.01))")
+    run = subprocess.run([sys.executable, "-c", start], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0, "this vLLM loads a Qwen2 head_dim other than hidden / heads: drop the check"
+    # its q_proj shard is sized hidden / heads = 128 rows; the checkpoint's has head_dim = 64
+    assert "RuntimeError: start (0) + length (128) exceeds dimension size (64)." in run.stderr, run.stderr[-3000:]

@@ -65,6 +65,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from gdpo_megatron.errors import InputError
 from gdpo_megatron.rollout.engine import Completion, SamplingConfig, derive_seed
 
 _GIB = 1 << 30
@@ -315,6 +316,23 @@ def kv_cache_gib(bytes_per_token: int, num_seqs: int, tokens_per_seq: int, max_m
     null_block = 1
     tokens = (max(num_seqs * blocks(tokens_per_seq), blocks(max_model_len)) + null_block) * block_size
     return tokens * bytes_per_token / _GIB
+
+
+def check_vllm_can_load(hf_config: dict) -> None:
+    """Raise an InputError naming the ``config.json`` field that vLLM's model class would read
+    differently from transformers and Megatron (so the engine's weight load would fail late,
+    after the policy is built).
+
+    vLLM's Qwen2 attention takes ``head_dim = hidden_size // num_attention_heads`` and ignores
+    the config's ``head_dim`` (its Llama reads it); transformers and the converter read it.
+    """
+    architectures = hf_config.get("architectures") or [hf_config.get("model_type")]
+    if "Qwen2ForCausalLM" not in architectures and "qwen2" not in architectures:
+        return
+    head_dim, hidden, heads = (hf_config.get(k) for k in ("head_dim", "hidden_size", "num_attention_heads"))
+    if head_dim and hidden and heads and head_dim != hidden // heads:
+        raise InputError(f"config.json head_dim: vLLM's Qwen2 uses hidden_size / num_attention_heads = "
+                         f"{hidden // heads} and cannot load head_dim={head_dim}")
 
 
 def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:

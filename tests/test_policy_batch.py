@@ -1,4 +1,5 @@
-"""Token-budget micro-batches: which rows go together, their widths, and the way back."""
+"""Token-budget micro-batches: which rows go together, their widths, and the way back; the
+positions a batch keeps from its first target on."""
 import pytest
 import torch
 
@@ -51,6 +52,23 @@ def test_without_lengths_every_row_counts_as_full_width():
     order, micro = b.split_by_tokens(30)
     assert order.tolist() == list(range(8)) and [m.size for m in micro] == [2, 2, 2, 2]
     assert {m.seq_length for m in micro} == {12}
+
+
+def test_from_the_first_target_keeps_every_target_and_its_columns():
+    b = batch()
+    b.loss_mask[:, :4] = False  # prompts of 4 tokens at least; row 3's of 6
+    b.loss_mask[3, :6] = False
+    assert b.first_target() == 3  # target column 3 predicts position 4
+    part = b.from_position(3)
+    assert part.seq_length == 9 and part.target_mask.shape == (8, 8)
+    torch.testing.assert_close(part.input_ids, b.input_ids[:, 3:], rtol=0, atol=0)
+    torch.testing.assert_close(part.old_logprobs, b.old_logprobs[:, 3:], rtol=0, atol=0)
+    assert part.lengths.tolist() == [max(n - 3, 0) for n in LENGTHS]
+    assert int(part.target_mask.sum()) == int(b.target_mask.sum())  # no target left out
+    assert not bool(part.loss_mask[:, 0].any())
+    none = batch()
+    none.loss_mask[:] = False
+    assert none.first_target() == 0
 
 
 def test_merge_rows_puts_each_micro_batch_back_in_batch_order():

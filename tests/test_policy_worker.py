@@ -330,6 +330,40 @@ def test_token_budget_micro_batches_give_the_loss_and_gradients_of_fixed_ones(gl
         assert mask[~inside].sum() == 0  # padding: its logprobs mean nothing in either run
 
 
+def output_layer_positions(full: dict, config_kwargs: dict) -> dict:
+    """The sequence lengths the output layer computed logits for, per call, in
+    compute_logprobs and in train_step (with a second epoch, whose old logprobs come from a
+    forward pass of their own), and each micro-batch's first target from the loss mask."""
+    with worker_with_batch(full, config_kwargs, split=False) as (worker, _, batch):
+        seen = []
+        layer = worker.gpt_model.output_layer
+        handle = layer.register_forward_hook(lambda _, args, out: seen.append(out[0].shape[0]))
+        worker.compute_logprobs(batch)
+        every, seen[:] = list(seen), []
+        worker.train_step(batch)
+        handle.remove()
+    rows = config_kwargs["mbs"]
+    firsts = [int(batch.loss_mask[r : r + rows].any(0).nonzero()[0]) - 1 for r in range(0, B, rows)]
+    return dict(every=every, train=seen, firsts=firsts)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp2-sequence-parallel"])
+def test_the_update_computes_logits_from_each_micro_batchs_first_target(gloo_world_2, initial, layout):
+    """The update's passes (old logprobs, then the training pass) compute logits from each
+    micro-batch's first target on, compute_logprobs at every position; under sequence
+    parallelism every pass takes every position. That the update is unchanged by it is
+    test_update_matches_plain_pytorch (its reference computes logits everywhere)."""
+    config_kwargs = {**LAYOUTS_2[layout][0], "mbs": 2, "ppo_epochs": 2}
+    for result in gloo_world_2.run(output_layer_positions, initial["llama"], config_kwargs):
+        firsts = result["firsts"]
+        assert min(firsts) >= 2 and len(set(firsts)) > 1  # the windows differ by micro-batch
+        assert result["every"] == [T] * len(firsts)
+        if config_kwargs.get("sp"):
+            assert result["train"] == [T] * 2 * len(firsts)
+        else:
+            assert result["train"] == [T - first for first in firsts] * 2
+
+
 def test_ppo_epochs_recompute_old_logprobs_and_kl_enters_the_loss(gloo_world_2, initial):
     """Two epochs per batch; the batch's rollout logprobs are far from the policy's.
 

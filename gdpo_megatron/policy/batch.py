@@ -123,14 +123,32 @@ class PolicyBatch:
         micro = [sorted_batch.slice(a, b).trim(widths[a]) for a, b in bounds]
         return order, micro
 
+    def first_target(self) -> int:
+        """The first target column that any row trains on (0 when none does)."""
+        columns = self.target_mask.any(0).nonzero()
+        return int(columns[0]) if len(columns) else 0
+
     def trim(self, width: int) -> "PolicyBatch":
         """The first ``width`` token positions of every row (``width - 1`` target columns)."""
-        columns = {"input_ids": width, "loss_mask": width, "rollout_logprobs": width - 1, "old_logprobs": width - 1,
-                   "ref_logprobs": width - 1}
+        return self._positions(0, width)
+
+    def from_position(self, start: int) -> "PolicyBatch":
+        """Token positions ``start`` on of every row (target columns ``start`` on). With
+        ``start <= first_target()`` the loss over the result is the batch's."""
+        return self._positions(start, self.seq_length)
+
+    def _positions(self, start: int, stop: int) -> "PolicyBatch":
+        per_position, per_target = ("input_ids", "loss_mask"), ("rollout_logprobs", "old_logprobs", "ref_logprobs")
         values = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            values[f.name] = value[:, : columns[f.name]] if value is not None and f.name in columns else value
+            if value is not None and f.name in per_position:
+                value = value[:, start:stop]
+            elif value is not None and f.name in per_target:
+                value = value[:, start : stop - 1]
+            elif value is not None and f.name == "lengths":
+                value = value.clamp(start, stop) - start
+            values[f.name] = value
         return PolicyBatch(**values)
 
     def slice(self, start: int, stop: int) -> "PolicyBatch":

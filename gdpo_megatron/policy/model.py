@@ -10,6 +10,7 @@ once the default process group exists, and :func:`destroy_model_parallel` when d
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -182,3 +183,28 @@ def build_model(
     if torch.cuda.is_available():
         gpt.cuda(torch.cuda.current_device())
     return gpt
+
+
+@contextlib.contextmanager
+def logits_from(gpt: GPTModel, start: int):
+    """Within: ``gpt``'s output layer sees the hidden states of positions ``start`` on only, so
+    its logits are ``[b, s - start, vocab]``.
+
+    megatron-core's GPTModel computes logits at every position in training; an update's loss
+    reads those from its first target on (TRL's ``logits_to_keep``). The LM head's GEMM, its
+    logits and the log-softmax's buffers shrink by the positions dropped (megatron's own
+    inference path slices its hidden states the same way for last-token logits). Not under
+    sequence parallelism: there the layer's input is split along the sequence and gathered
+    inside it. A stage without the output layer is left as it is.
+    """
+    layer = gpt.output_layer if gpt.post_process else None
+    if start == 0 or layer is None:
+        yield
+        return
+    if layer.sequence_parallel:
+        raise ValueError("logits_from: the output layer's input is split along the sequence (sequence parallel)")
+    handle = layer.register_forward_pre_hook(lambda _, args: (args[0][start:], *args[1:]))
+    try:
+        yield
+    finally:
+        handle.remove()

@@ -28,7 +28,7 @@ from gdpo_megatron.policy.batch import PolicyBatch, merge_rows
 from gdpo_megatron.policy.config import PolicyConfig
 from gdpo_megatron.policy.logprobs import vocab_parallel_logprobs
 from gdpo_megatron.policy.loss import TOKEN_METRICS, policy_loss
-from gdpo_megatron.policy.model import build_model, destroy_model_parallel, initialize_model_parallel
+from gdpo_megatron.policy.model import build_model, destroy_model_parallel, initialize_model_parallel, logits_from
 
 # Order of the per-micro-batch sums carried from the loss function to the metrics.
 _SUMS = ("loss_sum", "count", "num_tokens", *TOKEN_METRICS)
@@ -125,7 +125,7 @@ class PolicyWorker:
         Columns past a row's length are padding and mean nothing (0 where a token-budget
         micro-batch was cut shorter than the batch)."""
         batch.validate(self.config.model.vocab_size)
-        logprobs = self._forward_logprobs(self.gpt_model, batch.to(self.device))
+        logprobs = self._forward_logprobs(self.gpt_model, batch.to(self.device), every_position=True)
         return self._from_last_stage(logprobs, (batch.size, batch.seq_length - 1))
 
     def train_step(self, batch: PolicyBatch) -> dict[str, float]:
@@ -209,8 +209,11 @@ class PolicyWorker:
             return None, batch.micro_batches(self.config.micro_batch_size)
         return batch.split_by_tokens(self.config.micro_batch_tokens, self.config.sequence_multiple())
 
-    def _run(self, model, micro_batches: list[PolicyBatch], loss_fn: Callable, forward_only: bool) -> list:
-        """``micro_batches`` through megatron's forward-backward function."""
+    def _run(self, model, micro_batches: list[PolicyBatch], loss_fn: Callable, forward_only: bool,
+             every_position: bool = False) -> list:
+        """``micro_batches`` through megatron's forward-backward function; ``loss_fn(micro, start,
+        logits)`` gets the logits of positions ``start`` on: each micro-batch's first target
+        (:meth:`_logits_start`), or 0 with ``every_position``."""
         seq_length, multiple = max(m.seq_length for m in micro_batches), self.config.sequence_multiple()
         for micro in micro_batches:
             if micro.seq_length % multiple:
@@ -218,12 +221,15 @@ class PolicyWorker:
                                  f"{multiple} under these parallel and FP8 settings (pad the batch; see "
                                  "PolicyConfig.sequence_multiple)")
         positions = torch.arange(seq_length, device=self.device).unsqueeze(0)
+        gpt = model.module if model is self.model else model
 
         def forward_step(data_iterator, module):
             micro = next(data_iterator)
             ids = micro.input_ids
-            output = module(ids, positions[:, : ids.shape[1]].expand_as(ids), None)
-            return output, functools.partial(loss_fn, micro)
+            start = 0 if every_position else self._logits_start(micro)
+            with logits_from(gpt, start):
+                output = module(ids, positions[:, : ids.shape[1]].expand_as(ids), None)
+            return output, functools.partial(loss_fn, micro, start)
 
         with cpu_compat.device_scope(), torch.set_grad_enabled(not forward_only):
             return self._forward_backward(
@@ -244,7 +250,13 @@ class PolicyWorker:
             temperature=self.config.temperature,
         )
 
-    def _loss(self, micro: PolicyBatch, logits: torch.Tensor):
+    def _logits_start(self, micro: PolicyBatch) -> int:
+        """The first position whose logits the loss reads: the micro-batch's first target
+        (0 under sequence parallelism, see :func:`~gdpo_megatron.policy.model.logits_from`)."""
+        return 0 if self.config.parallel.sequence_parallel else micro.first_target()
+
+    def _loss(self, micro: PolicyBatch, start: int, logits: torch.Tensor):
+        micro = micro.from_position(start)
         logprobs, entropy = self._token_logprobs(logits, micro)
         old = micro.old_logprobs if micro.old_logprobs is not None else logprobs.detach()
         terms = policy_loss(logprobs, old, micro.advantages, micro.target_mask, self.config.loss,
@@ -254,15 +266,17 @@ class PolicyWorker:
         extrema = torch.stack([-terms.ratio_min, terms.ratio_max])
         return terms.loss_sum, terms.count, {"sums": sums, "extrema": extrema}
 
-    def _forward_logprobs(self, model, batch: PolicyBatch) -> Optional[torch.Tensor]:
-        """Logprobs of the targets on the last pipeline stage (None on the others)."""
+    def _forward_logprobs(self, model, batch: PolicyBatch, every_position: bool = False) -> Optional[torch.Tensor]:
+        """Logprobs of the targets on the last pipeline stage (None on the others); without
+        ``every_position``, 0 in the columns before each micro-batch's first target."""
 
-        def collect(micro, logits):
-            logprobs, _ = self._token_logprobs(logits, micro)
+        def collect(micro, start, logits):
+            logprobs, _ = self._token_logprobs(logits, micro.from_position(start))
+            logprobs = torch.nn.functional.pad(logprobs, (start, 0))
             return logits.new_zeros(()), torch.zeros((), dtype=torch.int, device=logits.device), logprobs
 
         order, micro_batches = self._split(batch)
-        outputs = self._run(model, micro_batches, collect, forward_only=True)
+        outputs = self._run(model, micro_batches, collect, forward_only=True, every_position=every_position)
         if not parallel_state.is_pipeline_last_stage():
             return None
         if order is None:

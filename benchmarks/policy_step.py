@@ -1,8 +1,10 @@
 """Policy train-step throughput: TP=1 vs TP=2 (and PP=2) on the CPU; the local spec's core
-attention vs megatron's; BF16 vs FP8 MFU on a GPU.
+attention vs megatron's; logits from the first target vs at every position; BF16 vs FP8 MFU
+on a GPU.
 
     OMP_NUM_THREADS=1 python benchmarks/policy_step.py [--repeats 5]   # CPU, tiny model
     OMP_NUM_THREADS=1 python benchmarks/policy_step.py --attention      # CPU, 13.2M model
+    OMP_NUM_THREADS=1 python benchmarks/policy_step.py --logits         # CPU, 13.2M + 32K vocab
     python benchmarks/policy_step.py --gpu                                 # needs CUDA + TE
 
 (a) CPU: the tiny model (hidden 128, 2 heads of 64, 2 layers, vocab 512, fp32), one
@@ -13,7 +15,11 @@ attention vs megatron's; BF16 vs FP8 MFU on a GPU.
     512, fp32), 4 x 1024 tokens in one micro-batch, one process per run: the local spec's core
     attention (torch's scaled_dot_product_attention) against megatron-core's own
     DotProductAttention swapped in, step time and the process's peak RSS.
-(c) --gpu: a Llama-2-7B-shaped slice (hidden 4096, FFN 11008, 32 heads) with 2 layers, one
+(c) --logits: the same body with a 32,000-token vocabulary, 4 x 1024 tokens of which the
+    first 768 are prompt (a tool-calling shape: tool schemas, then a short call): the update
+    computing logits from each micro-batch's first target (what it does) against every
+    position, step time and peak RSS, one process per run.
+(d) --gpu: a Llama-2-7B-shaped slice (hidden 4096, FFN 11008, 32 heads) with 2 layers, one
     GPU, bf16 vs FP8 (hybrid, delayed scaling) through Transformer Engine. MFU is model
     FLOPs (6 x matmul parameters + 12 x layers x hidden x sequence, per token) over the
     GPU's dense BF16 peak.
@@ -36,20 +42,21 @@ from gdpo_megatron.policy.config import ModelConfig, OptimConfig, ParallelConfig
 BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
 
 
-def make_batch(model: ModelConfig, batch_size: int, seq_length: int) -> PolicyBatch:
+def make_batch(model: ModelConfig, batch_size: int, seq_length: int, prompt_share: float = 0.25) -> PolicyBatch:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.vocab_size, (batch_size, seq_length), generator=g)
     mask = torch.zeros(batch_size, seq_length, dtype=torch.bool)
-    mask[:, seq_length // 4:] = True  # a quarter prompt, the rest completion
+    mask[:, int(seq_length * prompt_share):] = True  # the prompt, then the completion
     old = -6.0 + 0.1 * torch.randn(batch_size, seq_length - 1, generator=g)
     return PolicyBatch(ids, mask, torch.randn(batch_size, generator=g), rollout_logprobs=old)
 
 
-def timed_steps(config: PolicyConfig, batch_size: int, seq_length: int, steps: int) -> float:
+def timed_steps(config: PolicyConfig, batch_size: int, seq_length: int, steps: int,
+                prompt_share: float = 0.25) -> float:
     """Median seconds of one train step (run on every rank; rank 0's answer is used)."""
     from gdpo_megatron.policy.worker import PolicyWorker
 
-    batch = make_batch(config.model, batch_size, seq_length)
+    batch = make_batch(config.model, batch_size, seq_length, prompt_share)
     with PolicyWorker(config) as worker:
         worker.train_step(batch)  # warm-up
         times = []
@@ -87,34 +94,40 @@ def cpu_benchmark(args) -> None:
         print(f"{name:8} {size:>9} {median:8.4f} {tokens / median:10.0f} {base / median:8.2f}x")
 
 
-def attention_run(megatron_attention: bool, config: PolicyConfig, batch_size: int, seq_length: int,
-                  steps: int) -> tuple[float, float]:
-    """Median step seconds and peak RSS (GiB) of this process, with megatron's core attention
-    swapped into the local spec when ``megatron_attention``."""
-    if megatron_attention:
+def swapped_run(swap: str | None, config: PolicyConfig, batch_size: int, seq_length: int, steps: int,
+                prompt_share: float) -> tuple[float, float]:
+    """Median step seconds and peak RSS (GiB) of this process, with one piece of the update
+    swapped for the alternative it is measured against: megatron's core attention into the
+    local spec (``"megatron attention"``), or logits at every position (``"every position"``)."""
+    if swap == "megatron attention":
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 
         from gdpo_megatron.policy import model
 
         model.SDPAttention = DotProductAttention
-    seconds = timed_steps(config, batch_size, seq_length, steps)
+    elif swap == "every position":
+        from gdpo_megatron.policy.worker import PolicyWorker
+
+        PolicyWorker._logits_start = lambda self, micro: 0
+    seconds = timed_steps(config, batch_size, seq_length, steps, prompt_share)
     return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def attention_benchmark(args) -> None:
-    model = ModelConfig(vocab_size=512, hidden_size=512, ffn_hidden_size=1376, num_layers=4, num_attention_heads=8,
-                        max_position_embeddings=max(2048, args.seq_length))
+def side_by_side(title: str, runs: dict[str, str | None], vocab_size: int, prompt_share: float, args) -> None:
+    """The 13.2M body with each of ``runs`` (name -> swap), a fresh process per run, alternating."""
+    model = ModelConfig(vocab_size=vocab_size, hidden_size=512, ffn_hidden_size=1376, num_layers=4,
+                        num_attention_heads=8, max_position_embeddings=max(2048, args.seq_length))
     config = PolicyConfig(model=model, optim=OptimConfig(lr=1e-5), micro_batch_size=args.batch_size)
-    runs = {"sdpa (this project)": [], "megatron DotProductAttention": []}
+    results = {name: [] for name in runs}
     for _ in range(args.repeats):
-        for name, values in runs.items():
+        for name, swap in runs.items():
             with LocalWorld(1) as world:  # a fresh process: the peak RSS is this run's
-                values.append(world.run(attention_run, name.startswith("megatron"), config, args.batch_size,
-                                        args.seq_length, args.steps)[0])
-    print(f"13.2M model, batch {args.batch_size} x {args.seq_length} tokens, one micro-batch, "
-          f"median of {args.repeats} x {args.steps} steps")
-    print(f"{'core attention':30} {'s/step':>8} {'peak RSS GiB':>13}")
-    for name, values in runs.items():
+                results[name].append(world.run(swapped_run, swap, config, args.batch_size, args.seq_length,
+                                               args.steps, prompt_share)[0])
+    print(f"13.2M body, vocab {vocab_size}, batch {args.batch_size} x {args.seq_length} tokens "
+          f"({prompt_share:.0%} prompt), one micro-batch, median of {args.repeats} x {args.steps} steps")
+    print(f"{title:30} {'s/step':>8} {'peak RSS GiB':>13}")
+    for name, values in results.items():
         print(f"{name:30} {statistics.median(v[0] for v in values):8.3f} "
               f"{statistics.median(v[1] for v in values):13.2f}")
 
@@ -158,20 +171,26 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true", help="BF16 vs FP8 on one GPU instead of the CPU layouts")
     parser.add_argument("--attention", action="store_true",
                         help="the local spec's core attention vs megatron's instead of the CPU layouts")
+    parser.add_argument("--logits", action="store_true",
+                        help="logits from the first target vs at every position instead of the CPU layouts")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per repeat")
-    parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (CPU 8, --attention 4, GPU 8)")
-    parser.add_argument("--seq-length", type=int, default=None, help="tokens per sequence (CPU 128, --attention 1024, GPU 2048)")
-    parser.add_argument("--micro-batch-size", type=int, default=None, help="(CPU 4, GPU 1; --attention: the whole batch)")
+    parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (CPU 8, --attention and --logits 4, GPU 8)")
+    parser.add_argument("--seq-length", type=int, default=None, help="tokens per sequence (CPU 128, --attention and --logits 1024, GPU 2048)")
+    parser.add_argument("--micro-batch-size", type=int, default=None, help="(CPU 4, GPU 1; --attention, --logits: the whole batch)")
     args = parser.parse_args()
-    defaults = (8, 2048, 1) if args.gpu else (4, 1024, 4) if args.attention else (8, 128, 4)
+    defaults = (8, 2048, 1) if args.gpu else (4, 1024, 4) if args.attention or args.logits else (8, 128, 4)
     for field, default in zip(("batch_size", "seq_length", "micro_batch_size"), defaults):
         if getattr(args, field) is None:
             setattr(args, field, default)
     if args.gpu:
         gpu_benchmark(args)
     elif args.attention:
-        attention_benchmark(args)
+        side_by_side("core attention", {"sdpa (this project)": None, "megatron DotProductAttention":
+                                        "megatron attention"}, 512, 0.25, args)
+    elif args.logits:
+        side_by_side("logits", {"from the first target": None, "at every position": "every position"},
+                     32000, 0.75, args)
     else:
         cpu_benchmark(args)
 

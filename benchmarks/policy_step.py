@@ -108,7 +108,7 @@ def swapped_run(swap: str | None, config: PolicyConfig, batch_size: int, seq_len
     elif swap == "every position":
         from gdpo_megatron.policy.worker import PolicyWorker
 
-        PolicyWorker._logits_start = lambda self, micro: 0
+        PolicyWorker._logits_starts = lambda self, micro_batches: [0] * len(micro_batches)
     seconds = timed_steps(config, batch_size, seq_length, steps, prompt_share)
     return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 

@@ -44,6 +44,14 @@ def sampled_batch() -> PolicyBatch:
     return PolicyBatch(ids, mask, torch.randn(B), rollout_logprobs=old)
 
 
+def seed_batches(seed: int = 0) -> None:
+    """Seed the three RNGs that :func:`sampled_batch` draws from (ranks of one tensor-parallel
+    group must draw the same batch)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 # --- functions run on every rank ---------------------------------------------------------------
 
 
@@ -85,7 +93,7 @@ def save_trained(root, tp: int):
     from gdpo_megatron.policy.worker import PolicyWorker
 
     config = tiny_policy(tp)
-    torch.manual_seed(0)
+    seed_batches()
     batch = sampled_batch()
     with PolicyWorker(config) as worker:
         worker.train_step(batch)
@@ -242,9 +250,7 @@ def distributed_optimizer_across_layouts(root, sharding: str):
     TP=1 (or the error of the reload)."""
     from gdpo_megatron.policy.worker import PolicyWorker
 
-    random.seed(0)
-    np.random.seed(0)
-    torch.manual_seed(0)
+    seed_batches()
     batches = [sampled_batch() for _ in range(3)]  # the same on both ranks: one TP=2 replica
     configs = {}
     for tp in (1, 2):

@@ -58,7 +58,7 @@ def test_from_the_first_target_keeps_every_target_and_its_columns():
     b = batch()
     b.loss_mask[:, :4] = False  # prompts of 4 tokens at least; row 3's of 6
     b.loss_mask[3, :6] = False
-    assert b.first_target() == 3  # target column 3 predicts position 4
+    assert int(b.first_target()) == 3  # target column 3 predicts position 4
     part = b.from_position(3)
     assert part.seq_length == 9 and part.target_mask.shape == (8, 8)
     torch.testing.assert_close(part.input_ids, b.input_ids[:, 3:], rtol=0, atol=0)
@@ -68,7 +68,7 @@ def test_from_the_first_target_keeps_every_target_and_its_columns():
     assert not bool(part.loss_mask[:, 0].any())
     none = batch()
     none.loss_mask[:] = False
-    assert none.first_target() == 0
+    assert int(none.first_target()) == 0
 
 
 def test_merge_rows_puts_each_micro_batch_back_in_batch_order():

@@ -335,26 +335,29 @@ def output_layer_positions(full: dict, config_kwargs: dict) -> dict:
     compute_logprobs and in train_step (with a second epoch, whose old logprobs come from a
     forward pass of their own), and each micro-batch's first target from the loss mask."""
     with worker_with_batch(full, config_kwargs, split=False) as (worker, _, batch):
-        seen = []
-        layer = worker.gpt_model.output_layer
-        handle = layer.register_forward_hook(lambda _, args, out: seen.append(out[0].shape[0]))
+        seen, last_stage = [], worker.gpt_model.post_process  # a first pipeline stage has no output layer
+        if last_stage:
+            worker.gpt_model.output_layer.register_forward_hook(lambda _, args, out: seen.append(out[0].shape[0]))
         worker.compute_logprobs(batch)
         every, seen[:] = list(seen), []
         worker.train_step(batch)
-        handle.remove()
+    if not last_stage:
+        return None
     rows = config_kwargs["mbs"]
     firsts = [int(batch.loss_mask[r : r + rows].any(0).nonzero()[0]) - 1 for r in range(0, B, rows)]
     return dict(every=every, train=seen, firsts=firsts)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2-sequence-parallel"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2-sequence-parallel", "pp2-1f1b-4-micro-batches"])
 def test_the_update_computes_logits_from_each_micro_batchs_first_target(gloo_world_2, initial, layout):
     """The update's passes (old logprobs, then the training pass) compute logits from each
     micro-batch's first target on, compute_logprobs at every position; under sequence
     parallelism every pass takes every position. That the update is unchanged by it is
     test_update_matches_plain_pytorch (its reference computes logits everywhere)."""
     config_kwargs = {**LAYOUTS_2[layout][0], "mbs": 2, "ppo_epochs": 2}
-    for result in gloo_world_2.run(output_layer_positions, initial["llama"], config_kwargs):
+    results = [r for r in gloo_world_2.run(output_layer_positions, initial["llama"], config_kwargs) if r]
+    assert len(results) == (1 if "pp2" in layout else 2)
+    for result in results:
         firsts = result["firsts"]
         assert min(firsts) >= 2 and len(set(firsts)) > 1  # the windows differ by micro-batch
         assert result["every"] == [T] * len(firsts)
@@ -362,6 +365,27 @@ def test_the_update_computes_logits_from_each_micro_batchs_first_target(gloo_wor
             assert result["train"] == [T] * 2 * len(firsts)
         else:
             assert result["train"] == [T - first for first in firsts] * 2
+
+
+def positions_when_tp_ranks_differ(full: dict) -> list[int]:
+    """TP=2, one micro-batch, where rank 1's completions all start 3 tokens later than rank 0's
+    first: the output layer's sequence lengths on this rank."""
+    with PolicyWorker(tiny_config(tp=2, mbs=B), init_weights=loader(full)) as worker:
+        batch = make_batch()
+        if dist.get_rank() == 1:
+            batch.loss_mask[:, : int(batch.loss_mask.any(0).nonzero()[0]) + 3] = False
+        seen = []
+        handle = worker.gpt_model.output_layer.register_forward_hook(lambda _, args, out: seen.append(out[0].shape[0]))
+        worker.train_step(batch)
+        handle.remove()
+        return seen
+
+
+def test_tensor_parallel_ranks_take_the_earliest_first_target_of_their_group(gloo_world_2, initial):
+    """The vocab-parallel logprobs reduce over the TP group, so its ranks must cut the same
+    positions even when their batches disagree (a caller's bug, which must not hang them)."""
+    first = int(make_batch().loss_mask.any(0).nonzero()[0]) - 1
+    assert gloo_world_2.run(positions_when_tp_ranks_differ, initial["llama"]) == [[T - first]] * 2
 
 
 def test_ppo_epochs_recompute_old_logprobs_and_kl_enters_the_loss(gloo_world_2, initial):

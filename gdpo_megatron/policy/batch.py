@@ -123,10 +123,10 @@ class PolicyBatch:
         micro = [sorted_batch.slice(a, b).trim(widths[a]) for a, b in bounds]
         return order, micro
 
-    def first_target(self) -> int:
-        """The first target column that any row trains on (0 when none does)."""
-        columns = self.target_mask.any(0).nonzero()
-        return int(columns[0]) if len(columns) else 0
+    def first_target(self) -> torch.Tensor:
+        """The first target column that any row trains on (0 when none does), a 0-d tensor on
+        the batch's device (reading it waits for the device)."""
+        return self.target_mask.any(0).to(torch.int32).argmax()
 
     def trim(self, width: int) -> "PolicyBatch":
         """The first ``width`` token positions of every row (``width - 1`` target columns)."""
@@ -134,7 +134,7 @@ class PolicyBatch:
 
     def from_position(self, start: int) -> "PolicyBatch":
         """Token positions ``start`` on of every row (target columns ``start`` on). With
-        ``start <= first_target()`` the loss over the result is the batch's."""
+        ``start <= first_target()`` every target is kept."""
         return self._positions(start, self.seq_length)
 
     def _positions(self, start: int, stop: int) -> "PolicyBatch":

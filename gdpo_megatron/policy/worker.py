@@ -213,7 +213,7 @@ class PolicyWorker:
              every_position: bool = False) -> list:
         """``micro_batches`` through megatron's forward-backward function; ``loss_fn(micro, start,
         logits)`` gets the logits of positions ``start`` on: each micro-batch's first target
-        (:meth:`_logits_start`), or 0 with ``every_position``."""
+        (:meth:`_logits_starts`), or 0 with ``every_position``."""
         seq_length, multiple = max(m.seq_length for m in micro_batches), self.config.sequence_multiple()
         for micro in micro_batches:
             if micro.seq_length % multiple:
@@ -222,11 +222,11 @@ class PolicyWorker:
                                  "PolicyConfig.sequence_multiple)")
         positions = torch.arange(seq_length, device=self.device).unsqueeze(0)
         gpt = model.module if model is self.model else model
+        starts = [0] * len(micro_batches) if every_position else self._logits_starts(micro_batches)
 
         def forward_step(data_iterator, module):
-            micro = next(data_iterator)
+            micro, start = next(data_iterator)
             ids = micro.input_ids
-            start = 0 if every_position else self._logits_start(micro)
             with logits_from(gpt, start):
                 output = module(ids, positions[:, : ids.shape[1]].expand_as(ids), None)
             return output, functools.partial(loss_fn, micro, start)
@@ -234,7 +234,7 @@ class PolicyWorker:
         with cpu_compat.device_scope(), torch.set_grad_enabled(not forward_only):
             return self._forward_backward(
                 forward_step_func=forward_step,
-                data_iterator=iter(micro_batches),
+                data_iterator=zip(micro_batches, starts),
                 model=[model],
                 num_microbatches=len(micro_batches),
                 seq_length=seq_length,
@@ -250,10 +250,18 @@ class PolicyWorker:
             temperature=self.config.temperature,
         )
 
-    def _logits_start(self, micro: PolicyBatch) -> int:
-        """The first position whose logits the loss reads: the micro-batch's first target
-        (0 under sequence parallelism, see :func:`~gdpo_megatron.policy.model.logits_from`)."""
-        return 0 if self.config.parallel.sequence_parallel else micro.first_target()
+    def _logits_starts(self, micro_batches: list[PolicyBatch]) -> list[int]:
+        """The first position whose logits the loss reads, per micro-batch: its first target,
+        the earliest over the tensor-parallel group (whose vocab-parallel logits must agree in
+        shape); 0 under sequence parallelism (see :func:`~gdpo_megatron.policy.model.logits_from`)
+        and on stages without the output layer. One wait for the device per pass."""
+        if self.config.parallel.sequence_parallel or not parallel_state.is_pipeline_last_stage():
+            return [0] * len(micro_batches)
+        starts = torch.stack([m.first_target() for m in micro_batches])
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        if dist.get_world_size(tp_group) > 1:
+            dist.all_reduce(starts, op=dist.ReduceOp.MIN, group=tp_group)
+        return starts.tolist()
 
     def _loss(self, micro: PolicyBatch, start: int, logits: torch.Tensor):
         micro = micro.from_position(start)

@@ -27,9 +27,10 @@ left out on both sides). Each run is a fresh process; runs of the two sides alte
 - peak RSS: the main process's high-water mark; tree PSS: the highest proportional set size
   of the process and all its children (reward workers, forkserver), sampled every
   ``--tree-pss-interval`` seconds. A sample reads the page tables of every process in the tree
-  (~16 ms each here), CPU time taken from any run whose threads use every core: with two
-  threads on two cores, sampling every second lowered the 0.46M model's completions/s from
-  218.5 to 201.2 (TRL) and from 186.1 to 158.3 (this project), medians of three runs each.
+  (~16 ms each here), CPU time taken from any run whose threads use every core: in one pair
+  of runs with two threads on two cores (medians of three each), sampling every second lowered
+  the 0.46M model's completions/s from 218.5 to 201.2 (TRL) and from 186.1 to 158.3 (this
+  project).
   ``--tree-pss-interval 0`` leaves the column (and its cost) out.
 
 A second table takes the vLLM engine's part out, to show where the rest of this trainer stands:
@@ -502,7 +503,8 @@ def print_table(rows: list[dict], args) -> None:
 
 def needed_generation_rate(trl: dict, ours: dict) -> str:
     """Generated tokens/s that would bring this trainer to ``TARGET`` x TRL's completions/s,
-    its time outside generation as measured; "none" where that time alone is too long."""
+    its time outside generation as measured (a lower bound: scoring that overlaps generation
+    now would show once generation got faster); "none" where that time alone is too long."""
     seconds_per_completion = 1 / (TARGET * trl["completions_per_s"]) - 1 / ours["outside_generation_per_s"]
     if seconds_per_completion <= 0:
         return "none (the rest of the step alone is too slow)"

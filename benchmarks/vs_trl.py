@@ -60,6 +60,7 @@ import time
 from pathlib import Path
 
 from gdpo_megatron.cpu_malloc import preload_env, reexec_with_tcmalloc, tcmalloc_library
+from timing import median_time
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "examples" / "data" / "tool_demo.jsonl"
@@ -221,19 +222,9 @@ def run_bare(model: str, steps: int, out: Path) -> dict:
 
     with FlopCounterMode(display=False) as counter:
         update()
-    step_s = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        update()
-        step_s.append(time.perf_counter() - start)
     a, b = torch.randn(GEMM_SIZE, GEMM_SIZE), torch.randn(GEMM_SIZE, GEMM_SIZE)
-    gemm_s = []
-    for _ in range(GEMM_REPEATS):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        gemm_s.append(time.perf_counter() - start)
-    return {"update_flops": counter.get_total_flops(), "update_s": step_s,
-            "gemm_flops_per_s": 2 * GEMM_SIZE ** 3 / statistics.median(gemm_s)}
+    return {"update_flops": counter.get_total_flops(), "update_s": median_time(update, steps),
+            "gemm_flops_per_s": 2 * GEMM_SIZE ** 3 / median_time(lambda: torch.mm(a, b), GEMM_REPEATS)}
 
 
 def run_trl(model: str, steps: int, out: Path) -> dict:
@@ -441,7 +432,7 @@ def main() -> None:
                 "trl": summarize(runs["trl"]), "ours": summarize(runs["project"]),
                 "engine_tok_per_s": statistics.median(r["tokens"] / r["generate_s"] for r in runs["engine"]),
                 "update_gflop": statistics.median(r["update_flops"] for r in bare) / 1e9,
-                "bare_update_s": statistics.median(statistics.median(r["update_s"]) for r in bare),
+                "bare_update_s": statistics.median(r["update_s"] for r in bare),
                 "gemm_gflop_per_s": statistics.median(r["gemm_flops_per_s"] for r in bare) / 1e9,
             })
     print_table(rows, args)

@@ -1,4 +1,4 @@
-# gdpo-megatron GPU image: the stack pinned in gdpo_megatron/pins.txt (setup.py reads the same
+# gdpo-megatron GPU image: the stack pinned in gdpo_megatron/preflight/pins.txt (setup.py reads the same
 # file) on a CUDA 13 devel base. Every pip call runs under that file as constraints.
 #
 #   base            nvidia/cuda:13.0.2-cudnn-devel-ubuntu24.04: Ubuntu 24.04's Python 3.12, nvcc
@@ -50,7 +50,7 @@ RUN python${PYTHON_VERSION} -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     VIRTUAL_ENV=/opt/venv
 
-COPY gdpo_megatron/pins.txt gdpo_megatron/pins.py /opt/gdpo/
+COPY gdpo_megatron/preflight/pins.txt gdpo_megatron/preflight/pins.py /opt/gdpo/
 ENV PIP_CONSTRAINT=/opt/gdpo/pins.txt
 
 # 1. Binary wheels: torch as vLLM pins it, vLLM, megatron-core, Transformer Engine's core

@@ -1,6 +1,6 @@
 """Package definition for gdpo-megatron.
 
-The library stack is pinned in one file, gdpo_megatron/pins.txt: torch and megatron-core here,
+The library stack is pinned in one file, gdpo_megatron/preflight/pins.txt: torch and megatron-core here,
 vLLM and Transformer Engine in the `gpu` extra, the CPU build of the same vLLM release in the
 `cpu` extra. The Dockerfile installs the same file; gdpo-doctor checks an installation against it.
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 # pins.py is standard library only: load it by path, the package's dependencies are not installed yet.
-_spec = importlib.util.spec_from_file_location("_gdpo_pins", Path(__file__).parent / "gdpo_megatron" / "pins.py")
+_spec = importlib.util.spec_from_file_location("_gdpo_pins", Path(__file__).parent / "gdpo_megatron" / "preflight" / "pins.py")
 pins = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(pins)
 STACK = pins.read_pins()
@@ -24,7 +24,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",  # vLLM 0.32
     packages=find_packages(include=["gdpo_megatron", "gdpo_megatron.*"]),
-    package_data={"gdpo_megatron": ["pins.txt"]},
+    package_data={"gdpo_megatron.preflight": ["pins.txt"]},
     include_package_data=True,
     install_requires=[
         *pins.shared_requirements(STACK),  # torch, megatron-core
@@ -55,12 +55,12 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "gdpo-train = gdpo_megatron.cli:train_program",
-            "gdpo-plot = gdpo_megatron.cli:plot_main",
-            "gdpo-convert = gdpo_megatron.checkpoint.convert_cli:main",
-            "gdpo-eval = gdpo_megatron.evaluate:main",
-            "gdpo-plan = gdpo_megatron.plan:main",
-            "gdpo-doctor = gdpo_megatron.doctor:main",
+            "gdpo-train = gdpo_megatron.commands.train:program",
+            "gdpo-plot = gdpo_megatron.commands.plot:main",
+            "gdpo-convert = gdpo_megatron.commands.convert:main",
+            "gdpo-eval = gdpo_megatron.commands.eval:main",
+            "gdpo-plan = gdpo_megatron.commands.plan:main",
+            "gdpo-doctor = gdpo_megatron.commands.doctor:main",
         ]
     },
 )

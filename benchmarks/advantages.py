@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: local worlds, tiny models
 
 import torch
 import torch.distributed as dist
 
 from gdpo_megatron.advantages import compute_advantages
 from gdpo_megatron.distributed.advantages import AllReduce
-from gdpo_megatron.distributed.local_world import LocalWorld
+from support.local_world import LocalWorld
 from timing import median_time
 
 K, G = 3, 8

@@ -9,7 +9,7 @@
    the advantages of every mode on those same rewards; per group the distinct advantage
    values, and the share of groups in which GRPO merges reward combinations GDPO keeps apart.
 3. Training: ``configs/tiny_cpu_exact.yaml`` once per mode and seed, each run a
-   ``gdpo_megatron.cli train`` process, from the base model of the task's ``--variant``
+   ``python -m gdpo_megatron train`` process, from the base model of the task's ``--variant``
    (``gdpo_megatron/demo/exact_task.py``; written to ``runs/exact_base_<variant>`` once).
    Seed index s gives every mode the same base model, budget, sampling seed and prompt order
    (``seed=s data.shuffle_seed=s``), so runs of one seed index share their first step's
@@ -163,7 +163,7 @@ def census(config: TrainConfig, prompts: int) -> tuple[list[str], dict]:
 def train(mode: str, seed: int, steps: int, run_dir: Path, overrides: list[str]) -> Path:
     if (run_dir / "hf").is_dir():
         return run_dir  # finished earlier: reuse
-    cmd = [sys.executable, "-m", "gdpo_megatron.cli", "train", "--config", CONFIG, *overrides,
+    cmd = [sys.executable, "-m", "gdpo_megatron", "train", "--config", CONFIG, *overrides,
            f"advantage.mode={mode}", f"seed={seed}", f"data.shuffle_seed={seed}", f"steps={steps}",
            f"run_dir={run_dir}", "logging.progress_bar=false", "checkpoint.save_every=0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}

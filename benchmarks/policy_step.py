@@ -30,13 +30,17 @@ from __future__ import annotations
 import argparse
 import resource
 import statistics
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: local worlds, tiny models
 
 import torch
 
-from gdpo_megatron.distributed.local_world import LocalWorld
 from gdpo_megatron.policy.batch import PolicyBatch
 from gdpo_megatron.policy.config import ModelConfig, OptimConfig, ParallelConfig, PolicyConfig, PrecisionConfig
+from support.local_world import LocalWorld
 
 # Dense BF16 tensor-core peaks (FLOP/s) by device-name fragment.
 BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from gdpo_megatron.cpu_malloc import reexec_with_tcmalloc
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test support: local worlds, tiny models
+
+from gdpo_megatron.commands.cpu_malloc import reexec_with_tcmalloc
 
 if __name__ == "__main__":
     reexec_with_tcmalloc()  # before torch loads: both engines under the allocator training uses
@@ -31,7 +34,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from gdpo_megatron.rollout import SamplingConfig, VLLMEngine, VLLMEngineConfig  # noqa: E402
-from gdpo_megatron.rollout.tiny_model import TinyLlamaSpec, save_tiny_llama  # noqa: E402
+from support.tiny_model import TinyLlamaSpec, save_tiny_llama  # noqa: E402
 from timing import median_time  # noqa: E402
 
 PROMPTS, SAMPLES, NEW_TOKENS, PROMPT_LEN = 8, 8, 32, 16

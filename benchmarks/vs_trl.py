@@ -59,7 +59,7 @@ import threading
 import time
 from pathlib import Path
 
-from gdpo_megatron.cpu_malloc import preload_env, reexec_with_tcmalloc, tcmalloc_library
+from gdpo_megatron.commands.cpu_malloc import preload_env, reexec_with_tcmalloc, tcmalloc_library
 from timing import median_time
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,6 +113,7 @@ def project_trainer(model: str, steps: int, out: Path):
 
     from gdpo_megatron.config import TrainConfig, load_config
     from gdpo_megatron.distributed.launch import init_distributed
+    from gdpo_megatron.preflight.validation import check_training
     from gdpo_megatron.trainer import Trainer
 
     config = {
@@ -134,8 +135,10 @@ def project_trainer(model: str, steps: int, out: Path):
     before_vllm = rss_bytes()  # torch, megatron-core and transformers are loaded by now
     import vllm.entrypoints.llm  # noqa: F401  (what VLLMEngine imports)
     vllm_modules = rss_bytes() - before_vllm
+    config = load_config(TrainConfig, path)
+    inputs = check_training(config, 1)
     init_distributed()
-    return Trainer(load_config(TrainConfig, path)), vllm_modules
+    return Trainer(config, inputs), vllm_modules
 
 
 def run_project(model: str, steps: int, out: Path) -> dict:

@@ -1,45 +1,10 @@
-"""User errors, and how every console entry point reports them.
+"""The user errors: mistakes in what the user gave, as opposed to bugs.
 
-A :class:`UserError` is a mistake in what the user gave: a config key, a command-line argument,
-a data, reward, model or checkpoint file. Its message names the key or file, says what is
-wrong and, where it is not obvious, what to do. Entry points wrapped in :func:`console_entry`
-print it as one line, ``error: <message>``, on rank 0 only (every rank of a torchrun or srun
-job meets the same error), and exit with :data:`EXIT_USER_ERROR`. Any other exception is a
-bug and keeps its traceback. ``--debug`` (or ``GDPO_DEBUG=1``) prints the traceback of a user
-error too, on every rank.
-
-Exit statuses of the console entry points:
-
-====  ==========================================================================
-0     success
-1     a bug: an unexpected exception, with its traceback (Python's own status); ``gdpo-plan``:
-      the layout does not fit; ``gdpo-doctor``: a mismatch
-2     a user error (:data:`EXIT_USER_ERROR`)
-75    ``gdpo-train`` stopped by SIGUSR1/SIGTERM after saving a checkpoint (requeue it)
-====  ==========================================================================
-
-Under torchrun the line also goes to torch's error file, so torchrun's closing
-``ChildFailedError`` report (which it prints for any non-zero exit of a worker) shows it as the
-root cause instead of a pointer to the docs. torchrun stops every worker as soon as one exits
-non-zero, so ranks other than 0 wait up to :data:`TORCHRUN_GRACE_S` before they exit: rank 0,
-which meets the same error, prints the line and is the report's root cause.
+A :class:`UserError`'s message names the config key, argument or file, says what is wrong
+and, where it is not obvious, what to do. Commands print it as one line and exit with status 2
+(:mod:`gdpo_megatron.commands.console`); any other exception is a bug and keeps its traceback.
 """
 from __future__ import annotations
-
-import argparse
-import functools
-import json
-import os
-import sys
-import time
-import traceback
-from typing import Callable, Optional, Sequence
-
-EXIT_USER_ERROR = 2
-DEBUG_ENV = "GDPO_DEBUG"
-DEBUG_FLAG = "--debug"
-TORCHELASTIC_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"  # set by torchrun for each worker
-TORCHRUN_GRACE_S = 30.0
 
 
 class UserError(Exception):
@@ -51,84 +16,4 @@ class InputError(UserError, ValueError):
 
 
 class UsageError(UserError, ValueError):
-    """A command-line argument is missing or invalid (:class:`ArgumentParser` raises it too)."""
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse with ``--debug`` and usage errors raised as :class:`UsageError` (one line, status 2)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.add_argument(DEBUG_FLAG, action="store_true",
-                          help=f"show the traceback of a user error too (or set {DEBUG_ENV}=1)")
-
-    def error(self, message: str):
-        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """argparse type: a number > 0."""
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
-    return value
-
-
-def console_entry(main: Callable[[list[str]], Optional[int]]) -> Callable[[Optional[Sequence[str]]], int]:
-    """Wrap ``main(argv) -> status``: a :class:`UserError` becomes one line and :data:`EXIT_USER_ERROR`."""
-
-    @functools.wraps(main)
-    def entry(argv: Optional[Sequence[str]] = None) -> int:
-        argv = sys.argv[1:] if argv is None else list(argv)
-        try:
-            return main(argv) or 0
-        except UserError as e:
-            report(e, debug=DEBUG_FLAG in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0"))
-            return EXIT_USER_ERROR
-
-    return entry
-
-
-def report(error: UserError, debug: bool = False) -> None:
-    """Print ``error: <message>`` on rank 0 (the traceback too, on every rank, with ``debug``)."""
-    line = f"error: {' '.join(str(error).split())}"  # one line, whatever the message holds
-    if debug:
-        traceback.print_exception(error, file=sys.stderr)
-    rank = launch_rank()
-    if rank == 0:
-        print(line, file=sys.stderr, flush=True)
-    error_file = os.environ.get(TORCHELASTIC_ERROR_FILE)
-    if error_file:
-        if rank != 0:
-            time.sleep(TORCHRUN_GRACE_S)  # torchrun ends this process once rank 0 has reported
-        # The format of torch.distributed.elastic's ErrorHandler.record_exception, with the line
-        # in place of the traceback (which the report shows).
-        stamp = str(int(time.time()))
-        try:
-            with open(error_file, "w", encoding="utf-8") as f:
-                json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": stamp}}}, f)
-        except OSError:
-            pass  # the report then points to torch's docs instead; the line above was printed
-
-
-def launch_rank() -> int:
-    """This process's rank: torch.distributed's if started, else the launcher's (torchrun, then srun)."""
-    if "torch.distributed" in sys.modules:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    for name in ("RANK", "SLURM_PROCID"):  # the order of gdpo_megatron.distributed.launch
-        try:
-            return int(os.environ[name])
-        except (KeyError, ValueError):
-            continue
-    return 0
+    """A command-line argument is missing or invalid (the commands' argument parser raises it too)."""

@@ -40,29 +40,29 @@ from gdpo_megatron.config import TrainConfig, to_dict
 from gdpo_megatron.data.chat import encode_prompt
 from gdpo_megatron.distributed import compute_advantages
 from gdpo_megatron.distributed.threads import use_rank_threads
-from gdpo_megatron.doctor import preflight
 from gdpo_megatron.experience import (PromptSchedule, Rollouts, leader_broadcast, leader_call, reward_submitter,
                                       sampling_seed, to_policy_batch)
+from gdpo_megatron.inputs import TrainingInputs
 from gdpo_megatron.metrics import MetricsLogger
-from gdpo_megatron.plan import FP32_BYTES, kv_cache_bytes_per_token
+from gdpo_megatron.policy.config import SHAPE_FIELDS
 from gdpo_megatron.policy.worker import PolicyWorker
 from gdpo_megatron.rewards.stage import RewardStage
 from gdpo_megatron.rollout.engine import SamplingConfig
-from gdpo_megatron.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig, kv_cache_gib
-from gdpo_megatron.validation import CHECKPOINT_DIR, SHAPE_FIELDS, TrainingInputs, check_training
+from gdpo_megatron.rollout.vllm_engine import (CPU_KV_ELEMENT_BYTES, VLLMEngine, VLLMEngineConfig, kv_cache_bytes_per_token,
+                                               kv_cache_gib)
+from gdpo_megatron.run_dir import CHECKPOINT_DIR, HF_EXPORT_DIR
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)  # Slurm's time-limit warning, preemption / scancel
-HF_EXPORT_DIR = "hf"
 
 
 class Trainer:
     """Builds the policy, the engine, the reward stage and the data order; runs the loop.
 
-    ``inputs``: what :func:`~gdpo_megatron.validation.check_training` returned for ``config``
-    (checked here when not given).
+    ``inputs``: what preflight read and checked for ``config``
+    (:func:`~gdpo_megatron.preflight.validation.check_training`).
     """
 
-    def __init__(self, config: TrainConfig, inputs: TrainingInputs | None = None):
+    def __init__(self, config: TrainConfig, inputs: TrainingInputs):
         if not dist.is_initialized():
             raise RuntimeError("Trainer: torch.distributed is not initialized")
         self.config = config
@@ -80,9 +80,7 @@ class Trainer:
             raise
 
     def _build(self) -> None:
-        config = self.config
-        # What can be checked without building anything is checked first, on every rank.
-        inputs = self.inputs or check_training(config, dist.get_world_size())
+        config, inputs = self.config, self.inputs
         _, rollouts_per_replica = config.layout(dist.get_world_size())
         use_rank_threads()  # before vLLM starts (it pins torch's thread count)
         rewards = config.rewards
@@ -95,8 +93,6 @@ class Trainer:
         _warn_on_shape_drift(config.policy.model, model, config.base_model)
         self.policy_config = dataclasses.replace(config.policy, model=model, seed=config.seed,
                                                  temperature=config.rollout.temperature)
-        # Libraries against the pins, GPU, precision, NCCL, memory plan: gdpo-doctor's checks.
-        preflight(dataclasses.replace(config, policy=self.policy_config), dist.get_world_size())
         self.checkpoints = CheckpointManager(self.run_dir / CHECKPOINT_DIR, keep_last=config.checkpoint.keep_last,
                                              optimizer_sharding=config.checkpoint.optimizer_sharding)
         latest = self.checkpoints.latest_step()  # resume and its data position are checked with the inputs
@@ -273,7 +269,8 @@ class Trainer:
         rollout = self.config.rollout
         if rollout.kv_cache_gib is not None or torch.cuda.is_available():
             return rollout.kv_cache_gib
-        per_token = kv_cache_bytes_per_token(self.policy_config.model, rollout.tensor_parallel_size, FP32_BYTES)
+        per_token = kv_cache_bytes_per_token(self.policy_config.model, rollout.tensor_parallel_size,
+                                             CPU_KV_ELEMENT_BYTES)
         return kv_cache_gib(per_token, rollouts_per_replica, longest_prompt + rollout.max_new_tokens,
                             rollout.max_model_len)
 
@@ -367,18 +364,6 @@ class Trainer:
                 part.close()
         for s, handler in self._previous_handlers.items():
             signal.signal(s, handler)
-
-
-def run(config: TrainConfig, inputs: TrainingInputs | None = None) -> str:
-    """Join the launcher's process group (torchrun, srun, or a single process), train, clean up."""
-    from gdpo_megatron.distributed.launch import init_distributed
-
-    init_distributed()
-    trainer = Trainer(config, inputs)
-    try:
-        return trainer.train()
-    finally:
-        trainer.close()
 
 
 def _warn_on_shape_drift(planned, actual, base_model: str) -> None:

@@ -16,7 +16,7 @@
 # its child processes inherit, and the trainer's loop installs its own handler in the main
 # process only. (SIGKILL, after the time limit's KillWait, still ends everything.)
 
-# gdpo_megatron.cli.EXIT_INTERRUPTED ("try again later"): stopped by a signal, checkpoint saved.
+# gdpo_megatron.commands.train.EXIT_INTERRUPTED ("try again later"): stopped by a signal, checkpoint saved.
 EXIT_INTERRUPTED=75
 export PYTHONUNBUFFERED=1                     # log lines reach the job's output file as written
 export WANDB_MODE=${WANDB_MODE:-offline}      # compute nodes are often offline; wandb sync later
@@ -51,7 +51,7 @@ launch_training() {
          "${SLURM_JOB_NODELIST}, config ${config}, run dir ${run_dir}, $(date -u +%FT%TZ)"
 
     local status=0
-    run_tasks python -m gdpo_megatron.cli train --config "$config" \
+    run_tasks python -m gdpo_megatron train --config "$config" \
         run_dir="$run_dir" checkpoint.resume=true "$@" || status=$?
 
     if (( status == EXIT_INTERRUPTED )); then

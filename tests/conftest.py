@@ -7,7 +7,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 import pytest
 import torch
 
-from gdpo_megatron.distributed.local_world import LocalWorld
+from support.local_world import LocalWorld
 
 torch.set_num_threads(1)
 
@@ -47,7 +47,7 @@ def demo_base_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llamas(tmp_path_factory):
     """Two tiny random Llama checkpoints (seeds 0 and 1) with a local tokenizer: paths and models."""
-    from gdpo_megatron.rollout.tiny_model import TinyLlamaSpec, save_tiny_llama
+    from support.tiny_model import TinyLlamaSpec, save_tiny_llama
 
     root = tmp_path_factory.mktemp("tiny_llama")
     paths = {name: str(root / name) for name in ("base", "other")}

@@ -24,7 +24,7 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% 
 def run(workdir: Path) -> dict:
     """Build the tiny model, train with the reference config, summarize what the run left."""
     sys.path.insert(0, str(ROOT / "tests"))
-    from gdpo_megatron.rollout.tiny_model import TinyLlamaSpec, save_tiny_llama
+    from support.tiny_model import TinyLlamaSpec, save_tiny_llama
 
     base, run_dir = workdir / "base", workdir / "run"
     save_tiny_llama(base, TinyLlamaSpec(seed=0))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gdpo_megatron.checkpoint.manager import CheckpointError, CheckpointManager, read_training_state
-from gdpo_megatron.distributed.local_world import free_port
+from gdpo_megatron.distributed.launch import free_port
 from gdpo_megatron.policy.batch import PolicyBatch
 from gdpo_megatron.policy.config import ModelConfig, OptimConfig, ParallelConfig, PolicyConfig
 from test_convert import megatron_logits
@@ -289,7 +289,7 @@ def test_distributed_optimizer_in_dp_reshardable_format_refuses_another_tp_size(
 def test_distributed_optimizer_in_fully_reshardable_format_resumes_at_another_tp_size(tmp_path):
     """Needs Transformer Engine's or Apex's Adam: megatron-core 0.16.1 cannot load this format
     into torch's Adam (its per-parameter ``step`` has no source in the gathered state)."""
-    from gdpo_megatron.distributed.local_world import LocalWorld
+    from support.local_world import LocalWorld
 
     with LocalWorld(2, backend="nccl") as world:
         world.run(_use_the_gpu_of_this_rank)

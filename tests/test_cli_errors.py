@@ -16,13 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from gdpo_megatron.checkpoint.convert_cli import main as convert_main
-from gdpo_megatron.cli import main as cli_main
-from gdpo_megatron.cli import plot_main, train_main
-from gdpo_megatron import errors
-from gdpo_megatron.errors import EXIT_USER_ERROR, console_entry
-from gdpo_megatron.evaluate import _max_model_len
-from gdpo_megatron.evaluate import main as eval_main
+from gdpo_megatron.__main__ import main as cli_main
+from gdpo_megatron.commands import console
+from gdpo_megatron.commands.console import EXIT_USER_ERROR, console_entry
+from gdpo_megatron.commands.convert import main as convert_main
+from gdpo_megatron.commands.eval import _max_model_len
+from gdpo_megatron.commands.eval import main as eval_main
+from gdpo_megatron.commands.plot import main as plot_main
+from gdpo_megatron.commands.train import main as train_main
 from gdpo_megatron.metrics import METRICS_FILE
 
 CONFIG = "configs/tiny_cpu.yaml"
@@ -117,7 +118,8 @@ def test_train_config_file_and_command_line(base_model, tmp_path, capsys):
     expect_user_error(capsys, tmp_path, lambda: train_main([]),
                       "gdpo-train: the following arguments are required: --config (see gdpo-train --help)")
     expect_user_error(capsys, tmp_path, lambda: cli_main(["trian", "--config", CONFIG]),
-                      "python -m gdpo_megatron.cli: expected a command, one of train, plot; got 'trian'")
+                      "python -m gdpo_megatron: expected a command, one of train, eval, convert, plan, doctor, plot; "
+                      "got 'trian'")
 
 
 def test_train_paths_that_cannot_be_used(base_model, tmp_path, capsys):
@@ -193,16 +195,16 @@ def nothing_heavy(monkeypatch):
     with warnings.catch_warnings():  # a first import's warnings would land in the captured stderr
         warnings.simplefilter("ignore")
         import gdpo_megatron.demo.warmup
+        import gdpo_megatron.commands.train
         import gdpo_megatron.evaluate
         import gdpo_megatron.policy.model
-        import gdpo_megatron.trainer
 
     def tripwire(what):
         def reached(*args, **kwargs):
             raise AssertionError(f"{what} started: the mistake was not caught up front")
         return reached
 
-    monkeypatch.setattr(gdpo_megatron.trainer, "run", tripwire("the trainer"))
+    monkeypatch.setattr(gdpo_megatron.commands.train, "run", tripwire("the trainer"))
     monkeypatch.setattr(gdpo_megatron.evaluate, "evaluate", tripwire("the vLLM engine"))
     monkeypatch.setattr(gdpo_megatron.policy.model, "build_model", tripwire("a model build"))
     monkeypatch.setattr(gdpo_megatron.demo.warmup, "make_base_model", tripwire("the demo's base model warm-up"))
@@ -404,7 +406,7 @@ def test_debug_shows_the_traceback_and_other_ranks_stay_quiet(base_model, tmp_pa
     assert "Traceback" in capsys.readouterr().err
 
     monkeypatch.delenv("GDPO_DEBUG")
-    monkeypatch.setattr(errors, "TORCHRUN_GRACE_S", 0.0)  # no rank 0 here to wait for
+    monkeypatch.setattr(console, "TORCHRUN_GRACE_S", 0.0)  # no rank 0 here to wait for
     for rank_variable in ("RANK", "SLURM_PROCID"):  # torchrun's and srun's rank 1
         monkeypatch.setenv(rank_variable, "1")
         error_file = tmp_path / f"error-{rank_variable}.json"
@@ -432,7 +434,7 @@ def test_torchrun_prints_the_line_once_and_reports_it_as_the_root_cause(tmp_path
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])}
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "gdpo_megatron.cli", "train", "--config", CONFIG, f"run_dir={tmp_path / 'run'}",
+         "-m", "gdpo_megatron", "train", "--config", CONFIG, f"run_dir={tmp_path / 'run'}",
          "rollout.group_size=1"],
         env=env, capture_output=True, text=True, timeout=300)
     message = "error: rollout.group_size: expected >= 2"
@@ -617,7 +619,7 @@ def test_plot_labels_and_outputs(tmp_path, capsys):
     (["--overhead", "inf"], "--overhead: expected a finite number >= 0 GiB, got inf"),
 ])
 def test_plan_infinite_sizes(tmp_path, capsys, option, message):
-    from gdpo_megatron.plan import main as plan_main
+    from gdpo_megatron.commands.plan import main as plan_main
 
     args = ["--config", "configs/gdpo_7b.yaml", "--gpus-per-node", "8", "--gpu-memory", "80"]
     expect_user_error(capsys, tmp_path, lambda: plan_main([*args, *option]), message)

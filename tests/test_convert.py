@@ -155,7 +155,7 @@ def expect_import_error(hf_directory):
 
 
 def run_cli(argv):
-    from gdpo_megatron.checkpoint.convert_cli import main
+    from gdpo_megatron.commands.convert import main
 
     main(argv)
     dist.barrier()
@@ -325,13 +325,13 @@ def test_cli_runs_as_a_single_process_command(tmp_path):
     import sys
 
     from gdpo_megatron.checkpoint.manager import read_training_state
-    from gdpo_megatron.distributed.local_world import free_port
+    from gdpo_megatron.distributed.launch import free_port
 
     directory, root = tmp_path / "hf", tmp_path / "megatron"
     make_hf_model("llama").save_pretrained(directory)
     env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
     run = subprocess.run(
-        [sys.executable, "-m", "gdpo_megatron.checkpoint.convert_cli", "hf-to-megatron", str(directory), str(root)],
+        [sys.executable, "-m", "gdpo_megatron", "convert", "hf-to-megatron", str(directory), str(root)],
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]

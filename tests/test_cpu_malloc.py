@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from gdpo_megatron import cpu_malloc
+from gdpo_megatron.commands import cpu_malloc
 
 # Prints whether tcmalloc is mapped into the process, its pid and LD_PRELOAD, after any restart.
-PROBE = ("import os; from gdpo_megatron.cpu_malloc import reexec_with_tcmalloc; reexec_with_tcmalloc(); "
+PROBE = ("import os; from gdpo_megatron.commands.cpu_malloc import reexec_with_tcmalloc; reexec_with_tcmalloc(); "
          "print('tcmalloc' in open('/proc/self/maps').read(), os.getpid(), os.environ.get('LD_PRELOAD', ''))")
 
 needs_tcmalloc = pytest.mark.skipif(cpu_malloc.tcmalloc_library() is None or cpu_malloc.nvidia_driver() is not None,
@@ -52,7 +52,7 @@ def test_what_is_preloaded_when():
 
 def test_the_programs_restart_before_torch_is_imported():
     """The restart must come before torch is loaded, or every CPU run imports torch twice."""
-    code = ("import sys, gdpo_megatron.cli, gdpo_megatron.demo.__main__; "
+    code = ("import sys, gdpo_megatron.__main__, gdpo_megatron.commands.train, gdpo_megatron.demo.__main__; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

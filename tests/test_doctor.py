@@ -7,13 +7,14 @@ import shutil
 import pytest
 import torch
 
-from gdpo_megatron import doctor
+from gdpo_megatron.preflight import doctor
 from gdpo_megatron.config import TrainConfig, load_config
-from gdpo_megatron.doctor import (MISMATCH, NOT_RUN, OK, SKIP_ENV, PreflightError, Target, check_versions,
-                                  check_vllm_reload, main, memory_row, nccl_row, preflight)
+from gdpo_megatron.preflight.doctor import (MISMATCH, NOT_RUN, OK, SKIP_ENV, PreflightError, Target, check_versions,
+                                  check_vllm_reload, memory_row, nccl_row, preflight)
 from gdpo_megatron.errors import UsageError
-from gdpo_megatron.pins import read_pins
-from gdpo_megatron.plan import GIB, Cluster, plan_memory
+from gdpo_megatron.preflight.pins import read_pins
+from gdpo_megatron.preflight.plan import GIB, Cluster, plan_memory
+from gdpo_megatron.commands.doctor import main
 
 CONFIG = "configs/tiny_cpu.yaml"
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a CPU machine reports")
@@ -174,9 +175,16 @@ def test_bad_input_is_one_line_and_status_2(capsys, tmp_path):
 
 
 def _build_only(overrides):
+    """What gdpo-train does up to the loop: the up-front checks, the process group, preflight, the trainer."""
+    import torch.distributed as dist
+
+    from gdpo_megatron.preflight.validation import check_training
     from gdpo_megatron.trainer import Trainer
 
-    Trainer(load_config(TrainConfig, CONFIG, overrides)).close()
+    config = load_config(TrainConfig, CONFIG, overrides)
+    inputs = check_training(config, dist.get_world_size())
+    preflight(config, dist.get_world_size())
+    Trainer(config, inputs).close()
 
 
 @cpu_only
@@ -185,7 +193,7 @@ def test_the_trainer_stops_at_start_up_on_a_mismatch(tiny_llamas, tmp_path):
     """A run whose precision this machine cannot run stops before the policy or the engine is
     built, with the project's check's message (on a machine without CUDA, already among the
     up-front checks), not the policy worker's."""
-    from gdpo_megatron.distributed.local_world import WorkerError, run_local
+    from support.local_world import WorkerError, run_local
 
     base = tmp_path / "base"  # a base model the up-front checks accept: its tokenizer has a chat template
     shutil.copytree(tiny_llamas["paths"]["base"], base)

@@ -6,7 +6,8 @@ import pytest
 from gdpo_megatron.data.bfcl import bfcl_accuracy, load_bfcl
 from gdpo_megatron.data.chat import encode_prompt
 from gdpo_megatron.data.samples import load_samples
-from gdpo_megatron.evaluate import evaluate, main
+from gdpo_megatron.commands.eval import main
+from gdpo_megatron.evaluate import evaluate
 from gdpo_megatron.rewards.registry import RewardSpec
 from gdpo_megatron.rewards.tool_call import tool_correctness, tool_format
 

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from gdpo_megatron.cli import plot_main
+from gdpo_megatron.commands.plot import main as plot_main
 from gdpo_megatron.errors import InputError
 from gdpo_megatron.metrics import METRICS_FILE, MetricsLogger, read_metrics
 from gdpo_megatron.plot import plot_runs, reward_names

@@ -24,7 +24,7 @@ from gdpo_megatron.integrations.nemo_rl import (DiagnosticsLogger, GDPOMegatronE
                                                 prompt_processor, write_response_jsonl)
 from gdpo_megatron.integrations.nemo_rl import environment as environment_module
 from gdpo_megatron.rewards import get_reward
-from gdpo_megatron.rollout.tiny_model import build_tokenizer
+from support.tiny_model import build_tokenizer
 
 TOOL_DATA = "examples/data/tool.jsonl"
 CODE_DATA = "examples/data/code.jsonl"

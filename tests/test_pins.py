@@ -20,8 +20,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from gdpo_megatron import pins as stack
-from gdpo_megatron.pins import cpu_requirements, cuda_major, gpu_requirements, read_pins, shared_requirements
+from gdpo_megatron.preflight import pins as stack
+from gdpo_megatron.preflight.pins import cpu_requirements, cuda_major, gpu_requirements, read_pins, shared_requirements
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = (ROOT / "Dockerfile").read_text(encoding="utf-8")
@@ -37,7 +37,7 @@ NETWORK_ERRORS = ("Could not fetch URL", "connection broken by", "Failed to esta
 @pytest.fixture
 def project(tmp_path) -> Path:
     """What setup.py reads, copied out of the checkout (pip and setuptools write build files beside it)."""
-    for name in ("setup.py", "README.md", "gdpo_megatron/pins.py", "gdpo_megatron/pins.txt"):
+    for name in ("setup.py", "README.md", "gdpo_megatron/preflight/pins.py", "gdpo_megatron/preflight/pins.txt"):
         (tmp_path / "project" / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, tmp_path / "project" / name)
     return tmp_path / "project"
@@ -97,7 +97,7 @@ def test_setup_py_takes_every_pin_from_the_pin_file(project):
 
 
 def test_the_dockerfile_installs_the_pin_file_on_a_matching_base():
-    assert "COPY gdpo_megatron/pins.txt gdpo_megatron/pins.py /opt/gdpo/" in DOCKERFILE
+    assert "COPY gdpo_megatron/preflight/pins.txt gdpo_megatron/preflight/pins.py /opt/gdpo/" in DOCKERFILE
     assert "ENV PIP_CONSTRAINT=/opt/gdpo/pins.txt" in DOCKERFILE
     assert "$(python /opt/gdpo/pins.py wheels)" in DOCKERFILE
     assert "--no-build-isolation $(python /opt/gdpo/pins.py source)" in DOCKERFILE

@@ -5,7 +5,8 @@ import pytest
 import yaml
 
 from gdpo_megatron.config import TrainConfig, load_config
-from gdpo_megatron.plan import Cluster, load_for_gpu, main, plan_memory, total_params
+from gdpo_megatron.commands.plan import main
+from gdpo_megatron.preflight.plan import Cluster, load_for_gpu, plan_memory, total_params
 from gdpo_megatron.policy.config import ModelConfig
 
 MIB = 2**20

@@ -133,7 +133,7 @@ def policy_logits_and_grads(megatron_attention: bool) -> tuple[torch.Tensor, dic
 
 
 def test_the_policy_runs_it_and_matches_megatrons_attention():
-    from gdpo_megatron.distributed.local_world import LocalWorld
+    from support.local_world import LocalWorld
 
     with LocalWorld(1) as world:
         (logits, grads), = world.run(policy_logits_and_grads, False)

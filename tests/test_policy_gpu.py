@@ -3,7 +3,7 @@ TE's own FP8 recipe checks, and sequence parallelism without Transformer Engine.
 import pytest
 import torch
 
-from gdpo_megatron.distributed.local_world import LocalWorld
+from support.local_world import LocalWorld
 from gdpo_megatron.policy.batch import PolicyBatch
 from gdpo_megatron.policy.config import (
     FP8_RECIPES,

@@ -237,7 +237,7 @@ def test_bad_input_is_named(engine, tmp_path):
 
 def test_cpu_cache_blocks_are_the_size_the_sizing_assumes(engine, models):
     from gdpo_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
-    from gdpo_megatron.plan import kv_cache_bytes_per_token
+    from gdpo_megatron.rollout.vllm_engine import kv_cache_bytes_per_token
 
     cache = engine._llm.llm_engine.vllm_config.cache_config
     assert cache.block_size == CPU_BLOCK_SIZE
@@ -247,7 +247,7 @@ def test_cpu_cache_blocks_are_the_size_the_sizing_assumes(engine, models):
 
 
 def test_kv_cache_for_a_step_holds_its_sequences_in_whole_blocks():
-    from gdpo_megatron.plan import kv_cache_bytes_per_token
+    from gdpo_megatron.rollout.vllm_engine import kv_cache_bytes_per_token
     from gdpo_megatron.policy.config import ModelConfig
 
     model = ModelConfig(vocab_size=128, hidden_size=512, ffn_hidden_size=1024, num_layers=4, num_attention_heads=8,
@@ -277,7 +277,7 @@ def test_the_pinned_vllm_cannot_load_a_qwen2_head_dim_that_check_vllm_can_load_r
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from gdpo_megatron.errors import InputError
-    from gdpo_megatron.rollout.tiny_model import build_tokenizer
+    from support.tiny_model import build_tokenizer
     from gdpo_megatron.rollout.vllm_engine import check_vllm_can_load
 
     tokenizer = build_tokenizer(512)

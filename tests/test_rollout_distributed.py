@@ -10,7 +10,7 @@ Other expected values come from the transformers model in the test process.
 import pytest
 import torch
 
-from gdpo_megatron.distributed.local_world import free_port
+from gdpo_megatron.distributed.launch import free_port
 from gdpo_megatron.rollout import SamplingConfig
 
 PROMPTS = [[5, 17, 42, 99, 3], [250, 251, 252], [(7 * i) % 500 + 1 for i in range(40)]]

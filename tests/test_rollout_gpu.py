@@ -7,7 +7,7 @@ own and compares their results here with the transformers models on the CPU.
 import pytest
 import torch
 
-from gdpo_megatron.distributed.local_world import LocalWorld
+from support.local_world import LocalWorld
 from gdpo_megatron.rollout import SamplingConfig
 
 pytestmark = pytest.mark.gpu

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from gdpo_megatron import plan
-from gdpo_megatron.cli import EXIT_INTERRUPTED
-from gdpo_megatron.distributed.local_world import free_port
+from gdpo_megatron.commands import plan
+from gdpo_megatron.commands.train import EXIT_INTERRUPTED
+from gdpo_megatron.distributed.launch import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DAEMONS = ("munged", "slurmctld", "slurmd")

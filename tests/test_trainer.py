@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from gdpo_megatron.config import ConfigError, TrainConfig, load_config
-from gdpo_megatron.distributed.local_world import run_local
+from support.local_world import run_local
+from support.trainer import make_trainer
 from gdpo_megatron.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -31,9 +32,7 @@ def _overrides(base_model, run_dir, steps, *extra):
 
 def _train(overrides):
     """One rank of a run: train, then report what the run left behind."""
-    from gdpo_megatron.trainer import Trainer
-
-    trainer = Trainer(load_config(TrainConfig, CONFIG, overrides))
+    trainer = make_trainer(load_config(TrainConfig, CONFIG, overrides))
     try:
         return trainer.start_step, trainer.train()
     finally:
@@ -111,7 +110,7 @@ def test_model_parallel_runs_export_loadable_checkpoints(base_model, tmp_path, l
         assert abs(record["train/ratio_max"] - 1) < 1e-3 and record["train/tis_weight"] == 1.0
     assert (run_dir / "hf" / "config.json").is_file() and (run_dir / "hf" / "tokenizer.json").is_file()
     # The checkpoint, converted on one process (TP=1, PP=1), holds exactly the exported weights.
-    subprocess.run([sys.executable, "-m", "gdpo_megatron.checkpoint.convert_cli", "megatron-to-hf",
+    subprocess.run([sys.executable, "-m", "gdpo_megatron", "convert", "megatron-to-hf",
                     str(run_dir / "checkpoints"), str(tmp_path / "converted")], check=True,
                    env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
     exported, converted = _safetensors(run_dir / "hf"), _safetensors(tmp_path / "converted")
@@ -139,22 +138,18 @@ def test_config_errors_name_the_key(override, message):
 
 
 def test_layout_errors_are_caught_before_training(base_model, tmp_path):
-    from gdpo_megatron.distributed.local_world import WorkerError
+    from support.local_world import WorkerError
 
     with pytest.raises(WorkerError, match=r"data.prompts_per_step: 3 is not divisible by the data-parallel size 2"):
         run_local(_train, 2, _overrides(base_model, tmp_path / "bad", 1, "data.prompts_per_step=3"))
 
 
 def _build_only(overrides):
-    from gdpo_megatron.trainer import Trainer
-
-    Trainer(load_config(TrainConfig, CONFIG, overrides)).close()
+    make_trainer(load_config(TrainConfig, CONFIG, overrides)).close()
 
 
 def _kv_cache_gib_of_the_engine(overrides):
-    from gdpo_megatron.trainer import Trainer
-
-    trainer = Trainer(load_config(TrainConfig, CONFIG, overrides))
+    trainer = make_trainer(load_config(TrainConfig, CONFIG, overrides))
     try:
         return trainer.engine.config.kv_cache_gib
     finally:
@@ -165,7 +160,7 @@ def test_the_cpu_kv_cache_holds_one_step_of_the_datas_longest_prompts(base_model
     from transformers import AutoTokenizer
 
     from gdpo_megatron.rollout.vllm_engine import CPU_BLOCK_SIZE, kv_cache_gib
-    from gdpo_megatron.validation import training_prompts
+    from gdpo_megatron.preflight.validation import training_prompts
 
     config = load_config(TrainConfig, CONFIG, _overrides(base_model, tmp_path / "kv", 1))
     tokenizer = AutoTokenizer.from_pretrained(base_model)
@@ -187,7 +182,7 @@ def test_the_cpu_kv_cache_holds_one_step_of_the_datas_longest_prompts(base_model
 
 
 def test_a_fresh_start_refuses_a_run_directory_with_checkpoints(base_model, tmp_path):
-    from gdpo_megatron.distributed.local_world import WorkerError
+    from support.local_world import WorkerError
 
     (tmp_path / "old" / "checkpoints" / "step_3").mkdir(parents=True)
     with pytest.raises(WorkerError, match=r"checkpoint.resume: false, but .* holds step_3"):

@@ -5,6 +5,7 @@
 * :mod:`.hf_config` / :mod:`.hf_io`: ``config.json`` and safetensors import / export;
 * :mod:`.hf_files`: a Hugging Face directory's safetensors files, found and checked from their headers;
 * :mod:`.manager`: ``step_<N>`` checkpoints with megatron-core ``dist_checkpointing``;
-* :mod:`.state`: a checkpoint root's complete steps and their ``trainer_state.json`` (no megatron-core);
-* :mod:`.convert_cli`: the ``gdpo-convert`` command.
+* :mod:`.state`: a checkpoint root's complete steps and their ``trainer_state.json`` (no megatron-core).
+
+``gdpo-convert`` is :mod:`gdpo_megatron.commands.convert`.
 """

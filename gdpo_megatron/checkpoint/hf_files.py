@@ -1,6 +1,6 @@
 """The safetensors files of a Hugging Face model directory, found and checked from their headers.
 
-Import (:mod:`.hf_io`) and the checks before a run (:mod:`gdpo_megatron.validation`) share
+Import (:mod:`.hf_io`) and the checks before a run (:mod:`gdpo_megatron.preflight.validation`) share
 these, so a missing, truncated or corrupted file is named the same way by both, before any
 weight is read. safetensors checks a header against the file's size, so a truncated file is
 caught here too.

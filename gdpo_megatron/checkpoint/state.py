@@ -2,7 +2,7 @@
 directories and each one's ``trainer_state.json``.
 
 :mod:`.manager` writes and loads checkpoints; the checks before a run or a conversion
-(:mod:`gdpo_megatron.validation`) read these cheap parts with this module alone.
+(:mod:`gdpo_megatron.preflight.validation`) read these cheap parts with this module alone.
 """
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from gdpo_megatron.cpu_malloc import reexec_with_tcmalloc
-from gdpo_megatron.errors import ArgumentParser, console_entry
+from gdpo_megatron.commands.console import ArgumentParser, console_entry, quiet_defaults
+from gdpo_megatron.commands.cpu_malloc import reexec_with_tcmalloc
 
 CONFIG = "configs/tiny_cpu.yaml"
 
@@ -27,11 +27,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help=f"dotted overrides of {CONFIG}")
     args = parser.parse_args(argv)
 
-    from gdpo_megatron.cli import quiet_defaults
     from gdpo_megatron.config import TrainConfig, load_config
     from gdpo_megatron.demo.worked_example import worked_example
-    from gdpo_megatron.validation import (check_output_dir, check_settings, check_training, launch_world_size,
-                                          training_prompts)
+    from gdpo_megatron.preflight.validation import (check_output_dir, check_settings, check_training,
+                                                    launch_world_size, training_prompts)
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # vLLM warns on every in-place reload
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).* not installed")  # CPU: expected
@@ -57,7 +56,8 @@ def main(argv: list[str]) -> int:
 
     from gdpo_megatron.metrics import read_metrics
     from gdpo_megatron.plot import plot_runs
-    from gdpo_megatron.trainer import HF_EXPORT_DIR, run
+    from gdpo_megatron.commands.train import run
+    from gdpo_megatron.run_dir import HF_EXPORT_DIR
 
     outcome = run(config, check_training(config, world_size))
     records = read_metrics(config.run_dir)

@@ -17,14 +17,13 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
-from gdpo_megatron.distributed.local_world import free_port
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 SLURM_TASK_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
@@ -91,6 +90,13 @@ def resolve_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         )
     _check(launch)
     return launch
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def init_distributed(backend: str | None = None, timeout: timedelta | None = None) -> LaunchEnv:

@@ -56,6 +56,11 @@ def fp8_recipe_support(recipe: str) -> tuple[bool, str]:
     return getattr(te, FP8_RECIPE_SUPPORT[recipe])(return_reason=True)
 
 
+# The fields of a ModelConfig that give the shape of its weights.
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads",
+                "num_query_groups")
+
+
 @dataclass
 class ModelConfig:
     """Shape of a Llama / Qwen2 family decoder (GQA, RoPE, RMSNorm, SwiGLU)."""

@@ -69,6 +69,8 @@ from gdpo_megatron.errors import InputError
 from gdpo_megatron.rollout.engine import Completion, SamplingConfig, derive_seed
 
 _GIB = 1 << 30
+# The CPU engine runs fp32 (as the policy does there): bytes of one element of its KV cache.
+CPU_KV_ELEMENT_BYTES = 4
 # KV cache block on CPU: the smallest that vLLM's CPU attention takes (multiples of 32). Its
 # default of 128 tokens reserves up to 127 unused tokens per sequence of a step's cache.
 CPU_BLOCK_SIZE = 32
@@ -298,6 +300,13 @@ class VLLMEngine:
         return Completion(token_ids=token_ids, logprobs=list(flat.logprobs), finish_reason=output.finish_reason, text=text)
 
 
+def kv_cache_bytes_per_token(model, rollout_tp: int, element_bytes: int) -> int:
+    """K and V of every layer of ``model`` (a :class:`~gdpo_megatron.policy.config.ModelConfig`)
+    for one token on one engine rank (KV heads replicate past TP = heads)."""
+    heads = -(-model.num_query_groups // rollout_tp)
+    return 2 * model.num_layers * heads * model.head_dim * element_bytes
+
+
 def kv_cache_gib(bytes_per_token: int, num_seqs: int, tokens_per_seq: int, max_model_len: int,
                  block_size: int = CPU_BLOCK_SIZE) -> float:
     """The KV cache that holds ``num_seqs`` sequences of up to ``tokens_per_seq`` tokens at once.
@@ -307,7 +316,7 @@ def kv_cache_gib(bytes_per_token: int, num_seqs: int, tokens_per_seq: int, max_m
     how long they can get. Each sequence is rounded up to whole blocks of ``block_size`` tokens
     (the engine's block size on CPU); vLLM also needs room for one sequence of ``max_model_len``
     tokens, and its block pool keeps one block aside as a placeholder. ``bytes_per_token``: keys
-    and values of every layer on one engine rank (:func:`gdpo_megatron.plan.kv_cache_bytes_per_token`).
+    and values of every layer on one engine rank (:func:`kv_cache_bytes_per_token`).
     """
 
     def blocks(tokens: int) -> int:

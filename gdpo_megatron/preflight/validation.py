@@ -9,13 +9,13 @@ shape, and what a run directory already holds. Every check raises a
 it is about, and nothing here writes a file.
 
 :func:`check_training` runs them all for a training run: ``gdpo-train`` calls it before the
-process group and the trainer exist, and :class:`~gdpo_megatron.trainer.Trainer` calls it when
-given none. ``gdpo-eval``, ``gdpo-convert`` and ``gdpo-plot`` use the single checks.
+process group and the trainer exist, and hands the trainer what it read
+(:class:`~gdpo_megatron.inputs.TrainingInputs`). ``gdpo-eval``, ``gdpo-convert`` and
+``gdpo-plot`` use the single checks.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
@@ -30,14 +30,12 @@ from gdpo_megatron.checkpoint.state import (
 from gdpo_megatron.config import ConfigError, TrainConfig
 from gdpo_megatron.data.samples import Fields, Sample, load_samples
 from gdpo_megatron.errors import InputError, UserError
-from gdpo_megatron.policy.config import ModelConfig, ParallelConfig, check_model_parallel
+from gdpo_megatron.inputs import TrainingInputs
+from gdpo_megatron.policy.config import SHAPE_FIELDS, ModelConfig, ParallelConfig, check_model_parallel
 from gdpo_megatron.rewards.registry import RewardSpec, load_reward_file, registered_rewards, validate_specs
 from gdpo_megatron.rollout.vllm_engine import check_vllm_can_load
+from gdpo_megatron.run_dir import CHECKPOINT_DIR
 
-CHECKPOINT_DIR = "checkpoints"  # under run_dir
-# The fields of a ModelConfig that give the shape of its weights.
-SHAPE_FIELDS = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads",
-                "num_query_groups")
 
 
 @contextlib.contextmanager
@@ -231,17 +229,6 @@ def launch_world_size() -> int:
         return resolve_launch_env().world_size
     except ValueError as e:
         raise InputError(f"launch environment: {e}") from e
-
-
-@dataclasses.dataclass
-class TrainingInputs:
-    """What the checks of a training run read, for the trainer to use."""
-
-    samples: list[Sample]
-    hf_config: dict  # base_model/config.json
-    model: ModelConfig  # the policy's shape, from hf_config
-    conditions: list[Condition]  # advantage.conditions as reward columns
-    longest_prompt: int  # tokens of the longest prompt of the data, chat template applied
 
 
 def check_machine(config: TrainConfig) -> None:

@@ -13,20 +13,14 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
+from gdpo_megatron.distributed.launch import free_port
+
 _STOP = b"stop"
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, timeout_s: float, tasks, results) -> None:

@@ -16,26 +16,19 @@ with tcmalloc in ``LD_PRELOAD``. It does so only when
   cannot cause a second restart.
 
 Programs call it first thing, before torch is imported (``gdpo-train``, ``python -m
-gdpo_megatron.cli``, ``python -m gdpo_megatron.demo``); their ``main`` functions, which tests
+gdpo_megatron``, ``python -m gdpo_megatron.demo``); their ``main`` functions, which tests
 call in-process, do not.
 """
 from __future__ import annotations
 
-import ctypes
 import ctypes.util
 import os
 import sys
 
+from gdpo_megatron.device import nvidia_driver
+
 CHOICE_ENV = "GDPO_MALLOC"
 TCMALLOC = "tcmalloc_minimal"
-
-
-def nvidia_driver() -> ctypes.CDLL | None:
-    """The NVIDIA driver library (``libcuda.so.1``), or None on a machine without one."""
-    try:
-        return ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
 
 
 def tcmalloc_library() -> str | None:

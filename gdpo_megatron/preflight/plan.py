@@ -1,8 +1,4 @@
-"""``gdpo-plan``: per-GPU memory of a training config, and whether it fits, before submitting.
-
-``gdpo-plan --config configs/gdpo_7b.yaml --gpus-per-node 8 --gpu-memory 80 [--nodes N]
-[key.sub=value ...]`` prints a table for the fullest pipeline stage, with and without the
-distributed optimizer, and exits 0 when the configured layout fits (1 when not, 2 on bad input).
+"""Per-GPU memory of a training config, and whether it fits (``gdpo-plan``, ``gdpo-doctor``).
 
 The model shape is ``policy.model`` (e.g. ``{preset: qwen2-7b}``); ``base_model`` is not read,
 it usually does not exist where jobs are planned. Settings that resolve per machine are planned
@@ -33,15 +29,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from pathlib import Path
 from typing import Optional
 
 import yaml
 
 from gdpo_megatron.config import ConfigError, TrainConfig, apply_override, load_config
-from gdpo_megatron.errors import ArgumentParser, UsageError, console_entry
+from gdpo_megatron.errors import UsageError
 from gdpo_megatron.policy.config import ModelConfig, ParallelConfig, check_model_parallel
+from gdpo_megatron.rollout.vllm_engine import kv_cache_bytes_per_token
 
 GIB = 2**30
 FP32_BYTES = 4
@@ -118,12 +114,6 @@ def activation_bytes_per_token_layer(model: ModelConfig, parallel: ParallelConfi
     hidden = 4 * h // (tp if parallel.sequence_parallel else 1)
     sharded = (2 * model.num_attention_heads * d + 2 * model.num_query_groups * d + 3 * f) // tp
     return (hidden + sharded) * param_bytes
-
-
-def kv_cache_bytes_per_token(model: ModelConfig, rollout_tp: int, element_bytes: int = VLLM_DTYPE_BYTES) -> int:
-    """K and V of every layer for one token on one vLLM rank (KV heads replicate past TP = heads)."""
-    heads = math.ceil(model.num_query_groups / rollout_tp)
-    return 2 * model.num_layers * heads * model.head_dim * element_bytes
 
 
 def vllm_weight_bytes(model: ModelConfig, rollout_tp: int, quantization: Optional[str]) -> int:
@@ -249,7 +239,7 @@ def plan_memory(config: TrainConfig, cluster: Cluster) -> MemoryPlan:
     plans = [MemoryPlan(
         config=config, cluster=cluster, data_parallel_size=dp, sequence_length=sequence,
         micro_batches_per_step=micro_batches, stage=stage, vllm_weights=vllm_weights, vllm_total=vllm_total,
-        kv_cache_per_token=kv_cache_bytes_per_token(model, rollout.tensor_parallel_size),
+        kv_cache_per_token=kv_cache_bytes_per_token(model, rollout.tensor_parallel_size, VLLM_DTYPE_BYTES),
         overhead=int(cluster.overhead_gib * GIB),
     ) for stage in stages]
     return max(plans, key=lambda plan: plan.peak(plan.distributed_optimizer))
@@ -337,26 +327,3 @@ def load_for_gpu(path: str | Path, overrides: list[str]) -> TrainConfig:
     if (policy.get("optim") or {}).get("use_distributed_optimizer") is None:
         gpu_defaults.append("policy.optim.use_distributed_optimizer=true")
     return load_config(TrainConfig, path, [*overrides, *gpu_defaults])
-
-
-@console_entry
-def main(argv: list[str]) -> int:
-    parser = ArgumentParser(
-        prog="gdpo-plan", description="Per-GPU memory of a training config, and whether it fits, before submitting.")
-    parser.add_argument("--config", required=True, help="training YAML (see configs/)")
-    parser.add_argument("--gpus-per-node", type=int, required=True)
-    parser.add_argument("--gpu-memory", type=float, required=True, metavar="GIB",
-                        help="memory of one GPU in GiB (an '80 GB' A100/H100 reports 79.6)")
-    parser.add_argument("--nodes", type=int, default=1)
-    parser.add_argument("--overhead", type=float, default=DEFAULT_OVERHEAD_GIB, metavar="GIB",
-                        help="per-GPU allowance for the CUDA context, NCCL and fragmentation")
-    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides of the config")
-    args = parser.parse_args(argv)
-    cluster = Cluster(args.nodes, args.gpus_per_node, args.gpu_memory, args.overhead)
-    plan = plan_memory(load_for_gpu(args.config, args.overrides), cluster)
-    print(format_plan(plan))
-    return 0 if plan.fits(plan.distributed_optimizer) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
-"""``gdpo-doctor``: is this machine's stack the pinned one, and can it run a config? One table.
+"""Is this machine's stack the pinned one, and can it run a config? (``gdpo-doctor``, the trainer's preflight)
 
-``gdpo-doctor [--config FILE [key.sub=value ...]] [--nodes N] [--only CHECK] ...``. Each row is
+Each row is
 ``ok``, ``MISMATCH`` (with what was found and what was expected) or ``not run`` (with the reason,
 e.g. no CUDA device here). The checks, by name:
 
@@ -36,7 +36,6 @@ import importlib
 import importlib.metadata
 import inspect
 import os
-import sys
 from typing import Callable, Optional
 
 import torch
@@ -44,11 +43,10 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from gdpo_megatron.cli import quiet_defaults
-from gdpo_megatron.config import ConfigError, TrainConfig, load_config
-from gdpo_megatron.cpu_malloc import nvidia_driver
-from gdpo_megatron.errors import ArgumentParser, UsageError, UserError, console_entry, positive_int
-from gdpo_megatron.pins import PIN_FILE, Pin, cuda_major, read_pins
+from gdpo_megatron.config import ConfigError, TrainConfig
+from gdpo_megatron.device import nvidia_driver
+from gdpo_megatron.errors import UsageError, UserError
+from gdpo_megatron.preflight.pins import Pin, cuda_major, read_pins
 from gdpo_megatron.policy.config import transformer_engine_available
 
 OK, MISMATCH, NOT_RUN = "ok", "MISMATCH", "not run"
@@ -243,7 +241,7 @@ def check_memory(target: Target) -> list[Check]:
         return [Check("memory plan", NOT_RUN, "", "no --config")]
     if not torch.cuda.is_available():
         return [Check("memory plan", NOT_RUN, "", f"{NO_CUDA} (gdpo-plan --gpu-memory plans for a named GPU)")]
-    from gdpo_megatron.plan import GIB
+    from gdpo_megatron.preflight.plan import GIB
 
     memory_gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GIB
     return [memory_row(target.config, target.world_size, memory_gib)]
@@ -251,7 +249,7 @@ def check_memory(target: Target) -> list[Check]:
 
 def memory_row(config: TrainConfig, world_size: int, memory_gib: float) -> Check:
     """``gdpo-plan``'s verdict for ``config`` on ``world_size`` GPUs of ``memory_gib`` each."""
-    from gdpo_megatron.plan import GIB, Cluster, plan_memory
+    from gdpo_megatron.preflight.plan import GIB, Cluster, plan_memory
 
     try:
         plan = plan_memory(config, Cluster(1, world_size, memory_gib))
@@ -336,36 +334,3 @@ def preflight(config: TrainConfig, world_size: int, pins: Optional[dict[str, Pin
     if failed:
         reasons = "; ".join(f"{r.name}: found {r.found or '-'}, expected {r.expected}" for r in failed)
         raise PreflightError(f"gdpo-doctor: this machine does not match the pinned stack or the config: {reasons}")
-
-
-@console_entry
-def main(argv: list[str]) -> int:
-    parser = ArgumentParser(
-        prog="gdpo-doctor",
-        description="Check this machine's libraries, GPU, NCCL and memory against the pins and a config. "
-                    f"{SKIP_ENV}=CHECK[,CHECK...] skips checks (e.g. memory, where gdpo-plan's estimate is wrong).")
-    parser.add_argument("--config", help="training YAML: also check its precision and memory plan here")
-    parser.add_argument("--nodes", type=positive_int, default=1, help="nodes of the job (for the memory plan)")
-    parser.add_argument("--only", action="append", choices=list(CHECKS), metavar="CHECK",
-                        help=f"run only this check (repeatable): {', '.join(CHECKS)}")
-    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides of the config")
-    args = parser.parse_args(argv)
-    quiet_defaults()
-    if args.overrides and not args.config:
-        parser.error("overrides need --config")
-    config = load_config(TrainConfig, args.config, args.overrides) if args.config else None
-    pins = read_pins()
-    world_size = args.nodes * max(torch.cuda.device_count(), 1)
-    rows = run_checks(Target(pins, config, world_size), args.only)
-    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU"
-    print(f"gdpo-doctor: pins {PIN_FILE}; torch {torch.__version__} ({build} build); "
-          f"Python {sys.version.split()[0]}; world size {world_size}")
-    print(format_table(rows))
-    failed = mismatches(rows)
-    print(f"gdpo-doctor: {len(failed)} mismatch(es): {', '.join(r.name for r in failed)}" if failed
-          else "gdpo-doctor: no mismatch")
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

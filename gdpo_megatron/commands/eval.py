@@ -1,0 +1,104 @@
+"""``gdpo-eval``: greedy completions of a Hugging Face checkpoint, scored.
+
+``gdpo-eval --model runs/x/hf --bfcl`` reports BFCL accuracy per category (exact calls,
+BFCL's string normalization); ``--data FILE --family F --rewards a,b`` reports each reward's
+mean on any prompt file or dataset directory (ToolRL's test split: ``--data
+rlla_4k/test.parquet --family toolrl --rewards toolrl_format,toolrl_correctness``). Every input
+is checked before the engine starts.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from gdpo_megatron.commands.console import ArgumentParser, console_entry, positive_int, quiet_defaults
+from gdpo_megatron.data.samples import FAMILIES, Fields
+from gdpo_megatron.errors import UsageError
+from gdpo_megatron.rewards.registry import RewardSpec
+
+
+@console_entry
+def main(argv: list[str]) -> int:
+    """``gdpo-eval --model DIR (--bfcl | --data PATH --family F [--prompt-key K ...]) [--rewards a,b] [--limit N]``."""
+    parser = ArgumentParser(prog="gdpo-eval", description="Evaluate a Hugging Face checkpoint.")
+    parser.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--bfcl", action="store_true", help="the BFCL single-turn categories")
+    source.add_argument("--data", help="a prompt file (.jsonl, .json, .parquet) or datasets directory "
+                                       "(see gdpo_megatron.data.samples)")
+    parser.add_argument("--family", choices=FAMILIES, help="with --data")
+    parser.add_argument("--system-prompt", default=None, help="with --data: instructions ('' for none)")
+    parser.add_argument("--split", default=None, help="with --data: the split of a datasets directory "
+                                                      "(default: train of a DatasetDict, all of a single dataset)")
+    for key in ("prompt", "system", "ground-truth"):
+        parser.add_argument(f"--{key}-key", default=None, help=f"with --data: the {key.replace('-', ' ')} field")
+    parser.add_argument("--rewards", default="", help="comma-separated reward names to report")
+    parser.add_argument("--limit", type=positive_int, default=None,
+                        help="at most this many prompts (per BFCL category)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=256)
+    parser.add_argument("--max-model-len", type=positive_int, default=None,
+                        help="context of the engine (default: the model's max_position_embeddings)")
+    parser.add_argument("--out", default=None, help="also write the metrics to this JSON file")
+    args = parser.parse_args(argv)
+    if args.data is not None and args.family is None:
+        parser.error("--data needs --family")
+    data_options = {"--family": args.family, "--system-prompt": args.system_prompt, "--split": args.split,
+                    "--prompt-key": args.prompt_key, "--system-key": args.system_key,
+                    "--ground-truth-key": args.ground_truth_key}
+    given = [flag for flag, value in data_options.items() if value is not None]
+    if args.bfcl and given:
+        parser.error(f"{given[0]} goes with --data, not --bfcl")
+
+    from gdpo_megatron.preflight.validation import (about, check_output_file, check_reward_specs, check_weights,
+                                                    load_prompts, prompt_lengths, read_model_config)
+    from gdpo_megatron.rollout.vllm_engine import check_vllm_can_load
+
+    quiet_defaults()
+    # Every check before the engine starts.
+    hf_config = read_model_config(args.model, "--model")
+    with about("--model"):
+        check_vllm_can_load(hf_config)
+    max_model_len = _max_model_len(hf_config, args.max_model_len, args.max_new_tokens)
+    check_weights(args.model, "--model")
+    rewards = [RewardSpec(name) for name in args.rewards.split(",") if name]
+    check_reward_specs(rewards, "--rewards", in_config=False)
+    if args.out:
+        check_output_file(args.out, "--out")
+    if args.bfcl:
+        from gdpo_megatron.data.bfcl import load_bfcl
+
+        samples = load_bfcl(limit=args.limit)
+    else:
+        fields = Fields(args.prompt_key, args.system_key, args.ground_truth_key)
+        samples = load_prompts(args.data, args.family, args.system_prompt, "--data", fields=fields,
+                               split=args.split)[: args.limit]
+    shortest = min(prompt_lengths(samples, args.model, "--model"))
+    if shortest + args.max_new_tokens > max_model_len:
+        raise UsageError(f"--max-model-len: none of the {len(samples)} prompts fits in {max_model_len} tokens with "
+                         f"--max-new-tokens={args.max_new_tokens} (the shortest has {shortest})")
+
+    from gdpo_megatron.evaluate import evaluate
+
+    metrics, _ = evaluate(args.model, samples, rewards, bfcl=args.bfcl, max_new_tokens=args.max_new_tokens,
+                          max_model_len=max_model_len)
+    text = json.dumps(metrics, indent=2, sort_keys=True)
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+def _max_model_len(hf_config: dict, requested: int | None, max_new_tokens: int) -> int:
+    """The engine's context: ``requested``, else the model's positions; room for the answer either way."""
+    positions = hf_config.get("max_position_embeddings")
+    if requested is None and positions is None:
+        raise UsageError("--max-model-len: the model's config.json has no max_position_embeddings; give it")
+    if requested is not None and positions is not None and requested > positions:
+        raise UsageError(f"--max-model-len: expected <= {positions}, the model's max_position_embeddings, "
+                         f"got {requested}")
+    length = requested or positions
+    if length <= max_new_tokens:
+        raise UsageError(f"--max-model-len: {length} leaves no room for a prompt before --max-new-tokens="
+                         f"{max_new_tokens}; lower --max-new-tokens")
+    return length

@@ -1,0 +1,29 @@
+"""``gdpo-plan --config FILE --gpus-per-node N --gpu-memory GIB [--nodes N] [key.sub=value ...]``.
+
+Prints the per-GPU memory of the fullest pipeline stage, with and without the distributed
+optimizer (:mod:`gdpo_megatron.preflight.plan`), and exits 0 when the configured layout fits
+(1 when not, 2 on bad input).
+"""
+from __future__ import annotations
+
+from gdpo_megatron.commands.console import ArgumentParser, console_entry
+from gdpo_megatron.preflight.plan import DEFAULT_OVERHEAD_GIB, Cluster, format_plan, load_for_gpu, plan_memory
+
+
+@console_entry
+def main(argv: list[str]) -> int:
+    parser = ArgumentParser(
+        prog="gdpo-plan", description="Per-GPU memory of a training config, and whether it fits, before submitting.")
+    parser.add_argument("--config", required=True, help="training YAML (see configs/)")
+    parser.add_argument("--gpus-per-node", type=int, required=True)
+    parser.add_argument("--gpu-memory", type=float, required=True, metavar="GIB",
+                        help="memory of one GPU in GiB (an '80 GB' A100/H100 reports 79.6)")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--overhead", type=float, default=DEFAULT_OVERHEAD_GIB, metavar="GIB",
+                        help="per-GPU allowance for the CUDA context, NCCL and fragmentation")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides of the config")
+    args = parser.parse_args(argv)
+    cluster = Cluster(args.nodes, args.gpus_per_node, args.gpu_memory, args.overhead)
+    plan = plan_memory(load_for_gpu(args.config, args.overrides), cluster)
+    print(format_plan(plan))
+    return 0 if plan.fits(plan.distributed_optimizer) else 1

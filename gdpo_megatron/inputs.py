@@ -1,0 +1,19 @@
+"""What a training run reads before anything is built: preflight gathers it, the trainer uses it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gdpo_megatron.advantages import Condition
+from gdpo_megatron.data.samples import Sample
+from gdpo_megatron.policy.config import ModelConfig
+
+
+@dataclass
+class TrainingInputs:
+    """The data, the base model's shape and the resolved reward gates of a run."""
+
+    samples: list[Sample]
+    hf_config: dict  # base_model/config.json
+    model: ModelConfig  # the policy's shape, from hf_config
+    conditions: list[Condition]  # advantage.conditions as reward columns
+    longest_prompt: int  # tokens of the longest prompt of the data, chat template applied

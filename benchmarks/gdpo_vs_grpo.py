@@ -43,7 +43,8 @@ from pathlib import Path
 import torch
 from scipy import stats
 
-from gdpo_megatron.advantages import MODES, compute_advantages
+from gdpo_megatron.advantages import compute_advantages, conditions_by_column
+from gdpo_megatron.config.advantage import MODES, AdvantageConfig
 from gdpo_megatron.config import TrainConfig, load_config
 from gdpo_megatron.demo.exact_task import DEFAULT_VARIANT, VARIANTS, make_exact_base_model
 from gdpo_megatron.metrics import read_metrics
@@ -132,11 +133,11 @@ def census(config: TrainConfig, prompts: int) -> tuple[list[str], dict]:
                      config.rewards.reward_files) as stage:
         rewards, _ = stage.score([c.text for c in completions], [len(c.token_ids) for c in completions], truths)
     names = config.rewards.names
-    conditions = config.advantage.resolve_conditions(names)
-    weights = [r.weight for r in config.rewards.rewards]
+    conditions = conditions_by_column(config.advantage.conditions, names)
+    weights = config.rewards.weights
     one_group = torch.zeros(G, dtype=torch.long)
-    distinct = {m: [compute_advantages(rewards[i * G:(i + 1) * G], one_group, weights=weights, mode=m,
-                                       conditions=conditions).distinct_per_group for i in range(len(samples))]
+    distinct = {m: [compute_advantages(rewards[i * G:(i + 1) * G], one_group, weights=weights, conditions=conditions,
+                                       config=AdvantageConfig(mode=m)).distinct_per_group for i in range(len(samples))]
                 for m in MODES}
     whole = compute_advantages(rewards, torch.arange(len(samples)).repeat_interleave(G), weights=weights,
                                conditions=conditions)

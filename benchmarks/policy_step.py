@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # test s
 import torch
 
 from gdpo_megatron.policy.batch import PolicyBatch
-from gdpo_megatron.policy.config import ModelConfig, OptimConfig, ParallelConfig, PolicyConfig, PrecisionConfig
+from gdpo_megatron.config.policy import ModelConfig, OptimConfig, ParallelConfig, PolicyConfig, PrecisionConfig
 from support.local_world import LocalWorld
 
 # Dense BF16 tensor-core peaks (FLOP/s) by device-name fragment.

@@ -3,11 +3,11 @@
 The single source of truth for the math. Everything is vectorized over rollouts, groups and
 rewards (segment sums via ``index_add``/``scatter_reduce``; no Python loop over prompts).
 Every statistic that crosses rollouts goes through a :class:`Reduction`, so the same code
-computes the exact result when the rollouts are split over data-parallel ranks: the
-distributed package passes an all-reduce implementation, this module never imports
+computes the exact result when the rollouts are split over data-parallel ranks
+(:class:`gdpo_megatron.distributed.advantages.AllReduce`); this module never imports
 ``torch.distributed``.
 
-Conventions (shared by every mode):
+Conventions (shared by every mode; a mode's switches are :class:`~gdpo_megatron.config.advantage.ModeRules`):
 
 * rollouts with ``mask == False`` are left out of every statistic and get advantage 0;
 * a group's spread uses the unbiased std (n - 1); ``eps`` is added to the std;
@@ -21,35 +21,41 @@ Leave-one-out (``leave_one_out=True``, NeMo-RL's ``use_leave_one_out_baseline``)
 baseline is the mean of the *other* valid rollouts of its group and its scale the unbiased
 std of those others, per rollout. Where the others are all equal (always in a group of 2)
 the centered value is kept undivided, as NeMo-RL does; a group of one valid rollout still
-contributes 0. ``normalize_rewards=False`` centers without dividing in either case (GRPO
-without std is GRPO with ``normalize_rewards=False``).
+contributes 0. ``normalize_rewards=False`` centers without dividing in either case.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import torch
 
-MODES = ("gdpo", "grpo", "grpo_no_std")
-NONFINITE_POLICIES = ("raise", "mask")
+from gdpo_megatron.config.advantage import AdvantageConfig, ConditionConfig
+
 DISTINCT_DECIMALS = 6  # advantages are compared after rounding to 1e-6
 
 
 @dataclass(frozen=True)
 class Condition:
-    """Reward ``target`` counts only where reward ``on`` is >= ``threshold``; else it is ``fill``.
+    """Reward column ``reward`` counts only where column ``gate`` is >= ``threshold``; else it is ``fill``.
 
-    Example: the length reward counts only for correct answers,
-    ``Condition(target=2, on=0, threshold=1.0)``. Conditions read the raw (unconditioned)
+    Example: the length reward (column 2) counts only for correct answers (column 0),
+    ``Condition(reward=2, gate=0, threshold=1.0)``. Conditions read the raw (ungated)
     rewards, so their order never matters.
     """
 
-    target: int
-    on: int
-    threshold: float
+    reward: int
+    gate: int
+    threshold: float = 1.0
     fill: float = 0.0
+
+
+def conditions_by_column(conditions: Sequence[ConditionConfig], reward_names: Sequence[str]) -> list[Condition]:
+    """Configured conditions (rewards by name) as :class:`Condition` objects on the columns of
+    a reward tensor ordered as ``reward_names``."""
+    column = {name: k for k, name in enumerate(reward_names)}
+    return [Condition(column[c.reward], column[c.gate], c.threshold, c.fill) for c in conditions]
 
 
 class Reduction(Protocol):
@@ -171,16 +177,12 @@ def compute_advantages(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
     mask: torch.Tensor | None = None,
+    *,
+    config: AdvantageConfig = AdvantageConfig(),
     weights: torch.Tensor | Sequence[float] | None = None,
-    mode: str = "gdpo",
-    batch_norm: bool | None = None,
-    eps: float = 1e-4,
-    conditions: Iterable[Condition | tuple] | None = None,
-    nonfinite: str = "raise",
-    count_distinct: bool = True,
+    conditions: Sequence[Condition] = (),
     reduction: Reduction | None = None,
-    leave_one_out: bool = False,
-    normalize_rewards: bool = True,
+    count_distinct: bool = True,
 ) -> AdvantageResult:
     """Advantages for ``N`` rollouts with ``K`` rewards each.
 
@@ -189,26 +191,19 @@ def compute_advantages(
         group_ids: ``[N]`` integer prompt id of each rollout (groups may be interleaved and
             of any size, including 1).
         mask: ``[N]`` bool, rollouts that count; default all.
+        config: the mode, ``batch_norm``, ``eps``, ``leave_one_out``, ``normalize_rewards`` and
+            ``nonfinite`` (``"raise"`` on a NaN/inf reward of a valid rollout, or ``"mask"`` to
+            drop such rollouts and count them in ``num_nonfinite``); its named conditions are
+            the caller's to turn into ``conditions`` (:func:`conditions_by_column`).
         weights: ``[K]`` reward weights, applied after per-reward normalization; default 1.
-        mode: ``"gdpo"``, ``"grpo"`` or ``"grpo_no_std"``.
-        batch_norm: normalize the summed advantage over all valid rollouts of the batch.
-            ``None`` (default): on for GDPO, off for the GRPO modes.
-        eps: added to every std before dividing.
-        conditions: :class:`Condition` objects or ``(target, on, threshold[, fill])`` tuples.
-        nonfinite: ``"raise"`` (default) on a NaN/inf reward of a valid rollout, or
-            ``"mask"`` to drop such rollouts and count them in ``num_nonfinite``.
+        conditions: reward gates on the columns of ``rewards``.
+        reduction: how statistics combine across processes; default all rollouts are local.
         count_distinct: compute ``distinct_per_group`` (NaN when off). Across processes it is
             the one statistic whose communication grows with the number of rollouts.
-        reduction: how statistics combine across processes; default all rollouts are local.
-            ``gdpo_megatron.distributed.compute_advantages`` passes an all-reduce.
-        leave_one_out: baseline and scale of a rollout from the other rollouts of its group
-            (see the module docstring).
-        normalize_rewards: divide by the group (or leave-one-out) std; ``False`` only centers.
     """
     reduction = reduction or LocalReduction()
-    rewards, group_ids, mask, weights, conditions = _validate(
-        rewards, group_ids, mask, weights, mode, eps, conditions, nonfinite, leave_one_out, normalize_rewards
-    )
+    rules = config.rules
+    rewards, group_ids, mask, weights = _validate(rewards, group_ids, mask, weights, conditions)
     out_dtype = rewards.dtype
     # float64 inside: rewards like 1e6 + noise must keep their small differences.
     raw = rewards.to(torch.float64)
@@ -216,7 +211,7 @@ def compute_advantages(
 
     nonfinite_rows = mask & ~torch.isfinite(raw).all(dim=1)
     num_nonfinite = int(reduction.sum(nonfinite_rows.sum().reshape(1)).item())
-    if num_nonfinite and nonfinite == "raise":
+    if num_nonfinite and config.nonfinite == "raise":
         _raise_nonfinite(raw, nonfinite_rows)
     mask = mask & ~nonfinite_rows
     raw = torch.where(mask.unsqueeze(1), raw, torch.zeros((), dtype=raw.dtype, device=raw.device))
@@ -225,40 +220,17 @@ def compute_advantages(
     index, ids = reduction.index_groups(group_ids)
     K = r.shape[1]
     # One pass over the groups gives the per-reward statistics (every mode logs them) and,
-    # for the GRPO modes, those of the weighted sum they normalize (column K).
-    columns = r if mode == "gdpo" else torch.cat([r, (r @ w).unsqueeze(1)], dim=1)
-    stats = segment_stats(columns, index, ids.numel(), mask, reduction, one_out=leave_one_out)
-    if leave_one_out:
-        deviation, spread, flat = leave_one_out_stats(columns, index, stats)
-    else:
-        deviation, spread, flat = stats.deviations(columns, index), stats.std[index], stats.zero_spread[index]
-
-    # What multiplies each centered value: 1 / (std + eps), or 1 without normalization; where
-    # the values the baseline comes from are all equal, 0 for the group mean (the centered
-    # value is 0 anyway) and 1 for leave-one-out (NeMo-RL keeps it undivided); 0 when alone.
-    divide = normalize_rewards and mode != "grpo_no_std"
-    scale = 1.0 / (spread + eps) if divide else torch.ones_like(spread)
-    scale = torch.where(flat, float(leave_one_out), scale)
-    scale = torch.where((stats.count[index] < 2).unsqueeze(1), 0.0, scale)
-    centered = deviation[:, :K] * w
-    valid = mask.unsqueeze(1)
-    if mode == "gdpo":
-        contributions = torch.where(valid, centered * scale, 0.0)
-        summed = contributions.sum(dim=1)
-    else:
-        # The total is centered on its own column (exact where its baseline is); the
-        # per-reward parts, which add up to it, only feed the variance-share diagnostic.
-        contributions = torch.where(valid, centered * scale[:, K:], 0.0)
-        summed = torch.where(mask, deviation[:, K] * scale[:, K], 0.0)
+    # where the weighted sum is what is normalized, those of the sum (column K).
+    columns = r if rules.each_reward else torch.cat([r, (r @ w).unsqueeze(1)], dim=1)
+    stats = segment_stats(columns, index, ids.numel(), mask, reduction, one_out=config.leave_one_out)
+    contributions, summed = _group_advantages(columns, index, mask, w, stats, config, rules)
 
     single = torch.zeros_like(index)
     batch = segment_stats(summed.unsqueeze(1), single, 1, mask, reduction)
-    if batch_norm is None:
-        batch_norm = mode == "gdpo"
     advantages = summed
-    if batch_norm:
+    if rules.batch_norm:
         advantages = _normalized(
-            summed.unsqueeze(1), batch.mean[single], batch.std[single], batch.zero_spread[single], eps
+            summed.unsqueeze(1), batch.mean[single], batch.std[single], batch.zero_spread[single], config.eps
         ).squeeze(1)
     advantages = torch.where(mask, advantages, 0.0)
     totals = reduction.sum(torch.stack([advantages.sum(), advantages.abs().sum(), mask.sum().to(advantages.dtype)]))
@@ -286,13 +258,40 @@ def compute_advantages(
     )
 
 
+def _group_advantages(columns, index, mask, w, stats: SegmentStats, config: AdvantageConfig, rules):
+    """Each rollout's summed advantage before the batch step, and each reward's weighted part of it.
+
+    ``columns`` are the rewards (and, where the sum is normalized, the weighted sum last).
+    """
+    K = w.numel()
+    if config.leave_one_out:
+        deviation, spread, flat = leave_one_out_stats(columns, index, stats)
+    else:
+        deviation, spread, flat = stats.deviations(columns, index), stats.std[index], stats.zero_spread[index]
+    # What multiplies each centered value: 1 / (std + eps), or 1 without normalization; where
+    # the values the baseline comes from are all equal, 0 for the group mean (the centered
+    # value is 0 anyway) and 1 for leave-one-out (NeMo-RL keeps it undivided); 0 when alone.
+    scale = 1.0 / (spread + config.eps) if rules.divide_by_std else torch.ones_like(spread)
+    scale = torch.where(flat, float(config.leave_one_out), scale)
+    scale = torch.where((stats.count[index] < 2).unsqueeze(1), 0.0, scale)
+    centered = deviation[:, :K] * w
+    valid = mask.unsqueeze(1)
+    if rules.each_reward:
+        contributions = torch.where(valid, centered * scale, 0.0)
+        return contributions, contributions.sum(dim=1)
+    # The total is centered on its own column (exact where its baseline is); the per-reward
+    # parts, which add up to it, only feed the variance-share diagnostic.
+    contributions = torch.where(valid, centered * scale[:, K:], 0.0)
+    return contributions, torch.where(mask, deviation[:, K] * scale[:, K], 0.0)
+
+
 def apply_conditions(rewards: torch.Tensor, conditions: Sequence[Condition]) -> torch.Tensor:
     """Gate rewards by others; every condition reads the raw rewards."""
     if not conditions:
         return rewards
     out = rewards.clone()
     for c in conditions:  # loop over the few configured conditions, never over rollouts
-        out[:, c.target] = torch.where(rewards[:, c.on] >= c.threshold, rewards[:, c.target], c.fill)
+        out[:, c.reward] = torch.where(rewards[:, c.gate] >= c.threshold, rewards[:, c.reward], c.fill)
     return out
 
 
@@ -459,7 +458,7 @@ def _raise_nonfinite(rewards: torch.Tensor, rows: torch.Tensor) -> None:
     )
 
 
-def _validate(rewards, group_ids, mask, weights, mode, eps, conditions, nonfinite, leave_one_out, normalize_rewards):
+def _validate(rewards, group_ids, mask, weights, conditions):
     if not isinstance(rewards, torch.Tensor):
         rewards = torch.as_tensor(rewards)
     if rewards.dim() != 2:
@@ -485,22 +484,10 @@ def _validate(rewards, group_ids, mask, weights, mode, eps, conditions, nonfinit
         raise ValueError(f"weights: expected {K} values (one per reward), got shape {tuple(weights.shape)}")
     if not torch.isfinite(weights).all():
         raise ValueError(f"weights: must be finite, got {weights.tolist()}")
-    if mode not in MODES:
-        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-    if not (eps >= 0 and math.isfinite(eps)):
-        raise ValueError(f"eps: expected a finite value >= 0, got {eps}")
-    if nonfinite not in NONFINITE_POLICIES:
-        raise ValueError(f"nonfinite: expected one of {NONFINITE_POLICIES}, got {nonfinite!r}")
-    for name, flag in (("leave_one_out", leave_one_out), ("normalize_rewards", normalize_rewards)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"{name}: expected True or False, got {flag!r}")
-    parsed = []
-    for c in conditions or ():
-        c = c if isinstance(c, Condition) else Condition(*c)
-        for name in ("target", "on"):
+    for c in conditions:
+        for name in ("reward", "gate"):
             if not 0 <= getattr(c, name) < K:
-                raise ValueError(f"conditions: {name}={getattr(c, name)} is not a reward index in [0, {K})")
-        if c.target == c.on:
-            raise ValueError(f"conditions: reward {c.target} cannot be conditioned on itself")
-        parsed.append(c)
-    return rewards, group_ids, mask, weights, parsed
+                raise ValueError(f"conditions: {name}={getattr(c, name)} is not a reward column in [0, {K})")
+        if c.reward == c.gate:
+            raise ValueError(f"conditions: reward {c.reward} cannot be gated by itself")
+    return rewards, group_ids, mask, weights

@@ -10,8 +10,23 @@ that need it, so a process can ask :func:`nvidia_driver` before torch is loaded.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 from dataclasses import dataclass
 from typing import Literal
+
+from gdpo_megatron.config.loader import ConfigError
+from gdpo_megatron.config.policy import PrecisionConfig
+
+# For each of megatron-core's FP8 recipes, the Transformer Engine function that says whether this
+# GPU, CUDA and cuBLAS run the TE recipe megatron-core builds for it: delayed -> DelayedScaling
+# and tensorwise -> Float8CurrentScaling (is_fp8_available), blockwise -> Float8BlockScaling,
+# mxfp8 -> MXFP8BlockScaling.
+FP8_RECIPE_SUPPORT = {
+    "delayed": "is_fp8_available",
+    "tensorwise": "is_fp8_available",
+    "blockwise": "is_fp8_block_scaling_available",
+    "mxfp8": "is_mxfp8_available",
+}
 
 
 def nvidia_driver() -> ctypes.CDLL | None:
@@ -38,6 +53,12 @@ class Machine:
             return setting
         return "bf16" if self.cuda else "fp32"
 
+    def transformer_engine(self, setting: bool | None) -> bool:
+        """``precision.transformer_engine``: None means TE's layer spec wherever CUDA and TE are present."""
+        if setting is not None:
+            return setting
+        return self.cuda and transformer_engine_available()
+
     def distributed_optimizer(self, setting: bool | None) -> bool:
         """``optim.use_distributed_optimizer``: None means the sharded optimizer on CUDA only."""
         return self.cuda if setting is None else setting
@@ -61,3 +82,48 @@ def this_machine() -> Machine:
     import torch
 
     return CUDA if torch.cuda.is_available() else CPU
+
+
+def transformer_engine_available() -> bool:
+    """Whether Transformer Engine is installed (never imported on CPU-only machines)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def fp8_recipe_support(recipe: str) -> tuple[bool, str]:
+    """Transformer Engine's own answer whether this machine runs ``recipe``: (ok, reason).
+
+    Imports Transformer Engine, so call it only where CUDA and TE are present.
+    """
+    import transformer_engine.pytorch as te
+
+    return getattr(te, FP8_RECIPE_SUPPORT[recipe])(return_reason=True)
+
+
+def check_precision(precision: PrecisionConfig) -> None:
+    """Raise ConfigError if this machine cannot run ``precision`` (resolved): the Transformer
+    Engine spec without CUDA or TE, FP8 without a GPU, TE and bf16 that run the recipe."""
+    import torch
+
+    key = "policy.precision"
+    cuda = torch.cuda.is_available()
+    if precision.transformer_engine:
+        if not cuda:
+            raise ConfigError(f"{key}.transformer_engine: the Transformer Engine spec needs CUDA")
+        if not transformer_engine_available():
+            raise ConfigError(f"{key}.transformer_engine: transformer_engine is not installed")
+    if precision.fp8 is None:
+        return
+    fp8 = f"{key}.fp8={precision.fp8!r}"
+    if not cuda:
+        raise ConfigError(f"{fp8}: FP8 needs a CUDA GPU; use fp8: null on CPU")
+    if not transformer_engine_available():
+        raise ConfigError(f"{fp8}: FP8 needs Transformer Engine (pip install transformer-engine[pytorch])")
+    if not precision.transformer_engine:
+        raise ConfigError(f"{fp8}: FP8 needs transformer_engine: true")
+    if precision.dtype != "bf16":
+        raise ConfigError(f"{fp8}: FP8 training expects dtype bf16, got {precision.dtype!r}")
+    supported, reason = fp8_recipe_support(precision.fp8_recipe)
+    if not supported:
+        major, minor = torch.cuda.get_device_capability()
+        raise ConfigError(f"{key}.fp8_recipe={precision.fp8_recipe!r}: Transformer Engine cannot run it on this "
+                          f"GPU (compute capability {major}.{minor}, CUDA {torch.version.cuda}): {reason}")

@@ -10,7 +10,7 @@ from typing import Sequence
 
 from gdpo_megatron.data.chat import encode_prompt
 from gdpo_megatron.data.samples import Sample
-from gdpo_megatron.rewards.registry import RewardSpec
+from gdpo_megatron.config.rewards import RewardSpec
 
 
 def evaluate(model_dir: str | Path, samples: Sequence[Sample], rewards: Sequence[RewardSpec] = (), *,
@@ -22,11 +22,7 @@ def evaluate(model_dir: str | Path, samples: Sequence[Sample], rewards: Sequence
     from gdpo_megatron.rollout.engine import SamplingConfig
     from gdpo_megatron.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 
-    import torch
-
-    engine = VLLMEngine(VLLMEngineConfig(
-        model_path=str(model_dir), max_model_len=max_model_len,
-        dtype="auto" if torch.cuda.is_available() else "float32"))
+    engine = VLLMEngine(VLLMEngineConfig(model_path=str(model_dir), max_model_len=max_model_len))
     try:
         tokenizer = engine.tokenizer
         encoded = [(s, encode_prompt(tokenizer, s.messages)) for s in samples]

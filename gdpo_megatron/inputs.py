@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from gdpo_megatron.advantages import Condition
 from gdpo_megatron.data.samples import Sample
-from gdpo_megatron.policy.config import ModelConfig
+from gdpo_megatron.config.policy import ModelConfig
 
 
 @dataclass

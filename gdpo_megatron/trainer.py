@@ -38,13 +38,15 @@ from gdpo_megatron.checkpoint.manager import CheckpointManager
 from gdpo_megatron.checkpoint.weight_stream import iter_hf_weights
 from gdpo_megatron.config import TrainConfig, to_dict
 from gdpo_megatron.data.chat import encode_prompt
-from gdpo_megatron.distributed import compute_advantages
+from gdpo_megatron.advantages import compute_advantages
+from gdpo_megatron.distributed.advantages import AllReduce
 from gdpo_megatron.distributed.threads import use_rank_threads
 from gdpo_megatron.experience import (PromptSchedule, Rollouts, leader_broadcast, leader_call, reward_submitter,
                                       sampling_seed, to_policy_batch)
 from gdpo_megatron.inputs import TrainingInputs
 from gdpo_megatron.metrics import MetricsLogger
-from gdpo_megatron.policy.config import SHAPE_FIELDS
+from gdpo_megatron.config.policy import SHAPE_FIELDS
+from gdpo_megatron.device import this_machine
 from gdpo_megatron.policy.worker import PolicyWorker
 from gdpo_megatron.rewards.stage import RewardStage
 from gdpo_megatron.rollout.engine import SamplingConfig
@@ -85,19 +87,17 @@ class Trainer:
         use_rank_threads()  # before vLLM starts (it pins torch's thread count)
         rewards = config.rewards
         self.reward_names = rewards.names
-        self.reward_weights = [r.weight for r in rewards.rewards]
         self.conditions = inputs.conditions
         self.samples = inputs.samples
         self.schedule = PromptSchedule(len(self.samples), config.data.prompts_per_step, config.data.shuffle_seed)
         self.hf_config, model = inputs.hf_config, inputs.model
         _warn_on_shape_drift(config.policy.model, model, config.base_model)
-        self.policy_config = dataclasses.replace(config.policy, model=model, seed=config.seed,
-                                                 temperature=config.rollout.temperature)
+        self.policy_config = dataclasses.replace(config.policy, model=model)
         self.checkpoints = CheckpointManager(self.run_dir / CHECKPOINT_DIR, keep_last=config.checkpoint.keep_last,
                                              optimizer_sharding=config.checkpoint.optimizer_sharding)
         latest = self.checkpoints.latest_step()  # resume and its data position are checked with the inputs
 
-        self.worker = PolicyWorker(self.policy_config,
+        self.worker = PolicyWorker(self.policy_config, seed=config.seed, temperature=config.rollout.temperature,
                                    init_weights=lambda m: load_hf_weights(m, model, config.base_model))
         self.device = self.worker.device
         self.dp_group = parallel_state.get_data_parallel_group()
@@ -116,7 +116,6 @@ class Trainer:
         self.engine = VLLMEngine(VLLMEngineConfig(
             model_path=config.base_model,
             tensor_parallel_size=config.rollout.tensor_parallel_size,
-            dtype="auto" if torch.cuda.is_available() else "float32",
             max_model_len=config.rollout.max_model_len,
             gpu_memory_utilization=config.rollout.gpu_memory_utilization,
             kv_cache_gib=self._kv_cache_gib(rollouts_per_replica, inputs.longest_prompt),
@@ -210,8 +209,8 @@ class Trainer:
 
         metrics = self._reward_metrics(rewards, stage_metrics)
         for c in self.conditions:  # what the advantages saw for a gated reward
-            name = self.reward_names[c.target]
-            metrics[f"reward/{name}/gated_mean"] = self._global_mean(result.rewards[result.mask, c.target])
+            name = self.reward_names[c.reward]
+            metrics[f"reward/{name}/gated_mean"] = self._global_mean(result.rewards[result.mask, c.reward])
         metrics.update(result.metrics(self.reward_names))
         if kept_fraction is not None:
             metrics["advantage/kept_group_frac"] = kept_fraction
@@ -247,10 +246,8 @@ class Trainer:
 
     def _advantages(self, rewards: torch.Tensor, group_ids: torch.Tensor):
         """The step's advantages, and with dynamic sampling the share of prompt groups kept."""
-        adv = self.config.advantage
-        kwargs = dict(weights=self.reward_weights, mode=adv.mode, batch_norm=adv.batch_norm, eps=adv.eps,
-                      conditions=self.conditions, nonfinite=adv.nonfinite, group=self.dp_group,
-                      leave_one_out=adv.leave_one_out, normalize_rewards=adv.normalize_rewards)
+        kwargs = dict(config=self.config.advantage, weights=self.config.rewards.weights, conditions=self.conditions,
+                      reduction=AllReduce(self.dp_group))
         result = compute_advantages(rewards, group_ids, **kwargs)
         if not self.config.dynamic_sampling:
             return result, None
@@ -267,7 +264,7 @@ class Trainer:
         the cache that one step's rollouts fill at most: the data's longest prompt plus
         ``rollout.max_new_tokens`` each."""
         rollout = self.config.rollout
-        if rollout.kv_cache_gib is not None or torch.cuda.is_available():
+        if rollout.kv_cache_gib is not None or this_machine().cuda:
             return rollout.kv_cache_gib
         per_token = kv_cache_bytes_per_token(self.policy_config.model, rollout.tensor_parallel_size,
                                              CPU_KV_ELEMENT_BYTES)

@@ -9,14 +9,17 @@ from hypothesis import strategies as st
 
 from advantage_reference import reference_advantages
 from gdpo_megatron.advantages import Condition, compute_advantages
+from gdpo_megatron.config import AdvantageConfig, ConfigError, from_dict
+from gdpo_megatron.config.advantage import MODE_RULES, MODES
 
 WORKED_REWARDS = torch.tensor([[0.0, 0.0], [0.0, 1.0], [0.0, 0.0], [1.0, 1.0]], dtype=torch.float64)
 WORKED_GROUPS = torch.tensor([0, 0, 1, 1])
 
 
-def _adv(mode, **kw):
-    kw.setdefault("batch_norm", False)
-    return compute_advantages(WORKED_REWARDS, WORKED_GROUPS, mode=mode, **kw).advantages.tolist()
+def _adv(mode, **settings):
+    settings.setdefault("batch_norm", False)
+    config = AdvantageConfig(mode=mode, **settings)
+    return compute_advantages(WORKED_REWARDS, WORKED_GROUPS, config=config).advantages.tolist()
 
 
 def test_worked_example_grpo_collapses_distinct_reward_combinations():
@@ -40,7 +43,7 @@ def test_worked_example_grpo_without_std():
 
 def test_worked_example_gdpo_batch_normalized():
     raw = [-0.5, 0.5, -1.0, 1.0]  # GDPO sums with eps=0, scaled by 1/sqrt(2) below
-    res = compute_advantages(WORKED_REWARDS, WORKED_GROUPS, eps=0.0)  # batch_norm defaults on for gdpo
+    res = compute_advantages(WORKED_REWARDS, WORKED_GROUPS, config=AdvantageConfig(eps=0.0))  # batch_norm defaults on for gdpo
     sd = statistics.stdev(raw)
     assert res.advantages.tolist() == pytest.approx([v / sd for v in raw], abs=1e-12)
     assert res.batch_mean == pytest.approx(0.0, abs=1e-12)
@@ -48,11 +51,10 @@ def test_worked_example_gdpo_batch_normalized():
 
 
 def test_per_reward_z_scores_can_cancel_under_gdpo():
-    res = compute_advantages(torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([7, 7]), batch_norm=False)
+    res = compute_advantages(torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([7, 7]), config=AdvantageConfig(batch_norm=False))
     assert res.advantages.tolist() == [0.0, 0.0]
     # ... and with unequal weights they no longer cancel
-    res = compute_advantages(torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([7, 7]), weights=[2.0, 1.0],
-                             batch_norm=False, eps=0.0)
+    res = compute_advantages(torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([7, 7]), weights=[2.0, 1.0], config=AdvantageConfig(batch_norm=False, eps=0.0))
     s = 1 / math.sqrt(2)
     assert res.advantages.tolist() == pytest.approx([2 * s - s, -2 * s + s], abs=1e-6)
 
@@ -60,8 +62,7 @@ def test_per_reward_z_scores_can_cancel_under_gdpo():
 def test_conditioned_reward_counts_only_where_condition_holds():
     # columns: correct, short. "short" counts only for correct answers.
     rewards = torch.tensor([[1.0, 1.0], [0.0, 1.0], [1.0, 0.0], [0.0, 0.0]], dtype=torch.float64)
-    res = compute_advantages(rewards, torch.zeros(4, dtype=torch.long), conditions=[Condition(1, 0, 1.0)],
-                             batch_norm=False)
+    res = compute_advantages(rewards, torch.zeros(4, dtype=torch.long), conditions=[Condition(1, 0, 1.0)], config=AdvantageConfig(batch_norm=False))
     assert res.rewards[:, 1].tolist() == [1.0, 0.0, 0.0, 0.0]
     expected = reference_advantages(rewards.tolist(), [0] * 4, [True] * 4, [1.0, 1.0], "gdpo", False,
                                     conditions=[(1, 0, 1.0)])
@@ -71,7 +72,7 @@ def test_conditioned_reward_counts_only_where_condition_holds():
 def test_invalid_rollouts_get_zero_and_do_not_enter_statistics():
     rewards = torch.tensor([[1.0], [0.0], [100.0], [3.0]], dtype=torch.float64)
     mask = torch.tensor([True, True, False, True])
-    res = compute_advantages(rewards, torch.zeros(4, dtype=torch.long), mask=mask, batch_norm=False)
+    res = compute_advantages(rewards, torch.zeros(4, dtype=torch.long), mask=mask, config=AdvantageConfig(batch_norm=False))
     assert res.advantages[2] == 0
     expected = reference_advantages(rewards.tolist(), [0] * 4, mask.tolist(), [1.0], "gdpo", False)
     assert res.advantages.tolist() == pytest.approx(expected, abs=1e-12)
@@ -82,7 +83,7 @@ def test_invalid_rollouts_get_zero_and_do_not_enter_statistics():
 def test_all_groups_zero_spread_give_zero_advantages_and_full_zero_spread_fraction():
     rewards = torch.tensor([[1.0, 2.0], [1.0, 2.0], [0.0, 5.0], [0.0, 5.0]])
     for mode in ("gdpo", "grpo", "grpo_no_std"):
-        res = compute_advantages(rewards, torch.tensor([0, 0, 1, 1]), mode=mode, batch_norm=True)
+        res = compute_advantages(rewards, torch.tensor([0, 0, 1, 1]), config=AdvantageConfig(mode=mode, batch_norm=True))
         assert res.advantages.tolist() == [0.0] * 4
         assert res.zero_spread_fraction.tolist() == [1.0, 1.0]
         assert res.variance_share.tolist() == [0.0, 0.0]
@@ -92,7 +93,7 @@ def test_all_groups_zero_spread_give_zero_advantages_and_full_zero_spread_fracti
 def test_single_rollout_and_single_reward():
     res = compute_advantages(torch.tensor([[3.5]]), torch.tensor([0]))
     assert res.advantages.tolist() == [0.0]
-    res = compute_advantages(torch.tensor([[1.0], [2.0], [4.0]]), torch.tensor([0, 0, 0]), batch_norm=False)
+    res = compute_advantages(torch.tensor([[1.0], [2.0], [4.0]]), torch.tensor([0, 0, 0]), config=AdvantageConfig(batch_norm=False))
     assert res.advantages.tolist() == pytest.approx(reference_advantages([[1], [2], [4]], [0] * 3, [True] * 3, [1.0],
                                                                          "gdpo", False), abs=1e-6)
 
@@ -101,7 +102,7 @@ def test_groups_of_different_sizes_interleaved_with_arbitrary_ids():
     rewards = torch.tensor([[1.0, 0.0], [5.0, 1.0], [0.0, 1.0], [2.0, 2.0], [7.0, 0.0], [3.0, 3.0]], dtype=torch.float64)
     groups = torch.tensor([42, -3, 42, 42, 1000, -3])
     for mode in ("gdpo", "grpo", "grpo_no_std"):
-        res = compute_advantages(rewards, groups, mode=mode, batch_norm=True)
+        res = compute_advantages(rewards, groups, config=AdvantageConfig(mode=mode, batch_norm=True))
         expected = reference_advantages(rewards.tolist(), groups.tolist(), [True] * 6, [1.0, 1.0], mode, True)
         assert res.advantages.tolist() == pytest.approx(expected, abs=1e-9), mode
     assert res.group_ids.tolist() == [-3, 42, 1000]
@@ -111,7 +112,7 @@ def test_groups_of_different_sizes_interleaved_with_arbitrary_ids():
 def test_diagnostics_against_direct_computation():
     rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0], [1.0, 0.0], [1.0, 1.0]], dtype=torch.float64)
     groups = torch.tensor([0, 0, 1, 1, 2, 2])
-    res = compute_advantages(rewards, groups, weights=[1.0, 0.5], batch_norm=False, eps=0.0)
+    res = compute_advantages(rewards, groups, weights=[1.0, 0.5], config=AdvantageConfig(batch_norm=False, eps=0.0))
     # reward 0 has no spread in group 2; reward 1 has spread everywhere
     assert res.zero_spread_fraction.tolist() == pytest.approx([1 / 3, 0.0])
     # group 0: z = (+s, -s) for reward 0 and (-s, +s) for reward 1 -> sums (s/2, -s/2)
@@ -132,8 +133,8 @@ def test_diagnostics_against_direct_computation():
 
 
 def test_grpo_distinct_values_show_the_collapse():
-    grpo = compute_advantages(WORKED_REWARDS, WORKED_GROUPS, mode="grpo", eps=0.0)
-    gdpo = compute_advantages(WORKED_REWARDS, WORKED_GROUPS, mode="gdpo", eps=0.0)
+    grpo = compute_advantages(WORKED_REWARDS, WORKED_GROUPS, config=AdvantageConfig(mode="grpo", eps=0.0))
+    gdpo = compute_advantages(WORKED_REWARDS, WORKED_GROUPS, config=AdvantageConfig(mode="gdpo", eps=0.0))
     # both have 2 distinct values per group, but GRPO's are the same across groups
     assert len({round(v, 6) for v in grpo.advantages.tolist()}) == 2
     assert len({round(v, 6) for v in gdpo.advantages.tolist()}) == 4
@@ -145,19 +146,18 @@ def test_large_offset_keeps_relative_precision(leave_one_out):
     rewards = 1e6 + 0.01 * torch.randn(64, 3, generator=gen, dtype=torch.float64)
     groups = torch.arange(64) % 8
     for mode in ("gdpo", "grpo", "grpo_no_std"):
-        got = compute_advantages(rewards, groups, mode=mode, batch_norm=True, eps=0.0,
-                                 leave_one_out=leave_one_out).advantages
+        got = compute_advantages(rewards, groups, config=AdvantageConfig(mode=mode, batch_norm=True, eps=0.0, leave_one_out=leave_one_out)).advantages
         want = torch.tensor(reference_advantages(rewards.tolist(), groups.tolist(), [True] * 64, [1.0] * 3, mode,
                                                  True, eps=0.0, leave_one_out=leave_one_out), dtype=torch.float64)
         # 1e-6 relative to the advantage scale (elementwise relative error is meaningless near 0)
         assert (got - want).abs().max() <= 1e-6 * want.abs().max(), mode
 
 
-def _loo(rewards, groups, **kw):
-    kw.setdefault("batch_norm", False)
+def _loo(rewards, groups, mask=None, **settings):
+    settings.setdefault("batch_norm", False)
     rewards = torch.tensor(rewards, dtype=torch.float64)
-    return compute_advantages(rewards.reshape(len(rewards), -1), torch.tensor(groups), leave_one_out=True,
-                              **kw).advantages.tolist()
+    return compute_advantages(rewards.reshape(len(rewards), -1), torch.tensor(groups), mask,
+                              config=AdvantageConfig(leave_one_out=True, **settings)).advantages.tolist()
 
 
 def test_leave_one_out_by_hand():
@@ -179,7 +179,7 @@ def test_leave_one_out_groups_of_two_and_one():
     assert got == [2.0, -2.0, 0.0, 0.0, 0.0, 0.0, 0.0]
     # GDPO over two rewards, then batch normalization over the five valid rollouts
     res = compute_advantages(torch.tensor([[1.0, 0.0], [0.0, 0.0], [4.0, 1.0], [0.5, 1.0], [0.5, -2.0]]),
-                             torch.tensor([0, 0, 1, 2, 2]), leave_one_out=True, eps=0.0)
+                             torch.tensor([0, 0, 1, 2, 2]), config=AdvantageConfig(leave_one_out=True, eps=0.0))
     # group 0: reward 0 gives 1 - 0 and 0 - 1; group 2: reward 1 gives 1 - (-2) and -2 - 1
     summed = [1.0, -1.0, 0.0, 3.0, -3.0]
     m, sd = statistics.fmean(summed), statistics.stdev(summed)
@@ -215,16 +215,21 @@ def test_leave_one_out_in_the_grpo_modes():
     # (summing the per-reward leave-one-out baselines would leave about 3e-17, which batch
     # normalization would blow up to +-1).
     rewards = torch.tensor([[0.1, 0.2], [0.2, 0.1], [0.2, 0.1]], dtype=torch.float64)
-    res = compute_advantages(rewards, torch.zeros(3, dtype=torch.long), mode="grpo", leave_one_out=True,
-                             batch_norm=True)
+    res = compute_advantages(rewards, torch.zeros(3, dtype=torch.long), config=AdvantageConfig(mode="grpo", leave_one_out=True, batch_norm=True))
     assert res.advantages.tolist() == [0.0, 0.0, 0.0]
 
 
-def test_new_options_are_checked():
-    with pytest.raises(ValueError, match="leave_one_out: expected True or False"):
-        compute_advantages(torch.zeros(2, 1), torch.zeros(2, dtype=torch.long), leave_one_out=1)
-    with pytest.raises(ValueError, match="normalize_rewards: expected True or False"):
-        compute_advantages(torch.zeros(2, 1), torch.zeros(2, dtype=torch.long), normalize_rewards="no")
+@pytest.mark.parametrize("settings, message", [
+    ({"leave_one_out": 1}, "advantage.leave_one_out: expected true or false, got 1"),
+    ({"normalize_rewards": "no"}, "advantage.normalize_rewards: expected true or false, got 'no'"),
+    ({"mode": "ppo"}, "advantage.mode: expected one of"),
+    ({"eps": -1.0}, "advantage.eps: expected a finite value >= 0"),
+    ({"nonfinite": "ignore"}, "advantage.nonfinite: expected one of"),
+    ({"conditions": [{"reward": "a", "gate": "a"}]}, "advantage.conditions.0.gate: expected another reward than 'a'"),
+])
+def test_settings_are_checked_when_the_config_loads(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        from_dict(AdvantageConfig, settings, "advantage")
 
 
 def test_nonfinite_rewards_raise_by_default_naming_rows():
@@ -236,7 +241,7 @@ def test_nonfinite_rewards_raise_by_default_naming_rows():
 def test_nonfinite_rewards_can_be_masked_and_counted():
     rewards = torch.tensor([[1.0], [float("nan")], [0.0], [2.0]], dtype=torch.float64)
     mask = torch.tensor([True, True, True, True])
-    res = compute_advantages(rewards, torch.zeros(4, dtype=torch.long), mask=mask, nonfinite="mask", batch_norm=False)
+    res = compute_advantages(rewards, torch.zeros(4, dtype=torch.long), mask=mask, config=AdvantageConfig(nonfinite="mask", batch_norm=False))
     assert res.num_nonfinite == 1
     assert res.mask.tolist() == [True, False, True, True]
     expected = reference_advantages([[1.0], [0.0], [0.0], [2.0]], [0] * 4, [True, False, True, True], [1.0],
@@ -257,11 +262,8 @@ def test_nonfinite_rewards_can_be_masked_and_counted():
         (dict(mask=torch.ones(3)), r"mask: expected a bool tensor of shape \[3\]"),
         (dict(weights=[1.0]), r"weights: expected 2 values"),
         (dict(weights=[1.0, float("nan")]), r"weights: must be finite"),
-        (dict(mode="ppo"), r"mode: expected one of"),
-        (dict(eps=-1.0), r"eps: expected a finite value >= 0"),
-        (dict(conditions=[(0, 2, 1.0)]), r"conditions: on=2 is not a reward index in \[0, 2\)"),
-        (dict(conditions=[(1, 1, 1.0)]), r"cannot be conditioned on itself"),
-        (dict(nonfinite="ignore"), r"nonfinite: expected one of"),
+        (dict(conditions=[Condition(0, 2, 1.0)]), r"conditions: gate=2 is not a reward column in \[0, 2\)"),
+        (dict(conditions=[Condition(1, 1, 1.0)]), r"cannot be gated by itself"),
     ],
 )
 def test_bad_input_names_the_field(kwargs, message):
@@ -290,7 +292,7 @@ def batches(draw):
     weights = draw(st.lists(st.floats(0.0, 3.0), min_size=k, max_size=k))
     conditions = []
     if k >= 2 and draw(st.booleans()):
-        conditions = [(draw(st.integers(1, k - 1)), 0, draw(st.sampled_from([0.5, 1.0])))]
+        conditions = [Condition(draw(st.integers(1, k - 1)), 0, draw(st.sampled_from([0.5, 1.0])))]
     mode = draw(st.sampled_from(["gdpo", "grpo", "grpo_no_std"]))
     batch_norm = draw(st.booleans())
     options = dict(leave_one_out=draw(st.booleans()), normalize_rewards=draw(st.booleans()))
@@ -306,12 +308,14 @@ def test_matches_per_group_loop(batch):
         torch.tensor(groups),
         mask=torch.tensor(mask),
         weights=weights,
-        mode=mode,
-        batch_norm=batch_norm,
         conditions=conditions,
-        **options,
+        config=AdvantageConfig(mode=mode, batch_norm=batch_norm, **options),
     )
-    expected = reference_advantages(rewards, groups, mask, weights, mode, batch_norm, conditions=conditions,
-                                    **options)
+    expected = reference_advantages(rewards, groups, mask, weights, mode, batch_norm,
+                                    conditions=[(c.reward, c.gate, c.threshold) for c in conditions], **options)
     assert res.advantages.tolist() == pytest.approx(expected, rel=1e-7, abs=1e-7)
     assert res.variance_share.sum().item() == pytest.approx(1.0 if res.variance_share.any() else 0.0, abs=1e-6)
+
+
+def test_every_mode_has_its_rules():
+    assert set(MODE_RULES) == set(MODES)

@@ -1,15 +1,16 @@
 """The package's layers, as docs/architecture.md states them: imports go downward only, no module
 imports itself back through others, and nothing shipped imports the test support.
 
-Layers, top to bottom: commands (``gdpo_megatron.commands``, ``gdpo_megatron.demo``,
-``python -m gdpo_megatron``) -> preflight (``gdpo_megatron.preflight``) -> integrations ->
-the core (everything else). Every import counts, also one inside a function.
+Layers, top to bottom: entry points (``gdpo_megatron.commands``, ``gdpo_megatron.demo``,
+``python -m gdpo_megatron``, and ``gdpo_megatron.integrations``, what other frameworks call)
+-> preflight (``gdpo_megatron.preflight``) -> the core (everything else). Every import counts,
+also one inside a function.
 """
 import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "gdpo_megatron"
-LAYERS = {"commands": 3, "preflight": 2, "integrations": 1, "core": 0}
+LAYERS = {"entry points": 2, "preflight": 1, "core": 0}
 
 
 def module_name(path: Path) -> str:
@@ -19,9 +20,9 @@ def module_name(path: Path) -> str:
 
 def layer(module: str) -> str:
     part = module.split(".")[1] if "." in module else ""
-    if part in ("commands", "demo", "__main__"):
-        return "commands"
-    return part if part in ("preflight", "integrations") else "core"
+    if part in ("commands", "demo", "__main__", "integrations"):
+        return "entry points"
+    return "preflight" if part == "preflight" else "core"
 
 
 def imports(path: Path, modules: set[str]) -> set[str]:

@@ -15,7 +15,7 @@ import torch
 from gdpo_megatron.checkpoint.manager import CheckpointError, CheckpointManager, read_training_state
 from gdpo_megatron.distributed.launch import free_port
 from gdpo_megatron.policy.batch import PolicyBatch
-from gdpo_megatron.policy.config import ModelConfig, OptimConfig, ParallelConfig, PolicyConfig
+from gdpo_megatron.config.policy import ModelConfig, OptimConfig, ParallelConfig, PolicyConfig
 from test_convert import megatron_logits
 
 VOCAB = 250

@@ -225,9 +225,9 @@ def nothing_heavy(monkeypatch):
     ("run_dir=", "run_dir: expected a path, got ''"),
     ("base_model=", "base_model: expected a path, got ''"),
     ("data.train_path=", "data.train_path: expected a path, got ''"),
-    ("policy.temperature=0.5", "policy.temperature: a training run samples and trains at rollout.temperature; "
-                               "set that instead"),
-    ("policy.seed=7", "policy.seed: a training run seeds the policy with seed; set that instead"),
+    ("policy.temperature=0.5", "policy.temperature: unknown key (expected one of: loss, micro_batch_size, "
+                               "micro_batch_tokens, model, offload_grads_and_optimizer, old_logprobs, optim, parallel, "
+                               "ppo_epochs, precision)"),
     ("data.split=test", "data.train_path: dataset examples/data/tool_demo.jsonl: split 'test' was asked for, but "
                         "a file has no splits"),
     ("rewards.rewards.2.kwargs={max_tokens: -5}", "rewards.rewards.2.kwargs: length: max_tokens must be a positive "

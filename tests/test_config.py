@@ -5,9 +5,10 @@ from typing import Optional
 
 import pytest
 
-from gdpo_megatron.advantages import Condition
-from gdpo_megatron.config import AdvantageConfig, ConditionConfig, ConfigError, apply_override, from_dict, load_config
-from gdpo_megatron.policy.config import PolicyConfig
+from gdpo_megatron.advantages import Condition, conditions_by_column
+from gdpo_megatron.config import (AdvantageConfig, ConditionConfig, ConfigError, TrainConfig, apply_override, from_dict,
+                                  load_config)
+from gdpo_megatron.config.policy import PolicyConfig
 
 
 @dataclasses.dataclass
@@ -85,24 +86,21 @@ def test_policy_section_errors_are_qualified_with_their_path():
 def test_advantage_conditions_resolve_reward_names():
     cfg = from_dict(AdvantageConfig, {"conditions": [{"reward": "length", "gate": "correct", "threshold": 1}]})
     assert cfg.conditions == [ConditionConfig("length", "correct", 1.0)]
-    assert cfg.resolve_conditions(["format", "correct", "length"]) == [Condition(2, 1, 1.0, 0.0)]
+    assert conditions_by_column(cfg.conditions, ["format", "correct", "length"]) == [Condition(2, 1, 1.0, 0.0)]
     with pytest.raises(ConfigError, match=r"advantage.conditions.0.gate: 'correct' is not a configured reward"):
-        cfg.resolve_conditions(["format", "length"])
+        load_config(TrainConfig, "configs/tiny_cpu.yaml", ["advantage.conditions.0.gate=correct"])
     with pytest.raises(ConfigError, match=r"advantage.mode: expected one of"):
         from_dict(AdvantageConfig, {"mode": "ppo"}, "advantage")
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob("configs/*.yaml")))
 def test_shipped_configs_load(path):
-    from gdpo_megatron.config import TrainConfig
-
     cfg = load_config(TrainConfig, path)
-    assert cfg.rewards.names and cfg.advantage.resolve_conditions(cfg.rewards.names) is not None
+    assert cfg.rewards.names and len(conditions_by_column(cfg.advantage.conditions, cfg.rewards.names)) == len(
+        cfg.advantage.conditions)
 
 
 def test_advantage_leave_one_out_and_normalization_options():
-    from gdpo_megatron.config import TrainConfig
-
     cfg = load_config(TrainConfig, "configs/tiny_cpu.yaml",
                       ["advantage.leave_one_out=true", "advantage.normalize_rewards=false"])
     assert cfg.advantage.leave_one_out is True and cfg.advantage.normalize_rewards is False

@@ -86,7 +86,7 @@ def build_megatron(hf_directory, tp: int, pp: int = 1):
     """Megatron parallel state and a model of the Hugging Face directory's shape (random weights)."""
     from gdpo_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
     from gdpo_megatron.policy import model as policy_model
-    from gdpo_megatron.policy.config import ParallelConfig
+    from gdpo_megatron.config.policy import ParallelConfig
 
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     policy_model.initialize_model_parallel(parallel)

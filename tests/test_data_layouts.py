@@ -124,7 +124,8 @@ def test_data_config_checks_family_and_field_names():
     base = {"train_path": "x.parquet", "family": "toolrl", "prompt_key": "prompt",
             "ground_truth_key": "reward_model.ground_truth"}
     config = from_dict(DataConfig, base, "data")
-    assert config.fields() == Fields("prompt", None, "reward_model.ground_truth")
+    assert (config.prompt_key, config.system_key, config.ground_truth_key) == ("prompt", None,
+                                                                              "reward_model.ground_truth")
     with pytest.raises(ConfigError, match=r"data.family: expected one of \('math', 'tool', 'code', 'toolrl'\)"):
         from_dict(DataConfig, {**base, "family": "poetry"}, "data")
     with pytest.raises(ConfigError, match="data.ground_truth_key: expected a field name"):

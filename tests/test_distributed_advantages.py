@@ -4,14 +4,26 @@ import torch
 import torch.distributed as dist
 
 from advantage_reference import reference_advantages
-from gdpo_megatron.advantages import compute_advantages as local_advantages
-from gdpo_megatron.distributed import compute_advantages as distributed_advantages
+from gdpo_megatron.advantages import Condition, compute_advantages
+from gdpo_megatron.config import AdvantageConfig
+from gdpo_megatron.distributed.advantages import AllReduce
+
+SETTINGS = ("mode", "batch_norm", "eps", "nonfinite", "leave_one_out", "normalize_rewards")
+
+
+def advantages(rewards, groups, mask=None, kwargs=(), reduction=None):
+    """compute_advantages with ``kwargs``'s settings as the config and its conditions as (reward, gate, threshold)."""
+    kwargs = dict(kwargs)
+    config = AdvantageConfig(**{k: kwargs.pop(k) for k in SETTINGS if k in kwargs})
+    conditions = [Condition(*c) for c in kwargs.pop("conditions", ())]
+    return compute_advantages(rewards, groups, mask, config=config, conditions=conditions, reduction=reduction,
+                              **kwargs)
 
 
 def _on_rank(rewards, groups, mask, owner, kwargs):
     """Each rank takes the rows it owns and returns them with their advantages and global stats."""
     rows = (owner == dist.get_rank()).nonzero().flatten()
-    res = distributed_advantages(rewards[rows], groups[rows], mask[rows], **kwargs)
+    res = advantages(rewards[rows], groups[rows], mask[rows], kwargs, AllReduce())
     return {
         "rows": rows,
         "advantages": res.advantages,
@@ -28,7 +40,7 @@ def _on_rank(rewards, groups, mask, owner, kwargs):
 def _expect_error(rewards, groups, kwargs):
     rows = torch.arange(rewards.shape[0])[dist.get_rank() :: dist.get_world_size()]
     try:
-        distributed_advantages(rewards[rows], groups[rows], **kwargs)
+        advantages(rewards[rows], groups[rows], None, kwargs, AllReduce())
     except ValueError as e:
         return str(e)
     return None
@@ -47,7 +59,7 @@ def _random_batch(seed, num_prompts, group_size, k, masked_fraction=0.2):
 
 
 def _check_equal(results, rewards, groups, mask, kwargs):
-    want = local_advantages(rewards, groups, mask, **kwargs)
+    want = advantages(rewards, groups, mask, kwargs)
     got = torch.zeros_like(want.advantages)
     for r in results:
         got[r["rows"]] = r["advantages"]

@@ -8,7 +8,7 @@ from gdpo_megatron.data.chat import encode_prompt
 from gdpo_megatron.data.samples import load_samples
 from gdpo_megatron.commands.eval import main
 from gdpo_megatron.evaluate import evaluate
-from gdpo_megatron.rewards.registry import RewardSpec
+from gdpo_megatron.config.rewards import RewardSpec
 from gdpo_megatron.rewards.tool_call import tool_correctness, tool_format
 
 pytestmark = pytest.mark.slow

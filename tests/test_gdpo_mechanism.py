@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from gdpo_megatron.advantages import compute_advantages
+from gdpo_megatron.config import AdvantageConfig
 from gdpo_megatron.demo.bandit import LENGTH_GATE, NUM_ANSWERS, reward_table, train_bandit
 
 SEEDS = range(8)
@@ -26,8 +27,9 @@ def test_grpo_merges_what_gdpo_keeps_apart():
     # unformatted ones (rewards: correct, format, length).
     rewards = torch.tensor([[1.0, 0, 0]] + [[0, 1.0, 0]] * 3 + [[0, 0, 0]] * 4)
     ids = torch.zeros(8, dtype=torch.long)
-    grpo = compute_advantages(rewards, ids, mode="grpo", conditions=[LENGTH_GATE]).advantages
-    gdpo = compute_advantages(rewards, ids, mode="gdpo", conditions=[LENGTH_GATE], batch_norm=False).advantages
+    grpo = compute_advantages(rewards, ids, conditions=[LENGTH_GATE], config=AdvantageConfig(mode="grpo")).advantages
+    gdpo = compute_advantages(rewards, ids, conditions=[LENGTH_GATE],
+                              config=AdvantageConfig(mode="gdpo", batch_norm=False)).advantages
     assert torch.isclose(grpo[0], grpo[1])  # both total 1
     # GDPO (before the batch step): each reward's z-score in the group, summed. The one correct
     # answer's own z-score (1 - 1/8) / sqrt(1/8) = 2.47 outweighs format's spread.

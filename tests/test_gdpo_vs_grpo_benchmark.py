@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from gdpo_megatron.advantages import MODES
+from gdpo_megatron.config.advantage import MODES
 from gdpo_megatron.metrics import read_metrics
 
 pytestmark = pytest.mark.slow

@@ -93,7 +93,7 @@ CONFIG = {
     "name": "gdpo",
     "implementation": "gdpo_megatron",
     "reward_weights": WEIGHT_LIST,
-    "conditions": [{"target": "length", "gate": "correctness", "threshold": 1.0}],
+    "conditions": [{"reward": "length", "gate": "correctness", "threshold": 1.0}],
 }
 SHUFFLED = [5, 0, 11, 3, 8, 1, 10, 6, 2, 9, 4, 7]
 
@@ -103,9 +103,9 @@ def _expect(values):
 
 
 def test_defaults_are_nemo_rls():
-    est = GDPOMegatronEstimator({})
-    assert (est.leave_one_out, est.normalize_rewards, est.eps, est.reward_weights, est.batch_norm) == (
-        True, True, NEMO_RL_EPS, None, True)
+    config = GDPOMegatronEstimator({}).config
+    assert (config.use_leave_one_out_baseline, config.normalize_rewards, config.eps, config.reward_weights,
+            config.batch_norm) == (True, True, NEMO_RL_EPS, None, True)
 
 
 def test_a_pydantic_config_like_nemo_rls_gets_its_defaults_and_rejects_mapping_weights():
@@ -118,9 +118,10 @@ def test_a_pydantic_config_like_nemo_rls_gets_its_defaults_and_rejects_mapping_w
 
     cfg = AdvEstimatorConfig(name="gdpo", implementation="gdpo_megatron", reward_weights=WEIGHT_LIST,
                              conditions=CONFIG["conditions"])
-    est = GDPOMegatronEstimator(cfg)
-    assert (est.leave_one_out, est.normalize_rewards, est.reward_weights) == (True, True, WEIGHT_LIST)
-    assert est.conditions[0]["target"] == "length"
+    config = GDPOMegatronEstimator(cfg).config
+    assert (config.use_leave_one_out_baseline, config.normalize_rewards, config.reward_weights) == (
+        True, True, WEIGHT_LIST)
+    assert config.conditions[0].reward == "length"
     with pytest.raises(pydantic.ValidationError):
         AdvEstimatorConfig(reward_weights=WEIGHTS)  # why the estimator takes lists only
     with pytest.raises(ValueError, match=r"name: the gdpo_megatron implementation computes GDPO.*'grpo'"):
@@ -259,19 +260,20 @@ def test_nonfinite_reward_is_masked_when_asked():
 @pytest.mark.parametrize(
     "config, match",
     [
-        ({"reward_weights": WEIGHTS}, r"reward_weights: NeMo-RL's schema takes a list .* not a mapping"),
-        ({"reward_weights": "1,2"}, r"reward_weights: expected a list"),
-        ({"reward_weights": [1.0, "x"]}, r"reward_weights\[1\]"),
-        ({"name": "grpo"}, r"name: the gdpo_megatron implementation computes GDPO"),
+        ({"reward_weights": WEIGHTS}, r"grpo.adv_estimator.reward_weights: expected a list"),
+        ({"reward_weights": "1,2"}, r"grpo.adv_estimator.reward_weights: expected a list"),
+        ({"reward_weights": [1.0, "x"]}, r"grpo.adv_estimator.reward_weights.1: expected a number"),
+        ({"name": "grpo"}, r"grpo.adv_estimator.name: the gdpo_megatron implementation computes GDPO"),
         ({"minus_baseline": False}, r"minus_baseline: false applies to NeMo-RL's reinforce_plus_plus"),
-        ({"use_leave_one_out": False}, r"unknown key\(s\) \['use_leave_one_out'\]"),
+        ({"use_leave_one_out": False}, r"grpo.adv_estimator.use_leave_one_out: unknown key"),
         ({"use_leave_one_out_baseline": "no"}, r"use_leave_one_out_baseline: expected true or false"),
         ({"normalize_rewards": 0}, r"normalize_rewards: expected true or false"),
-        ({"conditions": [{"target": "length", "gate": "correctness"}]}, r"conditions\[0\].*missing \['threshold'\]"),
-        ({"conditions": [{"target": "a", "gate": "b", "threshold": 1, "when": 2}]}, r"unknown \['when'\]"),
-        ({"eps": -1.0}, r"eps: expected a value >= 0"),
+        ({"conditions": [{"reward": "length", "gate": "correctness", "target": "x"}]},
+         r"grpo.adv_estimator.conditions.0.target: unknown key"),
+        ({"conditions": [{"gate": "correctness"}]}, r"grpo.adv_estimator.conditions.0.reward: required key is missing"),
+        ({"eps": -1.0}, r"grpo.adv_estimator.eps: expected a finite value >= 0"),
         ({"batch_norm": "yes"}, r"batch_norm"),
-        ({"nonfinite": "drop"}, r"nonfinite"),
+        ({"nonfinite": "drop"}, r"grpo.adv_estimator.nonfinite: expected one of"),
     ],
 )
 def test_bad_config_is_named(config, match):
@@ -295,8 +297,8 @@ def _call(config, batch_edit=None, prompt_rows=None, mask_1d=False):
          r"no reward components.*total_reward"),
         ({"config": {"reward_weights": [1.0, 2.0]}},
          r"2 weights for 3 rewards; give one per reward in sorted name order: \['correctness', 'format', 'length'\]"),
-        ({"config": {"conditions": [{"target": "len", "gate": "correctness", "threshold": 1}]}},
-         r"conditions\[0\]\.target: 'len' is not a reward"),
+        ({"config": {"conditions": [{"reward": "len", "gate": "correctness", "threshold": 1}]}},
+         r"grpo.adv_estimator.conditions.0.reward: 'len' is not a reward of the batch"),
         ({"config": {}, "batch_edit": lambda b: b.update({"reward/format": torch.ones(5)})},
          r"repeated_batch\['reward/format'\]: expected one value per rollout, shape \[12\]"),
         ({"config": {}, "prompt_rows": 6}, r"prompt_ids: expected \[12, S\]"),
@@ -316,7 +318,7 @@ def test_install_routes_the_selected_implementation_only():
     install(grpo)  # idempotent: the second call must not wrap the wrapper
 
     selected = grpo._create_advantage_estimator({"grpo": {"adv_estimator": CONFIG}, "loss_fn": {}})
-    assert isinstance(selected, GDPOMegatronEstimator) and selected.reward_weights == WEIGHT_LIST
+    assert isinstance(selected, GDPOMegatronEstimator) and selected.config.reward_weights == WEIGHT_LIST
     assert last_built_estimator() is selected
     assert grpo._create_advantage_estimator({"grpo": {"adv_estimator": {"name": "grpo"}}}) == ("nemo_rl", "grpo")
     pydantic_like = types.SimpleNamespace(

@@ -354,12 +354,12 @@ def test_example_config_sections_build():
     with open("examples/nemo_rl/gdpo_tool_call_1B.yaml") as f:
         cfg = yaml.safe_load(f)
     estimator = GDPOMegatronEstimator(cfg["grpo"]["adv_estimator"])
-    assert (estimator.leave_one_out, estimator.normalize_rewards) == (False, True)
+    assert (estimator.config.use_leave_one_out_baseline, estimator.config.normalize_rewards) == (False, True)
     env_name = cfg["data"]["default"]["env_name"]
     env_cfg = dict(cfg["env"][env_name])
     assert env_cfg.pop("tokenizer") == "${policy.tokenizer.name}"
     rewards = from_dict(RewardsConfig, env_cfg, f"env.{env_name}")
     validate_specs(rewards.rewards)
-    assert len(estimator.reward_weights) == len(rewards.names)  # one weight per reward column
+    assert len(estimator.config.reward_weights) == len(rewards.names)  # one weight per reward column
     assert cfg["data"]["train"]["dataset_name"] == "ResponseDataset"
     assert cfg["data"]["default"]["prompt_file"] is None and cfg["data"]["default"]["system_prompt_file"] is None

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gdpo_megatron.advantages import compute_advantages
+from gdpo_megatron.config import AdvantageConfig
 from gdpo_megatron.integrations.nemo_rl import GDPOMegatronEstimator
 from nemo_rl_reference import NEMO_RL_EPS, nemo_rl_gdpo
 
@@ -151,8 +152,8 @@ def test_estimator_matches_exact_nemo_rl_on_random_batches(batch):
 
 def _core(values, groups, leave_one_out, normalize_rewards):
     rewards = torch.tensor(values, dtype=torch.float64).unsqueeze(1)
-    return compute_advantages(rewards, torch.tensor(groups), batch_norm=False, eps=0.0, leave_one_out=leave_one_out,
-                              normalize_rewards=normalize_rewards).advantages
+    config = AdvantageConfig(batch_norm=False, eps=0.0, leave_one_out=leave_one_out, normalize_rewards=normalize_rewards)
+    return compute_advantages(rewards, torch.tensor(groups), config=config).advantages
 
 
 def _relative_error(got, want, elementwise):
@@ -194,8 +195,9 @@ def test_grpo_mode_is_nemo_rls_grpo_estimator(case, leave_one_out, normalize_rew
     groups, columns, dtype = CASES[case]
     weights = [1.0, 0.5, 2.0][: len(columns)]
     rewards = torch.tensor(columns, dtype=dtype).T.double()
-    got = compute_advantages(rewards, torch.tensor(groups), weights=weights, mode="grpo", eps=NEMO_RL_EPS,
-                             leave_one_out=leave_one_out, normalize_rewards=normalize_rewards).advantages
+    config = AdvantageConfig(mode="grpo", eps=NEMO_RL_EPS, leave_one_out=leave_one_out,
+                             normalize_rewards=normalize_rewards)
+    got = compute_advantages(rewards, torch.tensor(groups), weights=weights, config=config).advantages
     total = (rewards @ torch.tensor(weights, dtype=torch.float64)).tolist()
     want = nemo_rl_gdpo(groups, [total], [1.0], leave_one_out, normalize_rewards, batch_norm=False)
     assert_close(got, want, tol=1e-9)

@@ -6,8 +6,8 @@ import yaml
 
 from gdpo_megatron.config import TrainConfig, load_config
 from gdpo_megatron.commands.plan import main
-from gdpo_megatron.preflight.plan import Cluster, load_for_gpu, plan_memory, total_params
-from gdpo_megatron.policy.config import ModelConfig
+from gdpo_megatron.preflight.plan import Cluster, plan_memory, total_params
+from gdpo_megatron.config.policy import ModelConfig
 
 MIB = 2**20
 GIB = 2**30
@@ -156,11 +156,13 @@ def test_bad_layouts_are_named(tmp_path, capsys, args, message):
 
 def test_machine_dependent_defaults_planned_as_on_a_gpu(tmp_path):
     config = {**SMALL, "policy": {k: v for k, v in SMALL["policy"].items() if k not in ("precision", "optim")}}
-    plan = plan_memory(load_for_gpu(write(tmp_path, config), []), CLUSTER)
+    loaded = load_config(TrainConfig, write(tmp_path, config))
+    assert loaded.policy.precision.dtype == "auto" and loaded.policy.optim.use_distributed_optimizer is None
+    plan = plan_memory(loaded, CLUSTER)
     assert plan.config.policy.precision.dtype == "bf16" and plan.distributed_optimizer
     assert plan.stage.weights == WEIGHTS1
-    explicit = load_for_gpu(write(tmp_path, SMALL), ["policy.precision.dtype=fp32"])
-    assert explicit.policy.precision.dtype == "fp32"
+    explicit = plan_memory(load_config(TrainConfig, write(tmp_path, SMALL), ["policy.precision.dtype=fp32"]), CLUSTER)
+    assert explicit.config.policy.precision.dtype == "fp32"
 
 
 def test_presets_match_published_parameter_counts():

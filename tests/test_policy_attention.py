@@ -109,7 +109,7 @@ def policy_logits_and_grads(megatron_attention: bool) -> tuple[torch.Tensor, dic
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     from gdpo_megatron.policy import cpu_compat, model
-    from gdpo_megatron.policy.config import ModelConfig, ParallelConfig
+    from gdpo_megatron.config.policy import ModelConfig, ParallelConfig
 
     config = ModelConfig(vocab_size=96, hidden_size=64, ffn_hidden_size=128, num_layers=2, num_attention_heads=4,
                          num_query_groups=2, max_position_embeddings=64)

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from gdpo_megatron.policy.batch import PolicyBatch
-from gdpo_megatron.policy.config import (
+from gdpo_megatron.config import ConfigError, from_dict
+from gdpo_megatron.config.policy import (
     LossConfig,
     ModelConfig,
     OptimConfig,
@@ -12,6 +12,8 @@ from gdpo_megatron.policy.config import (
     PrecisionConfig,
     check_model_parallel,
 )
+from gdpo_megatron.device import CPU, CUDA, check_precision, this_machine
+from gdpo_megatron.policy.batch import PolicyBatch
 
 
 def test_presets_have_the_published_shapes():
@@ -24,7 +26,7 @@ def test_presets_have_the_published_shapes():
     assert (llama.num_layers, llama.num_query_groups, llama.head_dim) == (80, 8, 128)
     assert ModelConfig.preset("tiny", num_layers=4).num_layers == 4
     assert ModelConfig.preset("tiny", hidden_size=256).head_dim == 128
-    with pytest.raises(ValueError, match="model preset"):
+    with pytest.raises(ConfigError, match="model.preset: expected one of"):
         ModelConfig.preset("gpt-5")
 
 
@@ -49,14 +51,12 @@ def test_padded_vocab_is_the_same_at_every_tp_size_dividing_the_multiple():
 ])
 def test_model_that_does_not_split_is_rejected(model_overrides, parallel, field):
     model = ModelConfig.preset("tiny", **model_overrides)
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ConfigError, match=field):
         check_model_parallel(model, parallel)
-    with pytest.raises(ValueError, match=field):
-        PolicyConfig(model=model, parallel=parallel).validate(world_size=4)
 
 
 def test_parallel_settings_are_checked():
-    with pytest.raises(NotImplementedError, match="context_parallel_size"):
+    with pytest.raises(ConfigError, match="context_parallel_size: expected 1 .context parallelism is not supported"):
         ParallelConfig(context_parallel_size=2)
     with pytest.raises(ValueError, match="sequence_parallel"):
         ParallelConfig(sequence_parallel=True)
@@ -67,27 +67,35 @@ def test_parallel_settings_are_checked():
     assert ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2).data_parallel_size(8) == 2
 
 
+def test_auto_settings_stay_in_the_config_and_resolve_per_machine():
+    config = PolicyConfig()
+    assert (config.precision.dtype, config.precision.transformer_engine, config.optim.use_distributed_optimizer,
+            config.old_logprobs) == ("auto", None, None, None)
+    cpu = config.resolved(CPU)
+    assert (cpu.precision.dtype, cpu.precision.transformer_engine, cpu.optim.use_distributed_optimizer) == (
+        "fp32", False, False)
+    cuda = config.resolved(CUDA)
+    assert (cuda.precision.dtype, cuda.optim.use_distributed_optimizer, cuda.old_logprobs) == ("bf16", True, "policy")
+    explicit = PolicyConfig(precision=PrecisionConfig(dtype="fp32"), optim=OptimConfig(use_distributed_optimizer=False))
+    assert (explicit.resolved(CUDA).precision.dtype, explicit.resolved(CUDA).optim.use_distributed_optimizer) == (
+        "fp32", False)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only errors")
 def test_fp8_and_transformer_engine_on_cpu_are_clear_errors():
-    assert PrecisionConfig().dtype == "fp32" and PrecisionConfig().transformer_engine is False
-    with pytest.raises(ValueError, match="precision.fp8='e4m3': FP8 needs a CUDA GPU"):
-        PolicyConfig(precision=PrecisionConfig(fp8="e4m3")).validate(world_size=1)
-    with pytest.raises(ValueError, match="precision.transformer_engine"):
-        PrecisionConfig(transformer_engine=True).check_runtime()
-    with pytest.raises(ValueError, match="precision.fp8"):
-        PrecisionConfig(fp8="e5m2")
-    with pytest.raises(ValueError, match="precision.fp8_recipe"):
-        PrecisionConfig(fp8="hybrid", fp8_recipe="nvfp4")
-    with pytest.raises(ValueError, match="precision.dtype"):
-        PrecisionConfig(dtype="fp16")
+    with pytest.raises(ConfigError, match="policy.precision.fp8='e4m3': FP8 needs a CUDA GPU"):
+        check_precision(PrecisionConfig(fp8="e4m3").resolved(this_machine()))
+    with pytest.raises(ConfigError, match="policy.precision.transformer_engine: the Transformer Engine spec needs CUDA"):
+        check_precision(PrecisionConfig(transformer_engine=True).resolved(this_machine()))
+    check_precision(PrecisionConfig().resolved(this_machine()))  # the defaults run here
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's defaults")
 def test_old_logprobs_come_from_the_rollout_only_where_numerics_are_the_same():
-    assert PolicyConfig().old_logprobs == "rollout"  # fp32 on CPU: vLLM's equal the policy's to ~1e-7
-    assert PolicyConfig(precision=PrecisionConfig(dtype="bf16")).old_logprobs == "policy"
-    assert PolicyConfig(loss=LossConfig(tis_cap=2.0)).old_logprobs == "policy"  # TIS weighs policy vs rollout
-    assert PolicyConfig(old_logprobs="policy").old_logprobs == "policy"
+    assert PolicyConfig().resolved(CPU).old_logprobs == "rollout"  # fp32 on CPU: vLLM's equal the policy's to ~1e-7
+    assert PolicyConfig(precision=PrecisionConfig(dtype="bf16")).resolved(CPU).old_logprobs == "policy"
+    assert PolicyConfig(loss=LossConfig(tis_cap=2.0)).resolved(CPU).old_logprobs == "policy"  # TIS: policy vs rollout
+    assert PolicyConfig(old_logprobs="policy").resolved(CPU).old_logprobs == "policy"
+    assert PolicyConfig().resolved(CUDA).old_logprobs == "policy"  # bf16 kernels differ
 
 
 @pytest.mark.parametrize("tp,sp,fp8,recipe,multiple", [
@@ -113,21 +121,26 @@ def test_sequence_multiple_is_what_transformer_engine_checks_per_rank(tp, sp, fp
     (lambda: ModelConfig.preset("tiny", vocab_size=0), "model.vocab_size"),
     (lambda: OptimConfig(lr=0.0), "optim.lr"),
     (lambda: OptimConfig(lr_warmup_steps=10, lr_decay_steps=5), "optim.lr_decay_steps"),
-    (lambda: OptimConfig(lr_decay_style="linear"), "optim.lr_decay_style"),
-    (lambda: LossConfig(loss_agg_mode="seq_mean"), "loss.loss_agg_mode"),
+    (lambda: from_dict(PolicyConfig, {"optim": {"lr_decay_style": "linear"}}, "policy"),
+     "policy.optim.lr_decay_style: expected one of"),
+    (lambda: from_dict(PolicyConfig, {"loss": {"loss_agg_mode": "seq_mean"}}, "policy"),
+     "policy.loss.loss_agg_mode: expected one of"),
+    (lambda: from_dict(PolicyConfig, {"precision": {"fp8": "e5m2"}}, "policy"), "policy.precision.fp8"),
+    (lambda: from_dict(PolicyConfig, {"precision": {"fp8": "hybrid", "fp8_recipe": "nvfp4"}}, "policy"),
+     "policy.precision.fp8_recipe: expected one of"),
+    (lambda: from_dict(PolicyConfig, {"precision": {"dtype": "fp16"}}, "policy"), "policy.precision.dtype"),
     (lambda: LossConfig(ratio_clip_low=-0.1), "loss.ratio_clip_low"),
     (lambda: LossConfig(kl_coef=-1.0), "loss.kl_coef"),
     (lambda: PolicyConfig(ppo_epochs=0), "ppo_epochs"),
     (lambda: LossConfig(tis_cap=0.0), "loss.tis_cap"),
-    (lambda: PolicyConfig(old_logprobs="engine"), "policy.old_logprobs"),
+    (lambda: from_dict(PolicyConfig, {"old_logprobs": "engine"}, "policy"), "policy.old_logprobs"),
     (lambda: PolicyConfig(old_logprobs="rollout", loss=LossConfig(tis_cap=2.0)),
      "policy.loss.tis_cap: .* old_logprobs: policy"),
-    (lambda: PolicyConfig(offload_grads_and_optimizer=True, optim=OptimConfig(use_distributed_optimizer=False)),
-     "policy.offload_grads_and_optimizer: with fp32 parameters and the plain optimizer"),
-    (lambda: PolicyConfig(temperature=0.0), "temperature"),
+    (lambda: PolicyConfig(offload_grads_and_optimizer=True, optim=OptimConfig(use_distributed_optimizer=False)
+                          ).resolved(CPU), "policy.offload_grads_and_optimizer: with fp32 parameters and the plain"),
 ])
 def test_bad_fields_are_named(build, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ConfigError, match=field):
         build()
 
 

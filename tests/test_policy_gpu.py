@@ -5,15 +5,15 @@ import torch
 
 from support.local_world import LocalWorld
 from gdpo_megatron.policy.batch import PolicyBatch
-from gdpo_megatron.policy.config import (
+from gdpo_megatron.config.policy import (
     FP8_RECIPES,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
     PolicyConfig,
     PrecisionConfig,
-    transformer_engine_available,
 )
+from gdpo_megatron.device import check_precision, transformer_engine_available
 
 pytestmark = pytest.mark.gpu
 needs_te = pytest.mark.skipif(not transformer_engine_available(), reason="needs Transformer Engine")
@@ -89,7 +89,7 @@ def recipe_verdicts(recipe):
 
     precision = PrecisionConfig(dtype="bf16", fp8="hybrid", fp8_recipe=recipe)
     try:
-        precision.check_runtime()
+        check_precision(precision)
         ours = True
     except ValueError:
         ours = False

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from gdpo_megatron.policy.config import LossConfig
+from gdpo_megatron.config.policy import LossConfig
 from gdpo_megatron.policy.loss import policy_loss
 
 

@@ -1,8 +1,8 @@
 """Reward registry, user reward files, and spec validation."""
 import pytest
 
+from gdpo_megatron.config.rewards import RewardsConfig, RewardSpec
 from gdpo_megatron.rewards import (
-    RewardSpec,
     get_reward,
     load_reward_file,
     register_reward,
@@ -10,6 +10,7 @@ from gdpo_megatron.rewards import (
     reward_bounds,
     validate_specs,
 )
+from gdpo_megatron.rewards.registry import failure_score
 from gdpo_megatron.config import ConfigError, from_dict
 
 BUILT_IN = {"tool_format", "tool_correctness", "math_correctness", "math_format", "length", "code_pass", "code_no_bug"}
@@ -49,8 +50,6 @@ def test_missing_reward_file_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("specs,match", [
-    ([], "at least one"),
-    ([RewardSpec("length"), RewardSpec("length")], "listed twice"),
     ([RewardSpec("length", kwargs={"max_token": 5})], "'length': kwargs"),
     ([RewardSpec("nope")], "not registered"),
 ])
@@ -59,16 +58,25 @@ def test_validate_specs(specs, match):
         validate_specs(specs)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"name": ""}, "non-empty"),
-    ({"name": "x", "weight": float("nan")}, "weight"),
-    ({"name": "x", "failure_value": "0"}, "failure_value"),
-    ({"name": "x", "timeout_s": 0}, "timeout_s"),
-    ({"name": "x", "kwargs": [1]}, "kwargs"),
+@pytest.mark.parametrize("entry,match", [
+    ({"name": ""}, "rewards.rewards.0.name: expected a reward name"),
+    ({"name": "x", "weight": float("nan")}, "rewards.rewards.0.weight: expected a finite number"),
+    ({"name": "x", "failure_value": "low"}, "rewards.rewards.0.failure_value: expected a number"),
+    ({"name": "x", "timeout_s": 0}, "rewards.rewards.0.timeout_s: expected > 0 seconds or null"),
+    ({"name": "x", "kwargs": [1]}, "rewards.rewards.0.kwargs: expected a mapping"),
 ])
-def test_reward_spec_rejects_bad_fields(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        RewardSpec(**kwargs)
+def test_reward_entries_with_bad_fields_are_refused_at_load(entry, match):
+    with pytest.raises(ConfigError, match=match):
+        from_dict(RewardsConfig, {"rewards": [entry]}, "rewards")
+
+
+@pytest.mark.parametrize("rewards,match", [
+    ([], "rewards.rewards: expected at least one reward"),
+    ([{"name": "length"}, {"name": "length"}], "rewards.rewards: expected unique names"),
+])
+def test_reward_lists_are_checked_at_load(rewards, match):
+    with pytest.raises(ConfigError, match=match):
+        from_dict(RewardsConfig, {"rewards": rewards}, "rewards")
 
 
 def test_built_in_rewards_declare_their_ranges():
@@ -86,11 +94,11 @@ def test_bad_bounds_are_named(bounds):
 
 def test_a_failure_scores_the_declared_low_bound_unless_the_spec_says_otherwise():
     register_reward("test_unbounded")(lambda completion, num_tokens, ground_truth: 5.0)
-    assert RewardSpec("tool_correctness").failure_score() == -3.0  # not 0, which beats a wrong call
-    assert RewardSpec("math_correctness").failure_score() == 0.0
-    assert RewardSpec("tool_correctness", failure_value=-10).failure_score() == -10.0
-    assert RewardSpec("tool_correctness", failure_value=0.0).failure_score() == 0.0
-    assert RewardSpec("test_unbounded").failure_score() == 0.0
+    assert failure_score(RewardSpec("tool_correctness")) == -3.0  # not 0, which beats a wrong call
+    assert failure_score(RewardSpec("math_correctness")) == 0.0
+    assert failure_score(RewardSpec("tool_correctness", failure_value=-10)) == -10.0
+    assert failure_score(RewardSpec("tool_correctness", failure_value=0.0)) == 0.0
+    assert failure_score(RewardSpec("test_unbounded")) == 0.0
 
 
 def refusing_zero(max_tokens=1):
@@ -114,8 +122,8 @@ def test_registering_a_name_again_replaces_its_bounds_and_check():
 
 
 def test_configs_with_and_without_failure_value_load():
-    assert from_dict(RewardSpec, {"name": "tool_correctness"}, "rewards.0").failure_score() == -3.0
-    assert from_dict(RewardSpec, {"name": "tool_correctness", "failure_value": 0}, "rewards.0").failure_score() == 0.0
+    assert failure_score(from_dict(RewardSpec, {"name": "tool_correctness"}, "rewards.0")) == -3.0
+    assert failure_score(from_dict(RewardSpec, {"name": "tool_correctness", "failure_value": 0}, "rewards.0")) == 0.0
     assert from_dict(RewardSpec, {"name": "tool_correctness", "failure_value": None}, "rewards.0").failure_value is None
     with pytest.raises(ConfigError, match="rewards.0.failure_value"):
         from_dict(RewardSpec, {"name": "tool_correctness", "failure_value": "low"}, "rewards.0")

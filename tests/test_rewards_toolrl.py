@@ -13,7 +13,8 @@ import pytest
 
 from gdpo_megatron.data.samples import Fields, load_samples
 from gdpo_megatron.rewards import get_reward
-from gdpo_megatron.rewards.registry import RewardSpec, validate_specs
+from gdpo_megatron.config.rewards import RewardSpec
+from gdpo_megatron.rewards.registry import validate_specs
 from gdpo_megatron.rewards.toolrl import UnscorableReference, toolrl_correctness, toolrl_format
 
 TOOLRL = Path(__file__).resolve().parents[1] / "examples" / "data" / "toolrl"
@@ -166,7 +167,8 @@ def test_the_paper_config_reads_toolrl_data_and_its_rewards():
 
     config = load_config(TrainConfig, "configs/toolrl_qwen2.5_1.5b.yaml", [f"data.train_path={TEST_SPLIT}"])
     data = config.data
-    samples = load_samples(data.train_path, data.family, data.system_prompt, fields=data.fields(), split=data.split)
+    fields = Fields(data.prompt_key, data.system_key, data.ground_truth_key)
+    samples = load_samples(data.train_path, data.family, data.system_prompt, fields=fields, split=data.split)
     assert len(samples) == 80 and samples[0].messages == pq.read_table(TEST_SPLIT).to_pylist()[0]["prompt"]
     validate_specs(config.rewards.rewards)
     assert config.rewards.names == ["toolrl_format", "toolrl_correctness"]

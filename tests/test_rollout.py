@@ -223,16 +223,6 @@ def test_bad_input_is_named(engine, tmp_path):
         engine.generate(PROMPTS, 0, SamplingConfig())
     with pytest.raises(ValueError, match=r"prompt_token_ids\[1\]: empty prompt"):
         engine.generate([[1], []], 1, SamplingConfig())
-    with pytest.raises(ValueError, match="top_p"):
-        SamplingConfig(top_p=0.0)
-    with pytest.raises(ValueError, match="top_k"):
-        SamplingConfig(top_k=0)
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        SamplingConfig(max_new_tokens=0)
-    with pytest.raises(FileNotFoundError, match="model_path"):
-        VLLMEngineConfig(str(tmp_path / "missing"))
-    with pytest.raises(ValueError, match="quantization"):
-        VLLMEngineConfig(str(tmp_path), quantization="int3")
 
 
 def test_cpu_cache_blocks_are_the_size_the_sizing_assumes(engine, models):
@@ -248,7 +238,7 @@ def test_cpu_cache_blocks_are_the_size_the_sizing_assumes(engine, models):
 
 def test_kv_cache_for_a_step_holds_its_sequences_in_whole_blocks():
     from gdpo_megatron.rollout.vllm_engine import kv_cache_bytes_per_token
-    from gdpo_megatron.policy.config import ModelConfig
+    from gdpo_megatron.config.policy import ModelConfig
 
     model = ModelConfig(vocab_size=128, hidden_size=512, ffn_hidden_size=1024, num_layers=4, num_attention_heads=8,
                         num_query_groups=2)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from gdpo_megatron.errors import InputError
-from gdpo_megatron.policy.config import ModelConfig
+from gdpo_megatron.config.policy import ModelConfig
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 # Settings the Megatron model does not implement: (key, the only supported value).

@@ -28,7 +28,7 @@ from gdpo_megatron.checkpoint.hf_files import (
 )
 from gdpo_megatron.checkpoint.layout import hf_shapes, model_layout, rule_for, to_megatron, tp_shard
 from gdpo_megatron.checkpoint.weight_stream import iter_hf_weights, megatron_params
-from gdpo_megatron.policy.config import ModelConfig
+from gdpo_megatron.config.policy import ModelConfig
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 

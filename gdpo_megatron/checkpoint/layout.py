@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from gdpo_megatron.policy.config import ModelConfig
+from gdpo_megatron.config.policy import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ from gdpo_megatron.checkpoint.state import (
     complete_steps, read_training_state, step_dir,
 )
 from gdpo_megatron.checkpoint.weight_stream import unwrap
+from gdpo_megatron.device import this_machine
 from gdpo_megatron.policy import cpu_compat
 
 LATEST = "latest"
@@ -108,7 +109,7 @@ def _write_json_atomic(path: Path, value: Any) -> None:
 def rng_state() -> dict:
     """The RNG states of this process: python, numpy, torch, CUDA and megatron's tracker."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if this_machine().cuda:
         state["cuda"] = torch.cuda.get_rng_state()
     tracker = tensor_parallel.get_cuda_rng_tracker()
     if tracker.is_initialized():
@@ -121,7 +122,7 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and this_machine().cuda:
         torch.cuda.set_rng_state(state["cuda"])
     if "tracker" in state:
         tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])

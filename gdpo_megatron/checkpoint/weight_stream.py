@@ -14,7 +14,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from gdpo_megatron.checkpoint.layout import model_layout, to_hf, tp_full_shape, tp_unshard
-from gdpo_megatron.policy.config import ModelConfig
+from gdpo_megatron.config.policy import ModelConfig
 
 _LAYER_PREFIX = re.compile(r"decoder\.layers\.(\d+)\.")
 

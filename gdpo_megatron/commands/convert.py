@@ -21,7 +21,7 @@ from gdpo_megatron.checkpoint.hf_files import TOKENIZER_FILES
 from gdpo_megatron.checkpoint.state import check_files, complete_steps, model_section, read_training_state, step_dir
 from gdpo_megatron.commands.console import ArgumentParser, console_entry, positive_float, positive_int
 from gdpo_megatron.errors import InputError, UsageError
-from gdpo_megatron.policy.config import DTYPES, ModelConfig, ParallelConfig, PrecisionConfig
+from gdpo_megatron.config.policy import DTYPES, ModelConfig, ParallelConfig, PrecisionConfig
 from gdpo_megatron.preflight.validation import (check_model_split, check_output_dir, check_weights, launch_world_size,
                                                 model_shape, read_model_config)
 

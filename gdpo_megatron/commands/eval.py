@@ -14,7 +14,7 @@ from pathlib import Path
 from gdpo_megatron.commands.console import ArgumentParser, console_entry, positive_int, quiet_defaults
 from gdpo_megatron.data.samples import FAMILIES, Fields
 from gdpo_megatron.errors import UsageError
-from gdpo_megatron.rewards.registry import RewardSpec
+from gdpo_megatron.config.rewards import RewardSpec
 
 
 @console_entry

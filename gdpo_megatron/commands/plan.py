@@ -7,7 +7,8 @@ optimizer (:mod:`gdpo_megatron.preflight.plan`), and exits 0 when the configured
 from __future__ import annotations
 
 from gdpo_megatron.commands.console import ArgumentParser, console_entry
-from gdpo_megatron.preflight.plan import DEFAULT_OVERHEAD_GIB, Cluster, format_plan, load_for_gpu, plan_memory
+from gdpo_megatron.config import TrainConfig, load_config
+from gdpo_megatron.preflight.plan import DEFAULT_OVERHEAD_GIB, Cluster, format_plan, plan_memory
 
 
 @console_entry
@@ -24,6 +25,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides of the config")
     args = parser.parse_args(argv)
     cluster = Cluster(args.nodes, args.gpus_per_node, args.gpu_memory, args.overhead)
-    plan = plan_memory(load_for_gpu(args.config, args.overrides), cluster)
+    plan = plan_memory(load_config(TrainConfig, args.config, args.overrides), cluster)
     print(format_plan(plan))
     return 0 if plan.fits(plan.distributed_optimizer) else 1

@@ -39,13 +39,15 @@ import json
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
+
+from gdpo_megatron.config.data import Family
 
 from gdpo_megatron.data.code_tests import tests_from_input_output
 from gdpo_megatron.data.readers import Where, read_records
 from gdpo_megatron.rewards.toolrl import UnscorableReference, parse_reference
 
-FAMILIES = ("math", "tool", "code", "toolrl")
+FAMILIES = get_args(Family)
 PROMPT_KEYS = ("messages", "prompt", "problem", "question")
 GROUND_TRUTH_KEYS = {
     "math": ("answer", "expected_answer", "reward_model.ground_truth"),

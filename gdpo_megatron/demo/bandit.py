@@ -15,11 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from gdpo_megatron.advantages import Condition, compute_advantages
+from gdpo_megatron.config.advantage import AdvantageConfig
 
 NUM_ANSWERS = 32
 CORRECT = (0, 1, 2)
 SHORT = (1, 2)
-LENGTH_GATE = Condition(target=2, on=0, threshold=1.0)  # length counts only for correct answers
+LENGTH_GATE = Condition(reward=2, gate=0, threshold=1.0)  # length counts only for correct answers
 
 
 def reward_table() -> torch.Tensor:
@@ -54,8 +55,8 @@ def train_bandit(mode: str, seed: int, steps: int = 150, lr: float = 0.1, prompt
         history.append(probs)
         answers = torch.multinomial(probs.expand(prompts, -1), group_size, replacement=True,
                                     generator=generator).flatten()
-        advantages = compute_advantages(table[answers], group_ids, mode=mode, conditions=[LENGTH_GATE],
-                                        count_distinct=False).advantages
+        advantages = compute_advantages(table[answers], group_ids, conditions=[LENGTH_GATE],
+                                        count_distinct=False, config=AdvantageConfig(mode=mode)).advantages
         logits.requires_grad_(True)
         objective = (advantages * torch.log_softmax(logits, dim=0)[answers]).mean()
         (grad,) = torch.autograd.grad(objective, logits)

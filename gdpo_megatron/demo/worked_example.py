@@ -7,6 +7,7 @@ the stronger signal of the second prompt.
 import torch
 
 from gdpo_megatron.advantages import compute_advantages
+from gdpo_megatron.config.advantage import AdvantageConfig
 
 REWARDS = torch.tensor([[0.0, 0.0], [0.0, 1.0], [0.0, 0.0], [1.0, 1.0]])
 PROMPTS = torch.tensor([0, 0, 1, 1])
@@ -15,10 +16,10 @@ PROMPTS = torch.tensor([0, 0, 1, 1])
 def worked_example() -> str:
     header = f"{'prompt':>6} {'rollout':>7} {'rewards':>9} {'total':>5} | {'GRPO':>8} {'GRPO w/o std':>12} {'GDPO':>8} {'GDPO+BN':>8}"
     results = {
-        "grpo": compute_advantages(REWARDS, PROMPTS, mode="grpo"),
-        "grpo_no_std": compute_advantages(REWARDS, PROMPTS, mode="grpo_no_std"),
-        "gdpo": compute_advantages(REWARDS, PROMPTS, mode="gdpo", batch_norm=False),
-        "gdpo_bn": compute_advantages(REWARDS, PROMPTS, mode="gdpo"),
+        "grpo": compute_advantages(REWARDS, PROMPTS, config=AdvantageConfig(mode="grpo")),
+        "grpo_no_std": compute_advantages(REWARDS, PROMPTS, config=AdvantageConfig(mode="grpo_no_std")),
+        "gdpo": compute_advantages(REWARDS, PROMPTS, config=AdvantageConfig(mode="gdpo", batch_norm=False)),
+        "gdpo_bn": compute_advantages(REWARDS, PROMPTS, config=AdvantageConfig(mode="gdpo")),
     }
     lines = [header, "-" * len(header)]
     for i, (row, prompt) in enumerate(zip(REWARDS.tolist(), PROMPTS.tolist())):

@@ -1,20 +1,16 @@
-"""Advantages over rollouts split across data-parallel ranks, exact for any split.
+"""The all-reduce :class:`~gdpo_megatron.advantages.Reduction`: advantages over rollouts split
+across data-parallel ranks, exact for any split.
 
-Runs the math of :mod:`gdpo_megatron.advantages` with an all-reduce :class:`Reduction`:
-per-prompt, per-reward max/min (the spread flag and a shift), then count and shifted sum,
-then squared deviations, and the same for the batch. Leave-one-out baselines widen the same
-three all-reduces (counts of the max and min, sums and squared deviations without a lone max
-or min),
-which gives every rollout the mean and std of its group's other rollouts on any rank.
-Communication is O(prompts x rewards) per call, never O(rollouts); only the
-distinct-advantage diagnostic sends each rank's distinct values.
+``compute_advantages(rewards, group_ids, ..., reduction=AllReduce(group))`` runs the math of
+:mod:`gdpo_megatron.advantages` on every rank of ``group`` (each gets its own rollouts'
+advantages; statistics and diagnostics are global). Every rank must call it, also one holding
+no rollout (``[0, K]`` rewards). Communication is O(prompts x rewards) per call, never
+O(rollouts); only the distinct-advantage diagnostic sends each rank's distinct values.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
-from gdpo_megatron import advantages as _adv
 
 
 class AllReduce:
@@ -62,12 +58,3 @@ class AllReduce:
         dist.all_gather(parts, padded, group=self.group)
         return torch.cat([p[:n] for p, n in zip(parts, sizes)])
 
-
-def compute_advantages(rewards, group_ids, mask=None, *, group: dist.ProcessGroup | None = None, **kwargs):
-    """:func:`gdpo_megatron.advantages.compute_advantages` over the rollouts of all ranks.
-
-    Every rank of ``group`` (default: the world) must call it, also one holding no rollout
-    (pass ``[0, K]`` rewards). Each rank gets the advantages of its own rollouts; the
-    statistics and diagnostics in the result are global and equal on every rank.
-    """
-    return _adv.compute_advantages(rewards, group_ids, mask, reduction=AllReduce(group), **kwargs)

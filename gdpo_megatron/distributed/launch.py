@@ -25,6 +25,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from gdpo_megatron.device import this_machine
+
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 SLURM_TASK_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
 # The step's own list first: task 0 of a step runs on the step's first node.
@@ -110,13 +112,13 @@ def init_distributed(backend: str | None = None, timeout: timedelta | None = Non
     launch = resolve_launch_env()
     if dist.is_initialized():
         raise RuntimeError("init_distributed: torch.distributed is already initialized in this process")
-    device = None
-    if torch.cuda.is_available():
+    machine, device = this_machine(), None
+    if machine.cuda:
         device = cuda_device_for(launch.local_rank, torch.cuda.device_count())
         torch.cuda.set_device(device)
     os.environ.update(exported_env(launch, device))
     dist.init_process_group(
-        backend or ("nccl" if torch.cuda.is_available() else "gloo"),
+        backend or machine.backend,
         init_method="env://",
         rank=launch.rank,
         world_size=launch.world_size,

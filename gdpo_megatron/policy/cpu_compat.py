@@ -26,12 +26,9 @@ from megatron.core.tensor_parallel import random as mpu_random
 from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 from torch.overrides import TorchFunctionMode
 
+from gdpo_megatron.device import this_machine
+
 _installed = False
-
-
-def cuda_available() -> bool:
-    """True when megatron-core can run as designed (on CUDA) and no shim is needed."""
-    return torch.cuda.is_available()
 
 
 class CpuRNGStatesTracker(CudaRNGStatesTracker):
@@ -102,7 +99,7 @@ class _CudaOnCpuMode(TorchFunctionMode):
 def install() -> None:
     """Make megatron-core runnable on this CPU-only process (no-op with CUDA; idempotent)."""
     global _installed
-    if _installed or cuda_available():
+    if _installed or this_machine().cuda:
         return
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *args, **kwargs: None
@@ -117,7 +114,7 @@ def device_scope() -> Iterator[None]:
     """Context for megatron-core calls: maps CUDA device literals to the CPU, and runs megatron's
     ``torch.compile``d fusions eagerly (inductor would build C++ kernels for seconds at each
     first call, more than they save at CPU sizes). A no-op with CUDA."""
-    if cuda_available():
+    if this_machine().cuda:
         yield
         return
     install()

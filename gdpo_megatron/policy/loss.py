@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from gdpo_megatron.policy.config import LossConfig
+from gdpo_megatron.config.policy import LossConfig
 
 # Token-averaged diagnostics, carried as sums over valid tokens.
 # logprob_gap: mean |current - old| logprob.

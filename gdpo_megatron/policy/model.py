@@ -27,7 +27,16 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from gdpo_megatron.policy import cpu_compat
 from gdpo_megatron.policy.attention import SDPAttention
-from gdpo_megatron.policy.config import ModelConfig, ParallelConfig, PrecisionConfig, check_model_parallel
+from gdpo_megatron.config.policy import ModelConfig, ParallelConfig, PrecisionConfig, check_model_parallel
+from gdpo_megatron.device import check_precision, this_machine
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a resolved ``precision.dtype``."""
+    return DTYPES[name]
 
 
 def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234) -> None:
@@ -59,8 +68,8 @@ def destroy_model_parallel() -> None:
 
 
 def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig) -> TransformerConfig:
-    """megatron-core's TransformerConfig for a Llama/Qwen2-style decoder under these settings."""
-    on_gpu = torch.cuda.is_available()
+    """megatron-core's TransformerConfig for a Llama/Qwen2-style decoder under these (resolved) settings."""
+    on_gpu = this_machine().cuda
     fp8 = {"fp8": precision.fp8, "fp8_recipe": precision.fp8_recipe} if precision.fp8 else {}
     return TransformerConfig(
         num_layers=model.num_layers,
@@ -82,8 +91,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: 
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
         sequence_parallel=parallel.sequence_parallel,
-        params_dtype=precision.params_dtype,
-        pipeline_dtype=precision.params_dtype,
+        params_dtype=torch_dtype(precision.dtype),
+        pipeline_dtype=torch_dtype(precision.dtype),
         bf16=precision.dtype == "bf16",
         # Loss functions return token sums; megatron divides the gradients by the global count.
         calculate_per_token_loss=True,
@@ -148,12 +157,14 @@ def build_model(
     """This rank's pipeline stage of the model, TP-sharded, on this rank's device.
 
     Needs :func:`initialize_model_parallel` with the same ``parallel`` settings. The embedding
-    and output layers have ``model.padded_vocab_size(tp)`` rows.
+    and output layers have ``model.padded_vocab_size(tp)`` rows. ``precision``'s "auto"
+    settings are resolved for this machine.
     """
+    machine = this_machine()
     parallel = parallel or ParallelConfig()
-    precision = precision or PrecisionConfig()
+    precision = (precision or PrecisionConfig()).resolved(machine)
     check_model_parallel(model, parallel)
-    precision.check_runtime()
+    check_precision(precision)
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("build_model: call initialize_model_parallel first")
     for name, size in (("tensor_model_parallel_size", parallel_state.get_tensor_model_parallel_world_size()),
@@ -177,10 +188,11 @@ def build_model(
         )
     # megatron's torch norms are created in fp32 whatever params_dtype says (Megatron-LM casts
     # the whole model with Float16Module); keep every parameter in params_dtype.
+    dtype = torch_dtype(precision.dtype)
     for param in gpt.parameters():
-        if param.dtype != precision.params_dtype:
-            param.data = param.data.to(precision.params_dtype)
-    if torch.cuda.is_available():
+        if param.dtype != dtype:
+            param.data = param.data.to(dtype)
+    if machine.cuda:
         gpt.cuda(torch.cuda.current_device())
     return gpt
 

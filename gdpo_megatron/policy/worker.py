@@ -25,10 +25,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from gdpo_megatron.policy import cpu_compat
 from gdpo_megatron.policy.batch import PolicyBatch, merge_rows
-from gdpo_megatron.policy.config import PolicyConfig
+from gdpo_megatron.config.policy import PolicyConfig, check_model_parallel
+from gdpo_megatron.device import this_machine
 from gdpo_megatron.policy.logprobs import vocab_parallel_logprobs
 from gdpo_megatron.policy.loss import TOKEN_METRICS, policy_loss
-from gdpo_megatron.policy.model import build_model, destroy_model_parallel, initialize_model_parallel, logits_from
+from gdpo_megatron.policy.model import (build_model, destroy_model_parallel, initialize_model_parallel, logits_from,
+                                        torch_dtype)
 
 # Order of the per-micro-batch sums carried from the loss function to the metrics.
 _SUMS = ("loss_sum", "count", "num_tokens", *TOKEN_METRICS)
@@ -39,16 +41,22 @@ class PolicyWorker:
     Adam optimizer and the LR schedule; runs :meth:`train_step` and :meth:`compute_logprobs`,
     and gives memory back to a colocated rollout engine with :meth:`release_memory`."""
 
-    def __init__(self, config: PolicyConfig, init_weights: Optional[Callable[[GPTModel], None]] = None):
-        """``init_weights(model)``, when given, sets the freshly built (random) weights of this
-        rank's model, e.g. from a checkpoint; the reference model starts from the result."""
+    def __init__(self, config: PolicyConfig, *, seed: int = 1234, temperature: float = 1.0,
+                 init_weights: Optional[Callable[[GPTModel], None]] = None):
+        """``config``'s machine-dependent settings are resolved for this machine. ``seed``
+        seeds megatron's RNGs; logprobs are of the logits divided by ``temperature`` (the
+        rollouts' sampling temperature). ``init_weights(model)``, when given, sets the freshly
+        built (random) weights of this rank's model, e.g. from a checkpoint; the reference
+        model starts from the result."""
         if not dist.is_initialized():
             raise RuntimeError("PolicyWorker: torch.distributed is not initialized")
-        config.validate(dist.get_world_size())
-        self.config = config
-        on_gpu = torch.cuda.is_available()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        initialize_model_parallel(config.parallel, config.seed)
+        machine = this_machine()
+        config = config.resolved(machine)
+        check_model_parallel(config.model, config.parallel)
+        config.parallel.data_parallel_size(dist.get_world_size())
+        self.config, self.temperature = config, temperature
+        self.device = torch.device("cuda", torch.cuda.current_device()) if machine.cuda else torch.device("cpu")
+        initialize_model_parallel(config.parallel, seed)
         try:
             self._build(init_weights)
         except BaseException:
@@ -82,7 +90,7 @@ class PolicyWorker:
                 OptimizerConfig(
                     optimizer="adam", lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
                     adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
-                    clip_grad=optim.clip_grad, bf16=precision.dtype == "bf16", params_dtype=precision.params_dtype,
+                    clip_grad=optim.clip_grad, bf16=precision.dtype == "bf16", params_dtype=torch_dtype(precision.dtype),
                     use_distributed_optimizer=optim.use_distributed_optimizer,
                 ),
                 [self.model],
@@ -171,7 +179,7 @@ class PolicyWorker:
                 self.model.offload_grad_buffers(synchronize=True, empty_cache=False)
                 self.optimizer.offload_to_cpu()
             self.offloaded = True
-        if torch.cuda.is_available():
+        if self.device.type == "cuda":
             gc.collect()  # tensors held only by reference cycles hold their blocks too
             torch.cuda.empty_cache()
 
@@ -247,7 +255,7 @@ class PolicyWorker:
         return vocab_parallel_logprobs(
             logits[:, :-1], micro.input_ids[:, 1:], self.config.model.vocab_size,
             group=tp_group if dist.get_world_size(tp_group) > 1 else None,
-            temperature=self.config.temperature,
+            temperature=self.temperature,
         )
 
     def _logits_starts(self, micro_batches: list[PolicyBatch]) -> list[int]:

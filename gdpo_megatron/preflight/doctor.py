@@ -12,7 +12,7 @@ e.g. no CUDA device here). The checks, by name:
   ``libcuda.so.1``), against torch's CUDA build.
 * ``gpu``: the device and its compute capability; that Transformer Engine's torch extension
   loads; the config's precision settings through the project's own check,
-  :meth:`PrecisionConfig.check_runtime` (Transformer Engine, FP8 recipe).
+  :func:`gdpo_megatron.device.check_precision` (Transformer Engine, FP8 recipe).
 * ``vllm``: the installed vLLM's workers accept the in-place weight reload the rollout engine
   calls, and the reload module the engine imports exists.
 * ``nccl``: NCCL is available to torch, at least in the version torch was released with (a
@@ -44,10 +44,9 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from gdpo_megatron.config import ConfigError, TrainConfig
-from gdpo_megatron.device import nvidia_driver
+from gdpo_megatron.device import check_precision, nvidia_driver, this_machine, transformer_engine_available
 from gdpo_megatron.errors import UsageError, UserError
 from gdpo_megatron.preflight.pins import Pin, cuda_major, read_pins
-from gdpo_megatron.policy.config import transformer_engine_available
 
 OK, MISMATCH, NOT_RUN = "ok", "MISMATCH", "not run"
 NO_CUDA = "no CUDA device on this machine"
@@ -161,7 +160,7 @@ def transformer_engine_import_row() -> Check:
 def check_gpu(target: Target) -> list[Check]:
     """The device, and the config's precision on it (the project's own runtime check)."""
     rows = []
-    if torch.cuda.is_available():
+    if this_machine().cuda:
         major, minor = torch.cuda.get_device_capability()
         rows.append(Check("GPU", OK, f"{torch.cuda.get_device_name()}, compute capability {major}.{minor}", ""))
         if transformer_engine_available():
@@ -171,12 +170,12 @@ def check_gpu(target: Target) -> list[Check]:
     if target.config is None:
         rows.append(Check("precision", NOT_RUN, "", "no --config"))
         return rows
-    precision = target.config.policy.precision
+    precision = target.config.policy.precision.resolved(this_machine())
     found = (f"{precision.dtype}, fp8 {precision.fp8 or 'off'}"
              + (f" ({precision.fp8_recipe})" if precision.fp8 else "")
              + f", {'Transformer Engine' if precision.transformer_engine else 'local'} spec")
     try:
-        precision.check_runtime()
+        check_precision(precision)
     except (ValueError, RuntimeError) as e:
         rows.append(Check("precision", MISMATCH, found, str(e)))
     else:
@@ -214,7 +213,7 @@ def check_vllm_reload(target: Target) -> list[Check]:
 
 def check_nccl(target: Target) -> list[Check]:
     """NCCL available to torch, in the version torch's own requirements name."""
-    if not torch.cuda.is_available():
+    if not this_machine().cuda:
         return [Check("NCCL", NOT_RUN, "", f"{NO_CUDA} (gloo is used)")]
     if not torch.distributed.is_nccl_available():
         return [Check("NCCL", MISMATCH, "not available to torch", "torch's NCCL")]
@@ -239,7 +238,7 @@ def check_memory(target: Target) -> list[Check]:
     """gdpo-plan's per-GPU estimate of the config against this GPU's memory."""
     if target.config is None:
         return [Check("memory plan", NOT_RUN, "", "no --config")]
-    if not torch.cuda.is_available():
+    if not this_machine().cuda:
         return [Check("memory plan", NOT_RUN, "", f"{NO_CUDA} (gdpo-plan --gpu-memory plans for a named GPU)")]
     from gdpo_megatron.preflight.plan import GIB
 

@@ -2,8 +2,8 @@
 
 The model shape is ``policy.model`` (e.g. ``{preset: qwen2-7b}``); ``base_model`` is not read,
 it usually does not exist where jobs are planned. Settings that resolve per machine are planned
-as on a CUDA GPU: ``precision.dtype: auto`` is bf16, ``optim.use_distributed_optimizer: null``
-is true.
+as on a CUDA GPU (:data:`gdpo_megatron.device.CUDA`): ``precision.dtype: auto`` is bf16,
+``optim.use_distributed_optimizer: null`` is true.
 
 What is counted, per GPU (the assumptions are printed with the table):
 
@@ -29,14 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 from typing import Optional
 
-import yaml
-
-from gdpo_megatron.config import ConfigError, TrainConfig, apply_override, load_config
+from gdpo_megatron.config import ConfigError, TrainConfig
+from gdpo_megatron.device import CUDA
 from gdpo_megatron.errors import UsageError
-from gdpo_megatron.policy.config import ModelConfig, ParallelConfig, check_model_parallel
+from gdpo_megatron.config.policy import ModelConfig, ParallelConfig, check_model_parallel
 from gdpo_megatron.rollout.vllm_engine import kv_cache_bytes_per_token
 
 GIB = 2**30
@@ -197,12 +195,13 @@ class MemoryPlan:
 
 
 def plan_memory(config: TrainConfig, cluster: Cluster) -> MemoryPlan:
-    """Per-GPU memory of ``config`` on ``cluster``; raises ConfigError if the layout is impossible."""
+    """Per-GPU memory of ``config`` on ``cluster`` of CUDA GPUs; raises ConfigError if the layout is impossible."""
+    config = dataclasses.replace(config, policy=config.policy.resolved(CUDA))
     policy, rollout, data = config.policy, config.rollout, config.data
     model, parallel = policy.model, policy.parallel
     try:
         check_model_parallel(model, parallel)
-    except ValueError as e:
+    except ConfigError as e:
         raise ConfigError(f"policy.{e}") from None
     dp, rollouts_per_replica = config.layout(cluster.world_size)
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
@@ -312,18 +311,3 @@ def format_plan(plan: MemoryPlan) -> str:
         f"full sequences at once (rollout.max_model_len {rollout.max_model_len} must fit)",
     ]
     return "\n".join(lines)
-
-
-def load_for_gpu(path: str | Path, overrides: list[str]) -> TrainConfig:
-    """``load_config`` with the machine-dependent defaults resolved as on a CUDA GPU."""
-    load_config(TrainConfig, path, overrides)  # reads and checks the file; errors name the key
-    data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-    for item in overrides:
-        apply_override(data, item)
-    policy = data.get("policy") or {}
-    gpu_defaults = []
-    if (policy.get("precision") or {}).get("dtype", "auto") == "auto":
-        gpu_defaults.append("policy.precision.dtype=bf16")
-    if (policy.get("optim") or {}).get("use_distributed_optimizer") is None:
-        gpu_defaults.append("policy.optim.use_distributed_optimizer=true")
-    return load_config(TrainConfig, path, [*overrides, *gpu_defaults])

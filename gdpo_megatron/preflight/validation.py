@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
-from gdpo_megatron.advantages import Condition
+from gdpo_megatron.advantages import Condition, conditions_by_column
 from gdpo_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
 from gdpo_megatron.checkpoint.hf_files import check_tensors, safetensors_index
 from gdpo_megatron.checkpoint.layout import hf_shapes
@@ -30,9 +30,11 @@ from gdpo_megatron.checkpoint.state import (
 from gdpo_megatron.config import ConfigError, TrainConfig
 from gdpo_megatron.data.samples import Fields, Sample, load_samples
 from gdpo_megatron.errors import InputError, UserError
+from gdpo_megatron.device import check_precision, this_machine
 from gdpo_megatron.inputs import TrainingInputs
-from gdpo_megatron.policy.config import SHAPE_FIELDS, ModelConfig, ParallelConfig, check_model_parallel
-from gdpo_megatron.rewards.registry import RewardSpec, load_reward_file, registered_rewards, validate_specs
+from gdpo_megatron.config.policy import SHAPE_FIELDS, ModelConfig, ParallelConfig, check_model_parallel
+from gdpo_megatron.config.rewards import RewardSpec
+from gdpo_megatron.rewards.registry import load_reward_file, registered_rewards, validate_specs
 from gdpo_megatron.rollout.vllm_engine import check_vllm_can_load
 from gdpo_megatron.run_dir import CHECKPOINT_DIR
 
@@ -232,20 +234,17 @@ def launch_world_size() -> int:
 
 
 def check_machine(config: TrainConfig) -> None:
-    """Rollout and precision settings a machine without CUDA cannot run. (With CUDA, the GPU's
-    capability, the precision and the installed libraries are gdpo-doctor's preflight, which the
-    trainer runs once the device is set.)"""
-    import torch
-
-    if torch.cuda.is_available():
+    """The policy's settings resolved for this machine, and the rollout and precision settings a
+    machine without CUDA cannot run. (With CUDA, the GPU's capability, the precision and the
+    installed libraries are gdpo-doctor's preflight, which gdpo-train runs once the device is set.)"""
+    machine = this_machine()
+    policy = config.policy.resolved(machine)
+    if machine.cuda:
         return
     if config.rollout.quantization:
         raise ConfigError(f"rollout.quantization: {config.rollout.quantization!r} rollouts need a CUDA GPU; "
                           "use null on this machine")
-    try:
-        config.policy.precision.check_runtime()  # without CUDA it touches no device
-    except ValueError as e:
-        raise ConfigError(f"policy.{e}") from None
+    check_precision(policy.precision)  # without CUDA it touches no device
 
 
 def check_settings(config: TrainConfig, world_size: int) -> list[Condition]:
@@ -256,14 +255,14 @@ def check_settings(config: TrainConfig, world_size: int) -> list[Condition]:
     rewards = config.rewards
     load_reward_files(rewards.reward_files, "rewards.reward_files")
     check_reward_specs(rewards.rewards, "rewards.rewards")
-    return config.advantage.resolve_conditions(rewards.names)
+    return conditions_by_column(config.advantage.conditions, rewards.names)
 
 
 def training_prompts(config: TrainConfig) -> list[Sample]:
     """The samples of ``data.train_path``, every row checked."""
     data = config.data
     return load_prompts(data.train_path, data.family, data.system_prompt, "data.train_path",
-                        fields=data.fields(), split=data.split)
+                        fields=Fields(data.prompt_key, data.system_key, data.ground_truth_key), split=data.split)
 
 
 def check_training(config: TrainConfig, world_size: int) -> TrainingInputs:

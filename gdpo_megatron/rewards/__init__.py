@@ -6,7 +6,6 @@ Importing this package registers the built-in rewards: ``tool_format``,
 """
 from gdpo_megatron.rewards import coding, length, math_answer, tool_call, toolrl  # noqa: F401  (registration)
 from gdpo_megatron.rewards.registry import (
-    RewardSpec,
     get_reward,
     load_reward_file,
     register_reward,
@@ -17,6 +16,6 @@ from gdpo_megatron.rewards.registry import (
 from gdpo_megatron.rewards.stage import RewardStage
 
 __all__ = [
-    "RewardSpec", "RewardStage", "get_reward", "load_reward_file", "register_reward", "registered_rewards",
+    "RewardStage", "get_reward", "load_reward_file", "register_reward", "registered_rewards",
     "reward_bounds", "validate_specs",
 ]

@@ -1,4 +1,4 @@
-"""Reward functions by name, and the per-reward settings a config refers to them with.
+"""Reward functions by name: registration, lookup, and what a configured reward's failure scores.
 
 A reward function has the signature ``fn(completion, num_tokens, ground_truth, **kwargs) ->
 float``: the completion text, its token count, the sample's ground truth/metadata dict, and
@@ -22,9 +22,11 @@ import importlib.util
 import inspect
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+from gdpo_megatron.config.rewards import RewardSpec
 
 RewardFn = Callable[..., float]
 
@@ -106,53 +108,18 @@ def load_reward_file(path: str | Path) -> None:
         raise
 
 
-@dataclass(frozen=True)
-class RewardSpec:
-    """One configured reward: which function, its weight, and how a failure scores.
-
-    ``failure_value`` is what the reward is when its function raises, returns a non-finite
-    or non-numeric value or one outside its declared bounds, or runs past ``timeout_s``
-    (``None``: the stage's default); ``None`` means the lowest value the reward declares (0
-    for a reward that declares no bounds), see :meth:`failure_score`.
-    ``kwargs`` go to the function, e.g. ``{"max_tokens": 512}`` for ``length``.
-    """
-
-    name: str
-    weight: float = 1.0
-    failure_value: float | None = None
-    timeout_s: float | None = None
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self):
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"reward name: expected a non-empty string, got {self.name!r}")
-        if not _is_finite_number(self.weight):
-            raise ValueError(f"reward {self.name!r}: weight must be a finite number, got {self.weight!r}")
-        if self.failure_value is not None and not _is_finite_number(self.failure_value):
-            raise ValueError(f"reward {self.name!r}: failure_value must be a finite number or None, "
-                             f"got {self.failure_value!r}")
-        if self.timeout_s is not None and not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
-            raise ValueError(f"reward {self.name!r}: timeout_s must be > 0 or None, got {self.timeout_s!r}")
-        if not isinstance(self.kwargs, dict):
-            raise ValueError(f"reward {self.name!r}: kwargs must be a dict, got {type(self.kwargs).__name__}")
-
-    def failure_score(self) -> float:
-        """What a failed call scores: ``failure_value``, else the reward's declared low bound, else 0."""
-        if self.failure_value is not None:
-            return float(self.failure_value)
-        bounds = reward_bounds(self.name)
-        return bounds[0] if bounds is not None else 0.0
+def failure_score(spec: RewardSpec) -> float:
+    """What a failed call of ``spec``'s reward scores: its ``failure_value``, else the reward's
+    declared low bound, else 0."""
+    if spec.failure_value is not None:
+        return float(spec.failure_value)
+    bounds = reward_bounds(spec.name)
+    return bounds[0] if bounds is not None else 0.0
 
 
 def validate_specs(specs: Sequence[RewardSpec]) -> None:
-    """Names unique and registered; each spec's kwargs accepted by its function (and its check)."""
-    if not specs:
-        raise ValueError("rewards: expected at least one reward")
-    seen = set()
+    """Each reward registered, and its kwargs accepted by its function (and its check)."""
     for spec in specs:
-        if spec.name in seen:
-            raise ValueError(f"rewards: {spec.name!r} is listed twice")
-        seen.add(spec.name)
         registered = _registered(spec.name)
         try:
             inspect.signature(registered.fn).bind("", 0, {}, **spec.kwargs)

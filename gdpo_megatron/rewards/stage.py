@@ -5,7 +5,7 @@ sent one rollout at a time (all its rewards, in config order, so rewards that sh
 like ``code_pass`` and ``code_no_bug``, can share it in the worker); every reward call has
 its own timeout. A call that raises, returns a non-finite or non-numeric value or one outside
 the reward's declared bounds, runs past its timeout, or takes its worker down scores the
-reward's failure score (``RewardSpec.failure_score``: its lowest value unless the config sets
+reward's failure score (:func:`~gdpo_megatron.rewards.registry.failure_score`: its lowest value unless the config sets
 ``failure_value``), so failing is never paid more than an honest wrong answer, and is counted
 in ``reward/<name>/failures`` (timeouts also in ``reward/<name>/timeouts``) and logged; so is
 a call whose code sandbox failed for its own reasons (``SandboxError``), never scored as the
@@ -38,7 +38,8 @@ from typing import Sequence
 import torch
 
 from gdpo_megatron.rewards import sandbox
-from gdpo_megatron.rewards.registry import RewardSpec, get_reward, load_reward_file, reward_bounds, validate_specs
+from gdpo_megatron.config.rewards import RewardSpec
+from gdpo_megatron.rewards.registry import failure_score, get_reward, load_reward_file, reward_bounds
 
 log = logging.getLogger(__name__)
 
@@ -128,17 +129,12 @@ class RewardStage:
         timeout_s: float = 30.0,
         reward_files: Sequence[str | Path] = (),
     ):
-        if not isinstance(num_workers, int) or num_workers < 1:
-            raise ValueError(f"reward stage: num_workers must be an integer >= 1, got {num_workers!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"reward stage: timeout_s must be > 0, got {timeout_s!r}")
         self.reward_files = [str(Path(p).resolve()) for p in reward_files]
         for path in self.reward_files:
             load_reward_file(path)
-        validate_specs(specs)
         self.specs = list(specs)
         self.timeouts = [spec.timeout_s or timeout_s for spec in self.specs]
-        self.failure_scores = [spec.failure_score() for spec in self.specs]
+        self.failure_scores = [failure_score(spec) for spec in self.specs]
         # Workers fork from a server that imported the rewards once, so a replacement for a
         # killed worker does not import them again.
         self._ctx = mp.get_context("forkserver")
@@ -150,10 +146,6 @@ class RewardStage:
     def names(self) -> list[str]:
         """Reward names in config order (the columns of the reward tensor)."""
         return [spec.name for spec in self.specs]
-
-    @property
-    def weights(self) -> list[float]:
-        return [spec.weight for spec in self.specs]
 
     def score(
         self, completions: Sequence[str], num_tokens: Sequence[int], metadata: Sequence[dict]

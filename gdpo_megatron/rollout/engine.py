@@ -26,16 +26,6 @@ class SamplingConfig:
     stop: tuple[str, ...] = ()
     seed: int | None = None
 
-    def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature: expected >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p: expected in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k: expected -1 (off) or >= 1, got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: expected >= 1, got {self.max_new_tokens}")
-
 
 @dataclass
 class Completion:

@@ -65,6 +65,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from gdpo_megatron.device import this_machine
 from gdpo_megatron.errors import InputError
 from gdpo_megatron.rollout.engine import Completion, SamplingConfig, derive_seed
 
@@ -86,7 +87,7 @@ class VLLMEngineConfig:
 
     model_path: str
     tensor_parallel_size: int = 1
-    dtype: str = "auto"  # "float32" on CPU for exact agreement with the policy
+    dtype: str | None = None  # None: this machine's (float32 on CPU, as the policy; the checkpoint's on GPU)
     max_model_len: int = 2048
     gpu_memory_utilization: float = 0.5  # GPU only: share of the device the engine may use
     kv_cache_gib: float | None = None  # explicit KV cache size; None: vLLM's own sizing
@@ -95,29 +96,16 @@ class VLLMEngineConfig:
     quantization: str | None = None  # "fp8" on GPU only
     seed: int = 0
 
-    def __post_init__(self):
-        if not os.path.isdir(self.model_path):
-            raise FileNotFoundError(f"model_path: expected a Hugging Face checkpoint directory, got {self.model_path!r}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size: expected >= 1, got {self.tensor_parallel_size}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization: expected in (0, 1], got {self.gpu_memory_utilization}")
-        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
-            raise ValueError(f"kv_cache_gib: expected > 0 or None, got {self.kv_cache_gib}")
-        if self.quantization not in (None, "fp8"):
-            raise ValueError(f"quantization: expected None or 'fp8', got {self.quantization!r}")
-
 
 class VLLMEngine:
     """A vLLM ``LLM`` colocated with this rank of the policy (see the module docstring)."""
 
     def __init__(self, config: VLLMEngineConfig):
-        on_gpu = torch.cuda.is_available()
+        machine = this_machine()
+        on_gpu = machine.cuda
         sleep_mode = on_gpu if config.enable_sleep_mode is None else config.enable_sleep_mode
         if sleep_mode and not on_gpu:
             raise ValueError("enable_sleep_mode: vLLM sleep mode needs a CUDA GPU")
-        if config.quantization and not on_gpu:
-            raise ValueError(f"quantization: {config.quantization!r} rollouts need a CUDA GPU")
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         if distributed and torch.distributed.get_world_size() % config.tensor_parallel_size:
             raise ValueError(
@@ -137,7 +125,7 @@ class VLLMEngine:
             model=config.model_path,
             tensor_parallel_size=config.tensor_parallel_size,
             distributed_executor_backend="external_launcher" if distributed else "uni",
-            dtype=config.dtype,
+            dtype=config.dtype or machine.vllm_dtype,
             max_model_len=config.max_model_len,
             gpu_memory_utilization=config.gpu_memory_utilization,
             kv_cache_memory_bytes=None if config.kv_cache_gib is None else int(config.kv_cache_gib * _GIB),
@@ -301,7 +289,7 @@ class VLLMEngine:
 
 
 def kv_cache_bytes_per_token(model, rollout_tp: int, element_bytes: int) -> int:
-    """K and V of every layer of ``model`` (a :class:`~gdpo_megatron.policy.config.ModelConfig`)
+    """K and V of every layer of ``model`` (a :class:`~gdpo_megatron.config.policy.ModelConfig`)
     for one token on one engine rank (KV heads replicate past TP = heads)."""
     heads = -(-model.num_query_groups // rollout_tp)
     return 2 * model.num_layers * heads * model.head_dim * element_bytes

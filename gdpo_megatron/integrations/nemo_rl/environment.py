@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 import torch
 
 from gdpo_megatron.config import ConfigError, RewardsConfig, from_dict
+from gdpo_megatron.preflight.validation import check_reward_specs, load_reward_files
 from gdpo_megatron.integrations.nemo_rl.estimator import REWARD_PREFIX
 from gdpo_megatron.rewards.stage import RewardStage
 
@@ -80,7 +81,9 @@ class RewardStageEnvironment:
             if spec.weight != 1.0:
                 raise ConfigError(f"{CONFIG_PATH}.rewards.{i}.weight: a NeMo-RL run weighs rewards in "
                                   "grpo.adv_estimator.reward_weights (a list in sorted name order), not here")
-        # The stage checks the rewards (names, kwargs, reward files) before the tokenizer loads.
+        # The rewards (files, names, kwargs) are checked before the tokenizer loads.
+        load_reward_files(rewards.reward_files, f"{CONFIG_PATH}.reward_files")
+        check_reward_specs(rewards.rewards, f"{CONFIG_PATH}.rewards")
         self._stage = RewardStage(rewards.rewards, rewards.num_workers, rewards.timeout_s, rewards.reward_files)
         try:
             from transformers import AutoTokenizer

@@ -23,30 +23,29 @@ registry; :func:`install` adds this one, selected by ``implementation: gdpo_mega
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from gdpo_megatron.advantages import NONFINITE_POLICIES, AdvantageResult, Condition, compute_advantages
+from gdpo_megatron.advantages import AdvantageResult, Condition, compute_advantages, conditions_by_column
+from gdpo_megatron.config.advantage import AdvantageConfig, ConditionConfig, NonfinitePolicy
+from gdpo_megatron.config.loader import ConfigError, from_dict
 
 IMPLEMENTATION = "gdpo_megatron"
 REWARD_PREFIX = "reward/"
 CONFIG_PATH = "grpo.adv_estimator"
 NEMO_RL_EPS = 1e-6  # what NeMo-RL's GRPO and GDPO estimators add to a group's std
-_CONDITION_FIELDS = ("target", "gate", "threshold", "fill")  # not "on": YAML 1.1 reads it as true
-# NeMo-RL's AdvEstimatorConfig fields, then this estimator's own (AdvEstimatorConfig allows extras).
-_NEMO_RL_FIELDS = ("name", "normalize_rewards", "use_leave_one_out_baseline", "reward_weights", "minus_baseline")
-_OWN_FIELDS = ("implementation", "conditions", "eps", "batch_norm", "nonfinite")
 
 _last_built: weakref.ref | None = None  # the estimator the installed factory built last
 
 
-class GDPOMegatronEstimator:
-    """NeMo-RL advantage estimator computing GDPO with this project's math.
-
-    NeMo-RL's ``AdvEstimatorConfig`` fields, with NeMo-RL's defaults:
+@dataclass
+class EstimatorConfig:
+    """``grpo.adv_estimator``: NeMo-RL's ``AdvEstimatorConfig`` fields with NeMo-RL's defaults,
+    then this estimator's own. Any other key is an error.
 
     * ``name``: ``gdpo`` (the only value this estimator computes).
     * ``use_leave_one_out_baseline`` (true): a rollout's baseline is the mean of the other
@@ -57,11 +56,39 @@ class GDPOMegatronEstimator:
     * ``reward_weights`` (null = all 1): a list, one weight per reward in the sorted order of
       the reward names, as NeMo-RL's schema (``list[float] | None``) requires.
     * ``minus_baseline`` belongs to Reinforce++; only its default (true) is accepted.
+    * ``conditions``: reward gates as in a training config's ``advantage.conditions``
+      (``{reward, gate, threshold, fill}``, rewards by name); ``eps`` (1e-6, NeMo-RL's);
+      ``batch_norm`` (true: normalize the weighted sum over the valid rollouts of the step);
+      ``nonfinite`` ("raise" or "mask").
+    """
 
-    This estimator's own keys: ``conditions`` (list of ``{target, gate, threshold, fill}``
-    with reward names: ``target`` counts only where ``gate`` >= ``threshold``, else ``fill``);
-    ``eps`` (1e-6, NeMo-RL's); ``batch_norm`` (true: normalize the weighted sum over the valid
-    rollouts of the step); ``nonfinite`` ("raise" or "mask"). Any other key is an error.
+    name: str = "gdpo"
+    normalize_rewards: bool = True
+    use_leave_one_out_baseline: bool = True
+    reward_weights: Optional[list[float]] = None
+    minus_baseline: bool = True
+    implementation: str = IMPLEMENTATION
+    conditions: list[ConditionConfig] = field(default_factory=list)
+    eps: float = NEMO_RL_EPS
+    batch_norm: bool = True
+    nonfinite: NonfinitePolicy = "raise"
+
+    def __post_init__(self):
+        if self.name != "gdpo":
+            raise ConfigError(f"name: the {IMPLEMENTATION} implementation computes GDPO; set name: gdpo "
+                              f"(got {self.name!r})")
+        if not self.minus_baseline:
+            raise ConfigError("minus_baseline: false applies to NeMo-RL's reinforce_plus_plus estimator only; "
+                              "GDPO always subtracts a baseline")
+        self.advantage = AdvantageConfig(mode="gdpo", batch_norm=self.batch_norm, eps=self.eps,
+                                         leave_one_out=self.use_leave_one_out_baseline,
+                                         normalize_rewards=self.normalize_rewards, conditions=self.conditions,
+                                         nonfinite=self.nonfinite)
+
+
+class GDPOMegatronEstimator:
+    """NeMo-RL advantage estimator computing GDPO with this project's math (settings:
+    :class:`EstimatorConfig`).
 
     Where it differs from NeMo-RL's own ``GDPOAdvantageEstimator``, by design: a rollout
     counts only when it has an unmasked token (``mask = token_mask * sample_mask``; a
@@ -79,29 +106,7 @@ class GDPOMegatronEstimator:
 
     def __init__(self, estimator_config: Any, loss_config: Any = None):
         del loss_config  # GDPO takes nothing from the loss; the argument is NeMo-RL's signature
-        fields = _fields(estimator_config)
-        unknown = sorted(set(fields) - set(_NEMO_RL_FIELDS) - set(_OWN_FIELDS))
-        if unknown:
-            raise ValueError(
-                f"{CONFIG_PATH}: unknown key(s) {unknown}; NeMo-RL's keys are {list(_NEMO_RL_FIELDS)}, "
-                f"this estimator's own {list(_OWN_FIELDS)}"
-            )
-        name = fields.get("name", "gdpo")
-        if name != "gdpo":
-            raise ValueError(f"{CONFIG_PATH}.name: the {IMPLEMENTATION} implementation computes GDPO; set name: gdpo "
-                             f"(got {name!r})")
-        if _flag(fields, "minus_baseline", True) is not True:
-            raise ValueError(f"{CONFIG_PATH}.minus_baseline: false applies to NeMo-RL's reinforce_plus_plus "
-                             "estimator only; GDPO always subtracts a baseline")
-        self.leave_one_out = _flag(fields, "use_leave_one_out_baseline", True)
-        self.normalize_rewards = _flag(fields, "normalize_rewards", True)
-        self.reward_weights = _parse_weights(fields.get("reward_weights"))
-        self.conditions = _parse_conditions(fields.get("conditions"))
-        self.eps = _parse_eps(fields.get("eps", NEMO_RL_EPS))
-        self.batch_norm = _flag(fields, "batch_norm", True)
-        self.nonfinite = fields.get("nonfinite", "raise")
-        if self.nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"{CONFIG_PATH}.nonfinite: expected one of {NONFINITE_POLICIES}, got {self.nonfinite!r}")
+        self.config: EstimatorConfig = from_dict(EstimatorConfig, _fields(estimator_config), CONFIG_PATH)
         self.last_result: AdvantageResult | None = None
         self.last_metrics: dict[str, float] = {}
 
@@ -125,13 +130,9 @@ class GDPOMegatronEstimator:
             reward_matrix,
             prompt_groups(prompt_ids, batch_size).to(device),
             mask=valid,
+            config=self.config.advantage,
             weights=self._weights_for(names),
-            batch_norm=self.batch_norm,
-            eps=self.eps,
             conditions=self._conditions_for(names),
-            nonfinite=self.nonfinite,
-            leave_one_out=self.leave_one_out,
-            normalize_rewards=self.normalize_rewards,
         )
         self.last_result = result
         self.last_metrics = result.metrics(names)
@@ -140,26 +141,23 @@ class GDPOMegatronEstimator:
         return result.advantages.to(dtype).unsqueeze(1).expand(mask.shape).contiguous()
 
     def _weights_for(self, names: list[str]) -> list[float]:
-        if self.reward_weights is None:
+        weights = self.config.reward_weights
+        if weights is None:
             return [1.0] * len(names)
-        if len(self.reward_weights) != len(names):
+        if len(weights) != len(names):
             raise ValueError(
-                f"{CONFIG_PATH}.reward_weights: {len(self.reward_weights)} weights for {len(names)} rewards; "
+                f"{CONFIG_PATH}.reward_weights: {len(weights)} weights for {len(names)} rewards; "
                 f"give one per reward in sorted name order: {names}"
             )
-        return list(self.reward_weights)
+        return list(weights)
 
     def _conditions_for(self, names: list[str]) -> list[Condition]:
-        column = {n: k for k, n in enumerate(names)}
-        out = []
-        for i, c in enumerate(self.conditions):
-            for field in ("target", "gate"):
-                if c[field] not in column:
-                    raise ValueError(
-                        f"{CONFIG_PATH}.conditions[{i}].{field}: {c[field]!r} is not a reward of the batch {names}"
-                    )
-            out.append(Condition(column[c["target"]], column[c["gate"]], c["threshold"], c["fill"]))
-        return out
+        for i, c in enumerate(self.config.conditions):
+            for key in ("reward", "gate"):
+                if getattr(c, key) not in names:
+                    raise ValueError(f"{CONFIG_PATH}.conditions.{i}.{key}: {getattr(c, key)!r} is not a reward of "
+                                     f"the batch {names}")
+        return conditions_by_column(self.config.conditions, names)
 
 
 def install(grpo_module: ModuleType | None = None) -> None:
@@ -252,66 +250,6 @@ def _fields(config: Any) -> dict:
     if hasattr(config, "model_dump"):
         return config.model_dump()
     return dict(vars(config))
-
-
-def _flag(fields: dict, key: str, default: bool) -> bool:
-    value = fields.get(key, default)
-    if not isinstance(value, bool):
-        raise ValueError(f"{CONFIG_PATH}.{key}: expected true or false, got {value!r}")
-    return value
-
-
-def _parse_weights(weights) -> list[float] | None:
-    if weights is None:
-        return None
-    if isinstance(weights, Mapping):
-        raise ValueError(
-            f"{CONFIG_PATH}.reward_weights: NeMo-RL's schema takes a list (list[float] | None), one weight per "
-            f"reward in sorted name order, not a mapping: got {dict(weights)!r}"
-        )
-    if isinstance(weights, Sequence) and not isinstance(weights, str):
-        return [_number(v, f"{CONFIG_PATH}.reward_weights[{i}]") for i, v in enumerate(weights)]
-    raise ValueError(f"{CONFIG_PATH}.reward_weights: expected a list of numbers, got {weights!r}")
-
-
-def _parse_conditions(conditions) -> list[dict]:
-    if conditions is None:
-        return []
-    if not isinstance(conditions, Sequence) or isinstance(conditions, str):
-        raise ValueError(
-            f"{CONFIG_PATH}.conditions: expected a list of {{target, gate, threshold, fill}}, got {conditions!r}"
-        )
-    parsed = []
-    for i, c in enumerate(conditions):
-        where = f"{CONFIG_PATH}.conditions[{i}]"
-        if not isinstance(c, Mapping):
-            raise ValueError(f"{where}: expected a mapping with keys {_CONDITION_FIELDS}, got {c!r}")
-        unknown = sorted(set(c) - set(_CONDITION_FIELDS))
-        missing = [k for k in ("target", "gate", "threshold") if k not in c]
-        if unknown or missing:
-            raise ValueError(f"{where}: keys {_CONDITION_FIELDS} (fill optional); missing {missing}, unknown {unknown}")
-        parsed.append(
-            {
-                "target": str(c["target"]),
-                "gate": str(c["gate"]),
-                "threshold": _number(c["threshold"], f"{where}.threshold"),
-                "fill": _number(c.get("fill", 0.0), f"{where}.fill"),
-            }
-        )
-    return parsed
-
-
-def _parse_eps(eps) -> float:
-    eps = _number(eps, f"{CONFIG_PATH}.eps")
-    if eps < 0:
-        raise ValueError(f"{CONFIG_PATH}.eps: expected a value >= 0, got {eps}")
-    return eps
-
-
-def _number(value, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
-        raise ValueError(f"{where}: expected a finite number, got {value!r}")
-    return float(value)
 
 
 def _describe(value) -> str:

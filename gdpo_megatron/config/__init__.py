@@ -1,0 +1,29 @@
+"""The typed configuration: one schema per owner, loaded from YAML plus dotted overrides.
+
+``load_config(TrainConfig, "configs/tiny_cpu.yaml", ["policy.optim.lr=1e-5"])`` reads the
+file, applies the overrides and builds the dataclasses, converting every value to its
+annotation (a ``Literal`` lists the values a key takes). Each rule is checked once, here, and
+a bad value raises :class:`ConfigError` naming the dotted key. Values that depend on the
+machine (``"auto"``, ``null``) stay as written; they are resolved where the thing they
+configure is built (:mod:`gdpo_megatron.device`).
+
+Sections: :mod:`.policy` (model shape, parallelism, precision, optimizer, loss),
+:mod:`.rollout`, :mod:`.rewards`, :mod:`.advantage`, :mod:`.data`, :mod:`.checkpoint`, and
+:mod:`.train` (the whole run). The schema imports nothing of the rest of the package.
+"""
+from gdpo_megatron.config.advantage import AdvantageConfig, ConditionConfig
+from gdpo_megatron.config.checkpoint import CheckpointConfig
+from gdpo_megatron.config.data import DataConfig
+from gdpo_megatron.config.loader import ConfigError, apply_override, from_dict, load_config, read_yaml, to_dict
+from gdpo_megatron.config.policy import (LossConfig, ModelConfig, OptimConfig, ParallelConfig, PolicyConfig,
+                                         PrecisionConfig)
+from gdpo_megatron.config.rewards import RewardsConfig, RewardSpec
+from gdpo_megatron.config.rollout import RolloutConfig
+from gdpo_megatron.config.train import LoggingConfig, TrainConfig
+
+__all__ = [
+    "AdvantageConfig", "CheckpointConfig", "ConditionConfig", "ConfigError", "DataConfig", "LoggingConfig",
+    "LossConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "PolicyConfig", "PrecisionConfig",
+    "RewardSpec", "RewardsConfig", "RolloutConfig", "TrainConfig", "apply_override", "from_dict", "load_config",
+    "read_yaml", "to_dict",
+]

@@ -1,0 +1,25 @@
+"""Where and how often a run saves, and what it resumes from."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from gdpo_megatron.config.loader import require
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints under ``run_dir/checkpoints``; a rerun resumes from the latest complete one."""
+
+    save_every: int = 0  # steps; 0: only at the end
+    keep_last: int = 2
+    resume: bool = True
+    export_hf: bool = True  # write a Hugging Face directory at the end
+    # The distributed optimizer's state on disk (megatron-core's formats): "dp_reshardable"
+    # resumes under another data-parallel size only, "fully_reshardable" (gathered when saving)
+    # under any TP/PP/DP layout. The plain optimizer's state and the weights reshard either way.
+    optimizer_sharding: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
+
+    def __post_init__(self):
+        require(self.save_every >= 0, "checkpoint.save_every", ">= 0", self.save_every)
+        require(self.keep_last >= 1, "checkpoint.keep_last", ">= 1", self.keep_last)

@@ -1,0 +1,285 @@
+"""The policy's schema: model shape, parallelism, precision, optimizer and loss.
+
+The parallel keys are named like NeMo-RL's and verl's Megatron configs. Settings whose value
+depends on the machine stay ``"auto"`` / ``null`` here; :meth:`PolicyConfig.resolved` turns
+them into what a given machine runs (the policy worker resolves for its own, ``gdpo-plan``
+for a CUDA GPU).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Optional, get_args
+
+from gdpo_megatron.config.loader import ConfigError, require
+
+Dtype = Literal["fp32", "bf16"]
+Fp8Format = Literal["e4m3", "hybrid"]
+# megatron-core's FP8 recipes (TransformerConfig.fp8_recipe).
+Fp8Recipe = Literal["delayed", "tensorwise", "blockwise", "mxfp8"]
+# Where the policy's old logprobs (the PPO ratio's denominator) come from.
+OldLogprobs = Literal["policy", "rollout"]
+DTYPES = get_args(Dtype)
+FP8_RECIPES = get_args(Fp8Recipe)
+
+# The fields of a ModelConfig that give the shape of its weights.
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_attention_heads",
+                "num_query_groups")
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a Llama / Qwen2 family decoder (GQA, RoPE, RMSNorm, SwiGLU)."""
+
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: Optional[int] = None  # key/value heads; None means one per query head
+    head_dim: Optional[int] = None  # None means hidden_size // num_attention_heads
+    max_position_embeddings: int = 4096
+    rotary_base: float = 10000.0  # Hugging Face `rope_theta`
+    norm_epsilon: float = 1e-5
+    tie_word_embeddings: bool = False
+    add_qkv_bias: bool = False  # True for Qwen2
+    # Embedding rows are padded to a multiple of this and of the TP size; logits of the padding
+    # rows are masked out of every log-softmax. Unlike Megatron-LM's multiple of (this x TP), the
+    # padded size is the same at every TP size dividing this, so checkpoints move between them.
+    make_vocab_size_divisible_by: int = 128
+    init_method_std: float = 0.02
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers",
+                     "num_attention_heads", "max_position_embeddings", "make_vocab_size_divisible_by"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value > 0, f"model.{name}", "a positive int", value)
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        require(self.num_attention_heads % self.num_query_groups == 0, "model.num_query_groups",
+                f"a divisor of num_attention_heads={self.num_attention_heads}", self.num_query_groups)
+        if self.head_dim is None:
+            require(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size",
+                    f"a multiple of num_attention_heads={self.num_attention_heads} (or set head_dim)",
+                    self.hidden_size)
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        require(self.rotary_base > 0, "model.rotary_base", "> 0", self.rotary_base)
+
+    def padded_vocab_size(self, tensor_model_parallel_size: int = 1) -> int:
+        """Rows of the embedding and output layer at this TP size."""
+        multiple = math.lcm(self.make_vocab_size_divisible_by, tensor_model_parallel_size)
+        return math.ceil(self.vocab_size / multiple) * multiple
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "ModelConfig":
+        """A named shape (see ``MODEL_PRESETS``), with fields overridden by keyword."""
+        require(name in MODEL_PRESETS, "model.preset", f"one of {sorted(MODEL_PRESETS)}", name)
+        return cls(**{**MODEL_PRESETS[name], **overrides})
+
+
+# Constructor arguments of named shapes (Hugging Face configs of the same names).
+MODEL_PRESETS = {
+    # CPU tests and examples; head_dim 64 because vLLM's CPU attention needs it.
+    "tiny": dict(vocab_size=512, hidden_size=128, ffn_hidden_size=256, num_layers=2, num_attention_heads=2,
+                 max_position_embeddings=512),
+    "llama2-7b": dict(vocab_size=32000, hidden_size=4096, ffn_hidden_size=11008, num_layers=32,
+                      num_attention_heads=32),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, ffn_hidden_size=14336, num_layers=32,
+                      num_attention_heads=32, num_query_groups=8, max_position_embeddings=8192,
+                      rotary_base=500000.0),
+    "qwen2-7b": dict(vocab_size=152064, hidden_size=3584, ffn_hidden_size=18944, num_layers=28,
+                     num_attention_heads=28, num_query_groups=4, max_position_embeddings=32768,
+                     rotary_base=1000000.0, norm_epsilon=1e-6, add_qkv_bias=True),
+    "llama3-70b": dict(vocab_size=128256, hidden_size=8192, ffn_hidden_size=28672, num_layers=80,
+                       num_attention_heads=64, num_query_groups=8, max_position_embeddings=8192,
+                       rotary_base=500000.0),
+}
+
+
+@dataclass
+class ParallelConfig:
+    """Model parallelism; data parallelism is whatever is left of the world."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    context_parallel_size: int = 1
+
+    def __post_init__(self):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value >= 1, f"parallel.{name}", "an int >= 1", value)
+        require(self.context_parallel_size == 1, "parallel.context_parallel_size",
+                "1 (context parallelism is not supported yet)", self.context_parallel_size)
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ConfigError("parallel.sequence_parallel: needs tensor_model_parallel_size > 1")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+
+    def data_parallel_size(self, world_size: int) -> int:
+        if world_size % self.model_parallel_size:
+            raise ConfigError(
+                f"parallel: world size {world_size} is not divisible by tensor x pipeline x context "
+                f"parallel size {self.model_parallel_size}")
+        return world_size // self.model_parallel_size
+
+
+@dataclass
+class PrecisionConfig:
+    """Parameter dtype and FP8.
+
+    ``dtype: auto`` is bf16 on CUDA and fp32 without; ``transformer_engine: null`` uses the
+    Transformer Engine layer spec wherever CUDA and TE are present. FP8 (``fp8: e4m3`` or
+    ``hybrid``) runs through Transformer Engine's layers: it needs TE, a GPU on which TE's
+    support check for ``fp8_recipe`` passes, and bf16 parameters.
+    """
+
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    fp8: Optional[Fp8Format] = None
+    fp8_recipe: Fp8Recipe = "delayed"
+    transformer_engine: Optional[bool] = None
+
+    def resolved(self, machine) -> "PrecisionConfig":
+        """A copy with ``dtype`` and ``transformer_engine`` decided for ``machine``."""
+        return dataclasses.replace(self, dtype=machine.param_dtype(self.dtype),
+                                   transformer_engine=machine.transformer_engine(self.transformer_engine))
+
+
+@dataclass
+class OptimConfig:
+    """Adam with gradient clipping, linear warmup and a constant or cosine decay."""
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # max global gradient norm; 0 disables clipping
+    lr_warmup_steps: int = 0  # the lr rises linearly from 0 at step 0 to `lr` at this step
+    lr_decay_steps: int = 1000  # cosine: the step at which the lr reaches min_lr
+    lr_decay_style: Literal["constant", "cosine"] = "constant"
+    # null: the distributed (sharded) optimizer on CUDA, the plain one on the CPU.
+    use_distributed_optimizer: Optional[bool] = None
+
+    def __post_init__(self):
+        require(self.lr > 0, "optim.lr", "> 0", self.lr)
+        require(0 <= self.min_lr <= self.lr, "optim.min_lr", f"in [0, lr={self.lr}]", self.min_lr)
+        require(self.weight_decay >= 0, "optim.weight_decay", ">= 0", self.weight_decay)
+        for name in ("adam_beta1", "adam_beta2"):
+            require(0 <= getattr(self, name) < 1, f"optim.{name}", "in [0, 1)", getattr(self, name))
+        require(self.adam_eps > 0, "optim.adam_eps", "> 0", self.adam_eps)
+        require(self.clip_grad >= 0, "optim.clip_grad", ">= 0", self.clip_grad)
+        require(self.lr_warmup_steps >= 0, "optim.lr_warmup_steps", ">= 0", self.lr_warmup_steps)
+        require(self.lr_decay_steps > self.lr_warmup_steps, "optim.lr_decay_steps",
+                f"> lr_warmup_steps={self.lr_warmup_steps}", self.lr_decay_steps)
+
+
+@dataclass
+class LossConfig:
+    """Clipped policy-gradient loss with an optional k3 KL penalty to a frozen reference."""
+
+    ratio_clip_low: float = 0.2
+    ratio_clip_high: float = 0.2
+    loss_agg_mode: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
+    kl_coef: float = 0.0
+    # Truncated importance sampling of the rollout/training mismatch: each token's policy-gradient
+    # term is weighted by min(exp(old_logprob - rollout_logprob), tis_cap), the old logprobs being
+    # the policy's own (verl: rollout_is_threshold; NeMo-RL: truncated_importance_sampling_ratio).
+    # None: off. The TIS paper and verl use 2.
+    tis_cap: Optional[float] = None
+
+    def __post_init__(self):
+        require(self.ratio_clip_low >= 0, "loss.ratio_clip_low", ">= 0", self.ratio_clip_low)
+        require(self.ratio_clip_high >= 0, "loss.ratio_clip_high", ">= 0", self.ratio_clip_high)
+        require(self.kl_coef >= 0, "loss.kl_coef", ">= 0", self.kl_coef)
+        require(self.tis_cap is None or self.tis_cap > 0, "loss.tis_cap", "> 0 or null", self.tis_cap)
+
+
+@dataclass
+class PolicyConfig:
+    """Everything the policy worker needs.
+
+    ``model`` is the shape ``gdpo-plan`` plans with; a training run takes the shape of its
+    ``base_model`` (and warns where the two differ).
+    """
+
+    model: ModelConfig = field(default_factory=lambda: ModelConfig.preset("tiny"))
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    micro_batch_size: int = 1  # sequences per forward-backward micro-batch
+    # When set, micro-batches are formed by this budget of tokens (padding included) instead:
+    # rows sorted by length, each micro-batch cut to its longest row; micro_batch_size is unused.
+    micro_batch_tokens: Optional[int] = None
+    ppo_epochs: int = 1  # optimizer passes over each batch
+    # The PPO ratio's old logprobs. "policy": the policy's own before the update, so the ratio
+    # starts at 1 and only the policy's kernels enter it (with ppo_epochs > 1 one extra forward
+    # pass; with one epoch the training pass's logprobs, detached, at no cost); "rollout": the
+    # rollout engine's sampling logprobs, which is sound only where both engines compute the
+    # same numbers (fp32 on CPU: ~1e-7 apart). null: "policy", except with fp32 parameters on a
+    # machine without CUDA and no loss.tis_cap.
+    old_logprobs: Optional[OldLogprobs] = None
+    # While the rollout engine generates: free megatron's gradient buffers and move the optimizer
+    # state (Adam moments, fp32 master weights) to host memory; train_step brings them back.
+    offload_grads_and_optimizer: bool = False
+
+    def __post_init__(self):
+        require(self.micro_batch_size >= 1, "micro_batch_size", ">= 1", self.micro_batch_size)
+        require(self.micro_batch_tokens is None or self.micro_batch_tokens >= 1, "micro_batch_tokens",
+                "null or >= 1", self.micro_batch_tokens)
+        require(self.ppo_epochs >= 1, "ppo_epochs", ">= 1", self.ppo_epochs)
+        if self.loss.tis_cap is not None and self.old_logprobs == "rollout":
+            raise ConfigError("policy.loss.tis_cap: truncated importance sampling weighs the policy's old logprobs "
+                              "against the rollout engine's; it needs old_logprobs: policy")
+
+    def resolved(self, machine) -> "PolicyConfig":
+        """A copy with every machine-dependent value decided for ``machine``
+        (a :class:`gdpo_megatron.device.Machine`); raises ConfigError for what the result cannot run."""
+        precision = self.precision.resolved(machine)
+        optim = dataclasses.replace(
+            self.optim, use_distributed_optimizer=machine.distributed_optimizer(self.optim.use_distributed_optimizer))
+        old_logprobs = self.old_logprobs
+        if old_logprobs is None:
+            same_numerics = not machine.cuda and precision.dtype == "fp32" and self.loss.tis_cap is None
+            old_logprobs = "rollout" if same_numerics else "policy"
+        if self.offload_grads_and_optimizer and precision.dtype == "fp32" and not optim.use_distributed_optimizer:
+            raise ConfigError("policy.offload_grads_and_optimizer: with fp32 parameters and the plain optimizer, "
+                              "megatron's optimizer holds the model's own parameters, which the weight sync needs on "
+                              "the GPU; use precision.dtype: bf16 or optim.use_distributed_optimizer: true")
+        return dataclasses.replace(self, precision=precision, optim=optim, old_logprobs=old_logprobs)
+
+    def sequence_multiple(self) -> int:
+        """Every batch's sequence length must be a multiple of this (pad the batch to it).
+
+        Sequence parallelism splits the sequence over the TP ranks. Transformer Engine checks
+        FP8 GEMM inputs on each rank's *local* slice, ``tokens = (T / TP if SP else T) x rows``:
+        ``assert_dim_for_fp8_exec`` wants ``tokens % 8 == 0`` for every recipe, an MXFP8 tensor
+        ``tokens % 32 == 0`` (``MXFP8Quantizer.make_empty``), and under sequence parallelism
+        the quantized input that the column-parallel layers all-gather must be quantizable
+        (``Float8BlockQuantizer.is_quantizable``: ``tokens % 128 == 0`` for blockwise). A
+        multiple of the split times that count holds for any number of rows per micro-batch.
+        """
+        split = self.parallel.tensor_model_parallel_size if self.parallel.sequence_parallel else 1
+        tokens = 1
+        if self.precision.fp8:
+            tokens = {"mxfp8": 32, "blockwise": 128 if self.parallel.sequence_parallel else 8}.get(
+                self.precision.fp8_recipe, 8)
+        return split * tokens
+
+
+def check_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Raise ConfigError unless ``model`` splits evenly under ``parallel``."""
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    require(model.num_attention_heads % tp == 0, "model.num_attention_heads",
+            f"a multiple of parallel.tensor_model_parallel_size={tp}", model.num_attention_heads)
+    require(model.num_query_groups % tp == 0, "model.num_query_groups",
+            f"a multiple of parallel.tensor_model_parallel_size={tp}", model.num_query_groups)
+    require(model.ffn_hidden_size % tp == 0, "model.ffn_hidden_size",
+            f"a multiple of parallel.tensor_model_parallel_size={tp}", model.ffn_hidden_size)
+    require(model.num_layers % pp == 0, "model.num_layers",
+            f"a multiple of parallel.pipeline_model_parallel_size={pp}", model.num_layers)

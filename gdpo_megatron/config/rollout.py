@@ -1,0 +1,46 @@
+"""Sampling and the colocated vLLM engine (:mod:`gdpo_megatron.rollout.vllm_engine`)."""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from gdpo_megatron.config.loader import require
+
+
+@dataclass
+class RolloutConfig:
+    """How completions are sampled, and how the engine is laid out and sized."""
+
+    group_size: int = 8  # completions per prompt (G); GDPO and GRPO normalize inside the group
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 256
+    stop: list[str] = dataclasses.field(default_factory=list)
+    tensor_parallel_size: int = 1  # vLLM's own TP; may differ from the policy's
+    gpu_memory_utilization: float = 0.5
+    kv_cache_gib: Optional[float] = None  # null: vLLM's sizing on GPU, one step's rollouts on CPU
+    max_model_len: int = 2048
+    enforce_eager: Optional[bool] = None  # null: eager on CPU, CUDA graphs on GPU
+    quantization: Optional[Literal["fp8"]] = None  # FP8 rollouts on GPU
+
+    def __post_init__(self):
+        require(self.group_size >= 2, "rollout.group_size",
+                ">= 2 (advantages compare the completions of a prompt; one alone gets advantage 0)", self.group_size)
+        require(self.temperature > 0, "rollout.temperature", "> 0 (training samples; gdpo-eval is greedy)",
+                self.temperature)
+        require(0 < self.top_p <= 1, "rollout.top_p", "in (0, 1]", self.top_p)
+        require(self.top_k == -1 or self.top_k >= 1, "rollout.top_k", "-1 (off) or >= 1", self.top_k)
+        if self.top_p < 1 or self.top_k > 0:
+            warnings.warn("rollout.top_p / rollout.top_k: the policy's logprobs do not truncate the "
+                          "distribution, so the importance ratio of the first update is biased")
+        require(self.max_new_tokens >= 1, "rollout.max_new_tokens", ">= 1", self.max_new_tokens)
+        require(self.max_model_len > self.max_new_tokens, "rollout.max_model_len",
+                f"> max_new_tokens={self.max_new_tokens}", self.max_model_len)
+        require(self.tensor_parallel_size >= 1, "rollout.tensor_parallel_size", ">= 1", self.tensor_parallel_size)
+        require(0 < self.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization", "in (0, 1]",
+                self.gpu_memory_utilization)
+        require(self.kv_cache_gib is None or self.kv_cache_gib > 0, "rollout.kv_cache_gib", "> 0 or null",
+                self.kv_cache_gib)

@@ -1,0 +1,80 @@
+"""A training run: every section, and the rules that tie them together."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from gdpo_megatron.config.advantage import AdvantageConfig
+from gdpo_megatron.config.checkpoint import CheckpointConfig
+from gdpo_megatron.config.data import DataConfig
+from gdpo_megatron.config.loader import ConfigError, require, require_path
+from gdpo_megatron.config.policy import PolicyConfig
+from gdpo_megatron.config.rewards import RewardsConfig
+from gdpo_megatron.config.rollout import RolloutConfig
+
+
+@dataclass
+class LoggingConfig:
+    wandb_project: Optional[str] = None  # None: JSONL only
+    progress_bar: bool = True
+
+
+@dataclass
+class TrainConfig:
+    """Everything ``gdpo-train`` reads.
+
+    The policy trains the shape of ``base_model/config.json``, seeded with ``seed``, and
+    computes its logprobs at ``rollout.temperature``: those of the distribution the rollouts
+    were sampled from.
+    """
+
+    run_dir: str
+    base_model: str  # a Hugging Face directory; the policy's shape comes from its config.json
+    data: DataConfig
+    rewards: RewardsConfig
+    steps: int = 100
+    seed: int = 1234
+    dynamic_sampling: bool = False  # drop (not refill) prompt groups in which no reward has any spread
+    policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+
+    def __post_init__(self):
+        require_path(self.run_dir, "run_dir")
+        require_path(self.base_model, "base_model")
+        require(self.steps >= 1, "steps", ">= 1", self.steps)
+        names = self.rewards.names
+        for i, condition in enumerate(self.advantage.conditions):
+            for key in ("reward", "gate"):
+                if getattr(condition, key) not in names:
+                    raise ConfigError(f"advantage.conditions.{i}.{key}: {getattr(condition, key)!r} is not a "
+                                      f"configured reward (rewards: {names})")
+        longest = self.data.max_prompt_tokens + self.rollout.max_new_tokens
+        require(longest <= self.rollout.max_model_len, "rollout.max_model_len",
+                f">= data.max_prompt_tokens + rollout.max_new_tokens = {longest}", self.rollout.max_model_len)
+
+    def layout(self, world_size: int) -> tuple[int, int]:
+        """(data-parallel size, rollouts per data-parallel replica) on ``world_size`` ranks.
+
+        Raises ConfigError naming the key when the step does not split evenly.
+        """
+        parallel = self.policy.parallel
+        try:
+            dp = parallel.data_parallel_size(world_size)
+        except ConfigError as e:
+            raise ConfigError(f"policy.{e}") from None
+        tp = parallel.tensor_model_parallel_size
+        if tp % self.rollout.tensor_parallel_size:
+            raise ConfigError(f"rollout.tensor_parallel_size: {self.rollout.tensor_parallel_size} must divide "
+                              f"policy.parallel.tensor_model_parallel_size={tp} (vLLM groups consecutive ranks)")
+        if self.data.prompts_per_step % dp:
+            raise ConfigError(f"data.prompts_per_step: {self.data.prompts_per_step} is not divisible by the "
+                              f"data-parallel size {dp}")
+        per_replica = self.data.prompts_per_step // dp * self.rollout.group_size
+        if self.policy.micro_batch_tokens is None and per_replica % self.policy.micro_batch_size:
+            raise ConfigError(f"policy.micro_batch_size: {self.policy.micro_batch_size} does not divide the "
+                              f"{per_replica} rollouts of a data-parallel replica")
+        return dp, per_replica

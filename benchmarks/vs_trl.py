@@ -169,7 +169,7 @@ def run_engine(model: str, steps: int, out: Path) -> dict:
     """The trainer's vLLM engine alone: the prompts and sampling of the trainer's steps, one
     batch after another, with no scoring, update or weight sync between them."""
     from gdpo_megatron.data.chat import encode_prompt
-    from gdpo_megatron.experience import sampling_seed
+    from gdpo_megatron.rollout.engine import derive_seed
     from gdpo_megatron.rollout.engine import SamplingConfig
 
     trainer, _ = project_trainer(model, steps, out)
@@ -178,7 +178,7 @@ def run_engine(model: str, steps: int, out: Path) -> dict:
         for step in range(steps):
             prompts = [encode_prompt(trainer.tokenizer, trainer.samples[i].messages)
                        for i in trainer.schedule.indices(step)]
-            sampling = SamplingConfig(temperature=1.0, max_new_tokens=NEW_TOKENS, seed=sampling_seed(0, step, 0))
+            sampling = SamplingConfig(temperature=1.0, max_new_tokens=NEW_TOKENS, seed=derive_seed(0, step, 0))
             start = time.perf_counter()
             groups = trainer.engine.generate(prompts, GENERATIONS, sampling)
             generate_s += time.perf_counter() - start

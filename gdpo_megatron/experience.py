@@ -1,10 +1,4 @@
-"""One step's experience: prompts in, rollouts with rewards out, packed as a policy batch.
-
-Ranks of one model-parallel group (one data-parallel replica) train on the same batch, so the
-replica's first rank is its *leader*: its rollouts and rewards are broadcast to the others,
-which makes the batches identical by construction. Every rank still calls the rollout engine
-(ranks of one vLLM tensor-parallel group must all call ``generate``).
-"""
+"""One step's experience: which prompts, their rollouts, and the policy batch they pack into."""
 from __future__ import annotations
 
 import random
@@ -12,12 +6,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
 from gdpo_megatron.data.samples import Sample
 from gdpo_megatron.policy.batch import PolicyBatch
 from gdpo_megatron.rewards.stage import RewardBatch
-from gdpo_megatron.rollout.engine import Completion, derive_seed
+from gdpo_megatron.rollout.engine import Completion
 
 
 class PromptSchedule:
@@ -60,46 +53,6 @@ class Rollouts:
     @property
     def num_tokens(self) -> list[int]:
         return [len(c.token_ids) for c in self.completions]
-
-
-def sampling_seed(seed: int, step: int, replica: int) -> int:
-    """A seed for one replica's sampling at one step (reproducible on resume)."""
-    return derive_seed(seed, step, replica)
-
-
-def leader_broadcast(obj, group: dist.ProcessGroup | None):
-    """``obj`` from the first rank of ``group`` on every rank of it (``group=None``: no-op)."""
-    if group is None:
-        return obj
-    holder = [obj]
-    dist.broadcast_object_list(holder, src=dist.get_process_group_ranks(group)[0], group=group)
-    return holder[0]
-
-
-class LeaderError(RuntimeError):
-    """The replica's leader failed in work the other ranks of the replica were waiting for."""
-
-
-def leader_call(fn, group: dist.ProcessGroup | None):
-    """Run ``fn()`` on the first rank of ``group`` and broadcast its result to the group.
-
-    If it raises, the leader re-raises and the others raise :class:`LeaderError`, instead of
-    waiting in the broadcast forever.
-    """
-    is_leader = group is None or dist.get_rank(group) == 0
-    outcome = None
-    if is_leader:
-        try:
-            outcome = (True, fn())
-        except Exception as e:
-            if group is None:
-                raise
-            leader_broadcast((False, f"{type(e).__name__}: {e}"), group)
-            raise
-    ok, value = leader_broadcast(outcome, group)
-    if not ok:
-        raise LeaderError(f"the replica's first rank failed: {value}")
-    return value
 
 
 def to_policy_batch(rollouts: Rollouts, group_size: int, advantages: torch.Tensor, keep: torch.Tensor,

@@ -1,13 +1,15 @@
 """The GDPO training loop: rollouts -> rewards -> advantages -> update -> weight sync.
 
-Every rank runs :class:`Trainer` inside an initialized ``torch.distributed`` world. Per step:
+Every rank runs :class:`Trainer` inside an initialized ``torch.distributed`` world. Ranks of
+one model-parallel group (one data-parallel replica) train on the same batch: the replica's
+first rank is its *leader*, whose rollouts and rewards the others receive. Per step:
 
 1. each data-parallel replica takes its share of the step's prompts and samples ``G``
-   completions per prompt with its colocated vLLM engine (the replica's leader's rollouts
-   are broadcast to the rest of the replica);
-2. the leader scores them in its reward process pool;
-3. advantages come from :func:`gdpo_megatron.distributed.compute_advantages` over the
-   data-parallel group (exact GDPO over the whole step, whatever the split);
+   completions per prompt with its colocated vLLM engine (every rank calls ``generate``:
+   ranks of one vLLM tensor-parallel group must);
+2. the leader scores them in its reward process pool as they finish;
+3. advantages come from :func:`gdpo_megatron.advantages.compute_advantages` all-reduced over
+   the data-parallel group (exact GDPO over the whole step, whatever the split);
 4. the engine sleeps, the Megatron policy takes its update, gives its memory back (see
    :meth:`PolicyWorker.release_memory`), and the new weights stream into the engine as Hugging
    Face-named tensors before its KV cache returns;
@@ -41,15 +43,15 @@ from gdpo_megatron.data.chat import encode_prompt
 from gdpo_megatron.advantages import compute_advantages
 from gdpo_megatron.distributed.advantages import AllReduce
 from gdpo_megatron.distributed.threads import use_rank_threads
-from gdpo_megatron.experience import (PromptSchedule, Rollouts, leader_broadcast, leader_call, reward_submitter,
-                                      sampling_seed, to_policy_batch)
+from gdpo_megatron.distributed.collectives import all_reduce_sums, any_rank, fail_together, leader_broadcast
+from gdpo_megatron.experience import PromptSchedule, Rollouts, reward_submitter, to_policy_batch
 from gdpo_megatron.inputs import TrainingInputs
 from gdpo_megatron.metrics import MetricsLogger
 from gdpo_megatron.config.policy import SHAPE_FIELDS
 from gdpo_megatron.device import this_machine
 from gdpo_megatron.policy.worker import PolicyWorker
 from gdpo_megatron.rewards.stage import RewardStage
-from gdpo_megatron.rollout.engine import SamplingConfig
+from gdpo_megatron.rollout.engine import SamplingConfig, derive_seed
 from gdpo_megatron.rollout.vllm_engine import (CPU_KV_ELEMENT_BYTES, VLLMEngine, VLLMEngineConfig, kv_cache_bytes_per_token,
                                                kv_cache_gib)
 from gdpo_megatron.run_dir import CHECKPOINT_DIR, HF_EXPORT_DIR
@@ -149,7 +151,7 @@ class Trainer:
                     self.logger.log(step + 1, metrics)
                     bar.set_postfix({n: f"{metrics[f'reward/{n}/mean']:.2f}" for n in self.reward_names})
                 last = step + 1 == self.config.steps
-                if self._agree_to_stop():
+                if any_rank(self._stop_requested, self.device):  # every rank stops after the same step
                     self.save(step + 1)
                     outcome = "interrupted"
                     break
@@ -172,11 +174,11 @@ class Trainer:
             indices = self.schedule.indices(step)[self.dp_rank :: self.dp_size]
             samples = [self.samples[i] for i in indices]
             global_ids = list(range(self.dp_rank, cfg.data.prompts_per_step, self.dp_size))
-            prompt_ids = self._on_every_rank(lambda: self._encode(samples))
+            prompt_ids = fail_together(lambda: self._encode(samples), self.device)
             sampling = SamplingConfig(
                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                 max_new_tokens=cfg.rollout.max_new_tokens, stop=tuple(cfg.rollout.stop),
-                seed=sampling_seed(cfg.seed, step, self.dp_rank))
+                seed=derive_seed(cfg.seed, step, self.dp_rank))
             # The leader scores each completion as soon as the engine finishes it.
             scoring = self.reward_stage.begin(len(samples) * G) if self.is_leader else None
             with _timed(times, "generate"):
@@ -187,7 +189,8 @@ class Trainer:
             rollouts = Rollouts(prompt_ids, group_ids, completions)
 
         with _timed(times, "reward"):  # what is left to score once generation is done
-            rewards, stage_metrics = self._on_every_rank(lambda: leader_call(lambda: scoring.collect(), self.mp_group))
+            scored = fail_together(lambda: scoring.collect() if self.is_leader else None, self.device)
+            rewards, stage_metrics = leader_broadcast(scored, self.mp_group)
             rewards = rewards.to(self.device)
 
         with _timed(times, "advantage"):
@@ -221,20 +224,6 @@ class Trainer:
         return metrics
 
     # ---- pieces of a step ---------------------------------------------------------------
-
-    def _on_every_rank(self, fn):
-        """``fn()``; if it raises on any rank, every rank raises, none is left waiting in a collective."""
-        try:
-            value, error = fn(), None
-        except Exception as e:
-            value, error = None, e
-        flag = torch.tensor([float(error is not None)], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if error is not None:
-            raise error
-        if flag.item():
-            raise RuntimeError("another rank failed in this step (its error is in its log)")
-        return value
 
     def _encode(self, samples) -> list[list[int]]:
         ids = [encode_prompt(self.tokenizer, s.messages) for s in samples]
@@ -280,32 +269,28 @@ class Trainer:
         counts = [stage_metrics.get(f"reward/{n}/{kind}", 0.0) for kind in ("failures", "timeouts")
                   for n in self.reward_names]
         r = rewards.double()
-        sums = torch.cat([r.sum(0), r.square().sum(0), r.new_tensor([r.shape[0]]), r.new_tensor(counts)])
-        dist.all_reduce(sums, group=self.dp_group)
-        n = sums[2 * K].item()
+        sums = all_reduce_sums([*r.sum(0).tolist(), *r.square().sum(0).tolist(), r.shape[0], *counts], self.device,
+                               self.dp_group)
+        n = sums[2 * K]
         out = {}
         for k, name in enumerate(self.reward_names):
-            mean = sums[k].item() / n
+            mean = sums[k] / n
             out[f"reward/{name}/mean"] = mean
-            out[f"reward/{name}/std"] = max(sums[K + k].item() / n - mean * mean, 0.0) ** 0.5
-            out[f"reward/{name}/failures"] = sums[2 * K + 1 + k].item()
-            out[f"reward/{name}/timeouts"] = sums[3 * K + 1 + k].item()
+            out[f"reward/{name}/std"] = max(sums[K + k] / n - mean * mean, 0.0) ** 0.5
+            out[f"reward/{name}/failures"] = sums[2 * K + 1 + k]
+            out[f"reward/{name}/timeouts"] = sums[3 * K + 1 + k]
         return out
 
     def _global_mean(self, values: torch.Tensor) -> float:
-        sums = torch.tensor([values.double().sum().item(), float(values.numel())], dtype=torch.float64,
-                            device=self.device)
-        dist.all_reduce(sums, group=self.dp_group)
-        return sums[0].item() / max(sums[1].item(), 1.0)
+        total, count = all_reduce_sums([values.double().sum().item(), values.numel()], self.device, self.dp_group)
+        return total / max(count, 1.0)
 
     def _rollout_metrics(self, rollouts: Rollouts, step_time: float) -> dict[str, float]:
         """Generated tokens and truncation over the whole step."""
         tokens = rollouts.num_tokens
         truncated = sum(c.finish_reason == "length" for c in rollouts.completions)
-        sums = torch.tensor([float(sum(tokens)), float(len(tokens)), float(truncated)], dtype=torch.float64,
-                            device=self.device)
-        dist.all_reduce(sums, group=self.dp_group)
-        total_tokens, n, truncated = sums.tolist()
+        total_tokens, n, truncated = all_reduce_sums([sum(tokens), len(tokens), truncated], self.device,
+                                                     self.dp_group)
         return {
             "rollout/tokens_generated": total_tokens,
             "rollout/completion_tokens_mean": total_tokens / n,
@@ -318,12 +303,6 @@ class Trainer:
 
     def _request_stop(self, signum, frame) -> None:
         self._stop_requested = True
-
-    def _agree_to_stop(self) -> bool:
-        """True on every rank if any rank was asked to stop."""
-        flag = torch.tensor([float(self._stop_requested)], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
     def save(self, step: int) -> Path:
         """A training checkpoint; its config holds the model actually trained and where it came from."""

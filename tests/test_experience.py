@@ -1,9 +1,8 @@
-"""A step's experience: prompt order, policy-batch layout, and leader broadcasts."""
+"""A step's experience: prompt order and policy-batch layout."""
 import pytest
 import torch
-import torch.distributed as dist
 
-from gdpo_megatron.experience import LeaderError, PromptSchedule, Rollouts, leader_call, to_policy_batch
+from gdpo_megatron.experience import PromptSchedule, Rollouts, to_policy_batch
 from gdpo_megatron.rollout.engine import Completion
 
 
@@ -33,29 +32,3 @@ def test_policy_batch_places_tokens_logprobs_and_loss_mask():
     assert batch.rollout_logprobs[3, 0].item() == -2.0
     assert batch.lengths.tolist() == [5, 4, 4, 2]  # prompt + completion, before the padding
     batch.validate(vocab_size=16)
-
-
-def _fail_on_leader(group_ranks):
-    group = dist.new_group(group_ranks)
-
-    def score():
-        raise RuntimeError("reward pool died")
-
-    try:
-        leader_call(score, group)
-    except LeaderError as e:
-        return ("follower", str(e))
-    except RuntimeError as e:
-        return ("leader", str(e))
-    return ("no error", "")
-
-
-def _succeed(group_ranks):
-    return leader_call(lambda: dist.get_rank() * 10 + 3, dist.new_group(group_ranks))
-
-
-def test_leader_failure_reaches_the_other_ranks_instead_of_hanging(gloo_world_2):
-    assert gloo_world_2.run(_succeed, [0, 1]) == [3, 3]
-    leader, follower = gloo_world_2.run(_fail_on_leader, [0, 1])
-    assert leader == ("leader", "reward pool died")
-    assert follower == ("follower", "the replica's first rank failed: RuntimeError: reward pool died")

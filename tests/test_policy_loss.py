@@ -5,7 +5,20 @@ import pytest
 import torch
 
 from gdpo_megatron.config.policy import LossConfig
-from gdpo_megatron.policy.loss import policy_loss
+from gdpo_megatron.policy.loss import LossTerms, policy_loss
+
+
+def mean_loss(terms: LossTerms) -> torch.Tensor:
+    """The mean loss of this batch alone (0 when nothing is valid)."""
+    return terms.loss_sum / terms.count.clamp(min=1)
+
+
+def token_metrics(terms: LossTerms) -> dict[str, float]:
+    """Token means of the diagnostics of this batch alone, and the ratio's range."""
+    tokens = terms.num_tokens.clamp(min=1)
+    out = {name: (value / tokens).item() for name, value in terms.metric_sums.items()}
+    out.update(ratio_min=terms.ratio_min.item(), ratio_max=terms.ratio_max.item())
+    return out
 
 
 def reference_loss(logprobs, old, adv, mask, low, high, agg, kl_coef=0.0, ref=None, rollout=None, tis_cap=None):
@@ -68,7 +81,7 @@ def test_loss_and_gradient_match_reference(agg, kl_coef, low, high, tis_cap):
 
     lp = logprobs.clone().requires_grad_(True)
     terms = policy_loss(lp, old, adv, mask, config, ref_logprobs=ref if kl_coef else None, rollout_logprobs=rollout)
-    loss = terms.loss()
+    loss = mean_loss(terms)
     loss.backward()
 
     lp_ref = logprobs.clone().requires_grad_(True)
@@ -85,7 +98,7 @@ def test_clipping_happens_on_both_sides_and_metrics_match_direct_counts():
     logprobs, old, adv, mask, ref = make_batch()
     config = LossConfig(ratio_clip_low=0.2, ratio_clip_high=0.2, kl_coef=0.1)
     terms = policy_loss(logprobs, old, adv, mask, config, ref_logprobs=ref, entropy=torch.ones_like(logprobs))
-    metrics = terms.metrics()
+    metrics = token_metrics(terms)
 
     ratio = (logprobs - old).exp()[mask]
     a = adv.unsqueeze(1).expand_as(mask)[mask]
@@ -110,7 +123,7 @@ def test_clipping_happens_on_both_sides_and_metrics_match_direct_counts():
 def test_truncated_importance_weights_and_the_rollout_gap_match_direct_counts():
     logprobs, old, adv, mask, _ = make_batch()
     rollout = rollout_logprobs(old, mask)
-    metrics = policy_loss(logprobs, old, adv, mask, LossConfig(tis_cap=2.0), rollout_logprobs=rollout).metrics()
+    metrics = token_metrics(policy_loss(logprobs, old, adv, mask, LossConfig(tis_cap=2.0), rollout_logprobs=rollout))
     weights = (old - rollout).exp()[mask]
     assert (weights > 2.0).any() and (weights < 1.0).any()
     assert metrics["tis_weight"] == pytest.approx(weights.clamp(max=2.0).mean().item())
@@ -125,17 +138,17 @@ def test_terms_of_micro_batches_add_up_to_the_whole_batch(agg):
     whole = policy_loss(logprobs, old, adv, mask, config)
     parts = [policy_loss(logprobs[s], old[s], adv[s], mask[s], config) for s in (slice(0, 2), slice(2, 5))]
     combined = sum(p.loss_sum for p in parts) / sum(p.count for p in parts)
-    torch.testing.assert_close(combined, whole.loss(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(combined, mean_loss(whole), rtol=1e-12, atol=1e-12)
     # The split is uneven, so averaging the parts' means would differ.
-    assert not math.isclose(sum(p.loss().item() for p in parts) / 2, whole.loss().item(), rel_tol=1e-6)
+    assert not math.isclose(sum(mean_loss(p).item() for p in parts) / 2, mean_loss(whole).item(), rel_tol=1e-6)
 
 
 def test_fully_masked_batch_has_zero_loss_and_gradient():
     logprobs, old, adv, mask, _ = make_batch()
     lp = logprobs.clone().requires_grad_(True)
     terms = policy_loss(lp, old, adv, torch.zeros_like(mask), LossConfig())
-    terms.loss().backward()
-    assert terms.loss().item() == 0.0 and terms.count.item() == 0
+    mean_loss(terms).backward()
+    assert mean_loss(terms).item() == 0.0 and terms.count.item() == 0
     assert lp.grad.abs().max() == 0
 
 

@@ -1,12 +1,9 @@
 """CPU runs allocate host memory with tcmalloc, as vLLM recommends for its CPU backend.
 
-Under glibc's malloc a CPU training process's resident set climbs for several steps: freed
-activations stay in glibc's heap, and every large free raises its mmap threshold, so later
-tensors of that size land in the heap too. tcmalloc reuses those pages (13.2M-parameter
-update alone, ``benchmarks/vs_trl.py`` model and batch: peak RSS 1.80 GiB under glibc, 1.43
-GiB under tcmalloc, and a little faster). A library can only be preloaded before the process
-starts, so :func:`reexec_with_tcmalloc` restarts the process in place (same pid and argv)
-with tcmalloc in ``LD_PRELOAD``. It does so only when
+Under glibc's malloc a CPU training process's resident set climbs for several steps (freed
+activations stay in glibc's heap); tcmalloc reuses those pages. A library can only be
+preloaded before the process starts, so :func:`reexec_with_tcmalloc` restarts the process in
+place (same pid and argv) with tcmalloc in ``LD_PRELOAD``. It does so only when
 
 * no NVIDIA driver is present: every tensor is on the CPU (GPU runs are left as they are);
 * tcmalloc is installed (Debian/Ubuntu: ``libtcmalloc-minimal4``);

@@ -53,17 +53,6 @@ class LossTerms:
     ratio_min: torch.Tensor
     ratio_max: torch.Tensor
 
-    def loss(self) -> torch.Tensor:
-        """The mean loss of this batch alone (0 when nothing is valid)."""
-        return self.loss_sum / self.count.clamp(min=1)
-
-    def metrics(self) -> dict[str, float]:
-        """Token means of the diagnostics of this batch alone."""
-        tokens = self.num_tokens.clamp(min=1)
-        out = {name: (value / tokens).item() for name, value in self.metric_sums.items()}
-        out.update(ratio_min=self.ratio_min.item(), ratio_max=self.ratio_max.item())
-        return out
-
 
 def policy_loss(
     logprobs: torch.Tensor,

@@ -27,6 +27,7 @@ from gdpo_megatron.policy import cpu_compat
 from gdpo_megatron.policy.batch import PolicyBatch, merge_rows
 from gdpo_megatron.config.policy import PolicyConfig, check_model_parallel
 from gdpo_megatron.device import this_machine
+from gdpo_megatron.distributed.collectives import all_reduce_sums
 from gdpo_megatron.policy.logprobs import vocab_parallel_logprobs
 from gdpo_megatron.policy.loss import TOKEN_METRICS, policy_loss
 from gdpo_megatron.policy.model import (build_model, destroy_model_parallel, initialize_model_parallel, logits_from,
@@ -310,19 +311,19 @@ class PolicyWorker:
         return tensor
 
     def _reduce_metrics(self, outputs: list) -> dict[str, float]:
-        """Global metrics from the per-micro-batch sums (all-reduced over data parallel)."""
-        sums = extrema = None
+        """Global metrics from the per-micro-batch sums: reduced over data parallel on the last
+        pipeline stage, then sent to the other stages."""
+        values = None
         if parallel_state.is_pipeline_last_stage():
-            sums = torch.stack([o["sums"] for o in outputs]).sum(0)
-            extrema = torch.stack([o["extrema"] for o in outputs]).amax(0)
             dp_group = parallel_state.get_data_parallel_group()
-            dist.all_reduce(sums, group=dp_group)
+            sums = all_reduce_sums(torch.stack([o["sums"] for o in outputs]).sum(0), self.device, dp_group)
+            extrema = torch.stack([o["extrema"] for o in outputs]).amax(0)
             dist.all_reduce(extrema, op=dist.ReduceOp.MAX, group=dp_group)
-        sums = self._from_last_stage(sums, (len(_SUMS),))
-        extrema = self._from_last_stage(extrema, (2,))
-        totals = dict(zip(_SUMS, sums.tolist()))
+            values = torch.tensor([*sums, *extrema.tolist()], dtype=torch.float32, device=self.device)
+        *sums, neg_ratio_min, ratio_max = self._from_last_stage(values, (len(_SUMS) + 2,)).tolist()
+        totals = dict(zip(_SUMS, sums))
         tokens = max(totals["num_tokens"], 1.0)
         metrics = {"loss": totals["loss_sum"] / max(totals["count"], 1.0), "num_tokens": totals["num_tokens"]}
         metrics.update({name: totals[name] / tokens for name in TOKEN_METRICS})
-        metrics.update(ratio_min=-extrema[0].item(), ratio_max=extrema[1].item())
+        metrics.update(ratio_min=-neg_ratio_min, ratio_max=ratio_max)
         return metrics

@@ -173,6 +173,28 @@ class RewardStage:
             raise RuntimeError("reward stage: begin() called after close()")
         return RewardBatch(self, n)
 
+    def advance(self, batch: "RewardBatch", block: bool = False) -> None:
+        """Take in the workers' replies, hand waiting rollouts of ``batch`` to idle workers, and
+        replace workers whose call ran past its time limit. With ``block``, first wait for a
+        reply: until the next running call times out, or while none runs, up to the workers'
+        start timeout."""
+        self._dispatch(batch)
+        self._receive(batch, block)
+        self._dispatch(batch)  # to the workers that just answered
+        self._expire(batch)
+
+    def finish(self, batch: "RewardBatch") -> tuple[torch.Tensor, dict[str, float]]:
+        """Wait until every reward of every rollout of ``batch`` is in; ``[n, K]`` rewards and the metrics."""
+        while batch.pending or self._busy():
+            self.advance(batch, block=True)
+        scores = batch.scores
+        for k, why in enumerate(scores.first_error):
+            if why is not None:
+                log.warning("reward %s failed on %d of %d rollouts; first failure:\n%s",
+                            self.names[k], scores.failures[k], batch.n, why)
+        rewards = torch.tensor(scores.values, dtype=torch.float32).reshape(batch.n, len(self.specs))
+        return rewards, self._metrics(rewards, scores)
+
     def _dispatch(self, batch: "RewardBatch") -> None:
         """Send waiting rollouts to idle workers."""
         for w in list(self._workers):
@@ -181,7 +203,7 @@ class RewardStage:
                 try:
                     w.conn.send((i, *batch.inputs[i], list(indices)))
                 except OSError:  # it died while idle: the rollout waits for the next worker
-                    self._replace(w, batch.scores, batch.pending, "worker process died")
+                    self._replace(w, batch, "worker process died")
                     continue
                 batch.pending.popleft()
                 w.rollout, w.indices, w.started = i, indices, time.monotonic()
@@ -209,9 +231,8 @@ class RewardStage:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _receive(self, scores: _Scores, pending: deque, block: bool = True) -> None:
-        """Handle the workers' messages; with ``block``, first wait for one: until the next
-        running call times out, or while none runs, up to the workers' start timeout."""
+    def _receive(self, batch: "RewardBatch", block: bool) -> None:
+        """Handle the workers' messages, after waiting for one with ``block`` (see :meth:`advance`)."""
         running = [w.started + self.timeouts[w.indices[0]] for w in self._workers if w.rollout is not None]
         timeout = max(0.0, min(running) - time.monotonic()) if running else _START_TIMEOUT_S
         ready = wait([w.conn for w in self._workers], timeout=timeout if block else 0)
@@ -227,32 +248,32 @@ class RewardStage:
             if message is None or message[0] == _FATAL:
                 if not worker.ready:
                     self._on_start_failure(message)
-                self._replace(worker, scores, pending, "worker process died")
+                self._replace(worker, batch, "worker process died")
             elif message[0] == _READY:
                 worker.ready = True
                 self._start_failures = 0
             elif message[0] == _DAMAGED:
                 log.warning("reward stage: replacing a worker: %s", message[1])
-                self._replace(worker, scores, pending, message[1], fail_current=False)
+                self._replace(worker, batch, message[1], fail_current=False)
             else:
                 kind, i, k, payload = message
                 if kind == _VALUE:
-                    scores.values[i][k] = payload
+                    batch.scores.values[i][k] = payload
                 else:
-                    scores.fail(i, k, payload)
+                    batch.scores.fail(i, k, payload)
                 worker.indices.popleft()
                 worker.started = time.monotonic()
                 if not worker.indices:
                     worker.rollout = None
 
-    def _expire(self, scores: _Scores, pending: deque) -> None:
+    def _expire(self, batch: "RewardBatch") -> None:
         """Replace every worker whose current call has run past its timeout."""
         now = time.monotonic()
         for worker in list(self._workers):
             if worker.rollout is not None:
                 limit = self.timeouts[worker.indices[0]]
                 if now >= worker.started + limit:
-                    self._replace(worker, scores, pending, f"timed out after {limit} s", timed_out=True)
+                    self._replace(worker, batch, f"timed out after {limit} s", timed_out=True)
 
     def _metrics(self, rewards: torch.Tensor, scores: _Scores) -> dict[str, float]:
         out = {}
@@ -279,15 +300,15 @@ class RewardStage:
             detail = message[1] if message is not None else "it exited before it was ready"
             raise RuntimeError(f"reward stage: a worker could not start:\n{detail}")
 
-    def _replace(self, worker: _Worker, scores: _Scores, pending: deque, why: str, timed_out: bool = False,
+    def _replace(self, worker: _Worker, batch: "RewardBatch", why: str, timed_out: bool = False,
                  fail_current: bool = True) -> None:
         """Kill ``worker``, fail its current reward call (unless ``fail_current`` is False: it
         was answered), requeue the rest, start a new one."""
         if worker.rollout is not None:
             if fail_current:
-                scores.fail(worker.rollout, worker.indices.popleft(), why, timed_out)
+                batch.scores.fail(worker.rollout, worker.indices.popleft(), why, timed_out)
             if worker.indices:
-                pending.appendleft((worker.rollout, worker.indices))
+                batch.pending.appendleft((worker.rollout, worker.indices))
         self._kill(worker)
         worker.conn.close()
         self._workers[self._workers.index(worker)] = self._start_worker()
@@ -324,9 +345,7 @@ class RewardBatch:
         if self._error is not None:
             return
         try:
-            self.stage._receive(self.scores, self.pending, block=False)  # replies, workers now ready
-            self.stage._dispatch(self)
-            self.stage._expire(self.scores, self.pending)
+            self.stage.advance(self)
         except Exception as e:  # raised again by collect()
             self._error = e
 
@@ -336,14 +355,4 @@ class RewardBatch:
             raise self._error
         if len(self.inputs) != self.n:
             raise ValueError(f"reward stage: collect() after {len(self.inputs)} of {self.n} rollouts were submitted")
-        stage, scores = self.stage, self.scores
-        while self.pending or stage._busy():
-            stage._dispatch(self)
-            stage._receive(scores, self.pending)
-            stage._expire(scores, self.pending)
-        for k, why in enumerate(scores.first_error):
-            if why is not None:
-                log.warning("reward %s failed on %d of %d rollouts; first failure:\n%s",
-                            stage.names[k], scores.failures[k], self.n, why)
-        rewards = torch.tensor(scores.values, dtype=torch.float32).reshape(self.n, len(stage.specs))
-        return rewards, stage._metrics(rewards, scores)
+        return self.stage.finish(self)

@@ -1,5 +1,5 @@
-"""Rollout engines: the interface and the colocated vLLM engine."""
-from gdpo_megatron.rollout.engine import Completion, RolloutEngine, SamplingConfig
+"""Rollouts: sampling settings and completions, and the colocated vLLM engine."""
+from gdpo_megatron.rollout.engine import Completion, SamplingConfig
 from gdpo_megatron.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 
-__all__ = ["Completion", "RolloutEngine", "SamplingConfig", "VLLMEngine", "VLLMEngineConfig"]
+__all__ = ["Completion", "SamplingConfig", "VLLMEngine", "VLLMEngineConfig"]

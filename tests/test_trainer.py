@@ -123,7 +123,7 @@ def test_model_parallel_runs_export_loadable_checkpoints(base_model, tmp_path, l
     [
         ("advantage.mode=ppo", r"advantage.mode: expected one of"),
         ("rollout.group_size=1", r"rollout.group_size: expected >= 2"),
-        ("rewards.rewards.2.name=", r"reward name: expected a non-empty string"),
+        ("rewards.rewards.2.name=", r"rewards.rewards.2.name: expected a reward name, got ''"),
         ("advantage.conditions.0.gate=speed", r"advantage.conditions.0.gate: 'speed' is not a configured reward"),
         ("policy.optim.lr=fast", r"policy.optim.lr: expected a number, got 'fast'"),
         ("trainer.steps=3", r"trainer: unknown key"),

@@ -69,6 +69,13 @@ class Machine:
         return "auto" if self.cuda else "float32"
 
     @property
+    def chunked_prefill(self) -> bool:
+        """Whether the rollout engine may split a prompt's prefill over steps. Not on the CPU:
+        vLLM's CPU sampler cannot rewind a seeded request's generator after a partial prefill
+        ("CPU Generator does not use offset"), and every rollout is seeded."""
+        return self.cuda
+
+    @property
     def backend(self) -> str:
         """The torch.distributed backend."""
         return "nccl" if self.cuda else "gloo"

@@ -17,3 +17,4 @@ class TrainingInputs:
     model: ModelConfig  # the policy's shape, from hf_config
     conditions: list[Condition]  # advantage.conditions as reward columns
     longest_prompt: int  # tokens of the longest prompt of the data, chat template applied
+    resume_step: int  # the step of the run directory's checkpoint to resume from; 0: a new run

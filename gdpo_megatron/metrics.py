@@ -1,14 +1,15 @@
 """Per-step metrics: a JSONL file in the run directory always, wandb when enabled.
 
 Each line is ``{"step": N, "time": unix_seconds, <metric>: value, ...}``, written and flushed
-as soon as the step ends, so a crash loses at most the step in flight. A resumed run appends;
-:func:`read_metrics` keeps the last record of each step.
+as soon as the step ends, so a crash loses at most the step in flight. A resumed run first drops
+the records of steps after its checkpoint, then appends: every step has one record.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -21,9 +22,14 @@ METRICS_FILE = "metrics.jsonl"
 class MetricsLogger:
     """Writes step metrics of rank 0 to ``run_dir/metrics.jsonl`` and optionally wandb."""
 
-    def __init__(self, run_dir: str | Path, config: dict, wandb_project: str | None = None, run_name: str | None = None):
+    def __init__(self, run_dir: str | Path, config: dict, wandb_project: str | None = None,
+                 run_name: str | None = None, start_step: int = 0):
+        """``start_step``: the step the run starts after (its checkpoint's); records of later
+        steps, from a run that went on past its last checkpoint, are dropped first."""
         self.path = Path(run_dir) / METRICS_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.is_file():
+            self._keep_until(start_step)
         self._file = open(self.path, "a", encoding="utf-8")
         self._wandb = None
         if wandb_project:
@@ -33,6 +39,13 @@ class MetricsLogger:
             run_id = hashlib.sha1(str(self.path.parent.resolve()).encode()).hexdigest()[:16]
             self._wandb = wandb.init(project=wandb_project, name=run_name, config=config,
                                      dir=str(self.path.parent), id=run_id, resume="allow")
+
+    def _keep_until(self, step: int) -> None:
+        """Rewrite the file (under a temporary name, then renamed) without records past ``step``."""
+        kept = [r for r in read_metrics(self.path.parent) if r["step"] <= step]
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r, allow_nan=False) + "\n" for r in kept), encoding="utf-8")
+        os.replace(tmp, self.path)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, "time": time.time()}

@@ -15,8 +15,9 @@ first rank is its *leader*, whose rollouts and rewards the others receive. Per s
    Face-named tensors before its KV cache returns;
 5. metrics go to ``run_dir/metrics.jsonl`` (and wandb), checkpoints to ``run_dir/checkpoints``.
 
-SIGUSR1 / SIGTERM (Slurm's warning before the time limit, or a preemption) make the loop save a
-checkpoint after the current step and return ``"interrupted"``; a rerun resumes from it.
+SIGUSR1 / SIGTERM (Slurm's warning before the time limit, or a preemption) and Ctrl-C make the
+loop finish the step in progress, save a checkpoint and return; a rerun resumes from it. A
+second Ctrl-C stops at once.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import math
 import os
 import shutil
 import signal
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -56,7 +58,12 @@ from gdpo_megatron.rollout.vllm_engine import (CPU_KV_ELEMENT_BYTES, VLLMEngine,
                                                kv_cache_gib)
 from gdpo_megatron.run_dir import CHECKPOINT_DIR, HF_EXPORT_DIR
 
-STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)  # Slurm's time-limit warning, preemption / scancel
+# Signals that stop a run after the step in progress, with a checkpoint: Slurm's time-limit
+# warning (SIGUSR1), preemption or scancel (SIGTERM), Ctrl-C (SIGINT; a second one stops at once).
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+# What Trainer.train returns: the run reached config.steps; it was stopped by Ctrl-C; it was
+# stopped by the scheduler (a job to requeue).
+DONE, STOPPED, PREEMPTED = "done", "stopped", "preempted"
 
 
 class Trainer:
@@ -74,7 +81,7 @@ class Trainer:
         self.run_dir = Path(config.run_dir)
         self.is_rank0 = dist.get_rank() == 0
         # From here on a stop request is remembered, also one that arrives during start-up.
-        self._stop_requested = False
+        self._stop_signal: int | None = None
         self._previous_handlers = {s: signal.signal(s, self._request_stop) for s in STOP_SIGNALS}
         self.worker = self.engine = self.reward_stage = self.logger = None
         try:
@@ -123,6 +130,7 @@ class Trainer:
             kv_cache_gib=self._kv_cache_gib(rollouts_per_replica, inputs.longest_prompt),
             enforce_eager=config.rollout.enforce_eager,
             quantization=config.rollout.quantization,
+            max_num_batched_tokens=config.rollout.max_num_batched_tokens,
             seed=config.seed,
         ))
         self.tokenizer = self.engine.tokenizer
@@ -134,16 +142,17 @@ class Trainer:
                                                 rewards.reward_files)
         if self.is_rank0:
             self.logger = MetricsLogger(self.run_dir, to_dict(config), config.logging.wandb_project,
-                                        self.run_dir.name)
+                                        self.run_dir.name, start_step=self.start_step)
 
     # ---- the loop ---------------------------------------------------------------------
 
     def train(self) -> str:
-        """Run from the resumed step to ``config.steps``; return ``"done"`` or ``"interrupted"``."""
+        """Run from the resumed step to ``config.steps``: :data:`DONE`, or :data:`STOPPED` /
+        :data:`PREEMPTED` when a stop signal ended it after a step, with a checkpoint."""
         steps = range(self.start_step, self.config.steps)
-        bar = tqdm(steps, desc="gdpo", initial=self.start_step, total=self.config.steps,
+        bar = tqdm(steps, desc=self.config.advantage.mode, initial=self.start_step, total=self.config.steps,
                    disable=not (self.is_rank0 and self.config.logging.progress_bar))
-        outcome = "done"
+        outcome = DONE
         try:
             for step in bar:
                 metrics = self.step(step)
@@ -151,14 +160,14 @@ class Trainer:
                     self.logger.log(step + 1, metrics)
                     bar.set_postfix({n: f"{metrics[f'reward/{n}/mean']:.2f}" for n in self.reward_names})
                 last = step + 1 == self.config.steps
-                if any_rank(self._stop_requested, self.device):  # every rank stops after the same step
+                if any_rank(self._stop_signal is not None, self.device):  # every rank stops after the same step
                     self.save(step + 1)
-                    outcome = "interrupted"
+                    outcome = STOPPED if self._stop_signal == signal.SIGINT else PREEMPTED
                     break
                 every = self.config.checkpoint.save_every
                 if last or (every and (step + 1) % every == 0):
                     self.save(step + 1)
-            if outcome == "done" and self.config.checkpoint.export_hf:
+            if outcome == DONE and self.config.checkpoint.export_hf:
                 self.export_hf(self.run_dir / HF_EXPORT_DIR)
         finally:
             bar.close()
@@ -302,7 +311,15 @@ class Trainer:
     # ---- stopping, saving, exporting ------------------------------------------------------
 
     def _request_stop(self, signum, frame) -> None:
-        self._stop_requested = True
+        if signum == signal.SIGINT and self._stop_signal == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop at once
+        if self._stop_signal is None:
+            self._stop_signal = signum
+            if self.is_rank0:
+                what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+                again = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""
+                tqdm.write(f"gdpo-train: {what}: finishing this step, then saving a checkpoint{again}",
+                           file=sys.stderr)
 
     def save(self, step: int) -> Path:
         """A training checkpoint; its config holds the model actually trained and where it came from."""

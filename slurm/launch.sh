@@ -6,7 +6,7 @@
 #
 # Time limit and requeue: `#SBATCH --signal=USR1@<seconds>` makes Slurm send SIGUSR1 to the
 # tasks (not to this shell) that long before the limit. The trainer finishes its step, saves a
-# checkpoint and exits with EXIT_INTERRUPTED; this script then requeues the job, which keeps
+# checkpoint and exits with EXIT_REQUEUE; this script then requeues the job, which keeps
 # its id, hence its run directory, and resumes from that checkpoint. SIGTERM (preemption,
 # scancel) is handled by the trainer the same way.
 #
@@ -16,8 +16,8 @@
 # its child processes inherit, and the trainer's loop installs its own handler in the main
 # process only. (SIGKILL, after the time limit's KillWait, still ends everything.)
 
-# gdpo_megatron.commands.train.EXIT_INTERRUPTED ("try again later"): stopped by a signal, checkpoint saved.
-EXIT_INTERRUPTED=75
+# gdpo_megatron.commands.train.EXIT_REQUEUE ("try again later"): stopped by a signal, checkpoint saved.
+EXIT_REQUEUE=75
 export PYTHONUNBUFFERED=1                     # log lines reach the job's output file as written
 export WANDB_MODE=${WANDB_MODE:-offline}      # compute nodes are often offline; wandb sync later
 
@@ -54,7 +54,7 @@ launch_training() {
     run_tasks python -m gdpo_megatron train --config "$config" \
         run_dir="$run_dir" checkpoint.resume=true "$@" || status=$?
 
-    if (( status == EXIT_INTERRUPTED )); then
+    if (( status == EXIT_REQUEUE )); then
         echo "trainer saved a checkpoint before the time limit; requeueing job ${SLURM_JOB_ID}"
         scontrol requeue "${SLURM_JOB_ID}"
         return $?

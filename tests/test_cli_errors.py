@@ -105,6 +105,29 @@ def test_train_config_mistakes(base_model, tmp_path, capsys, override, message):
     assert not (tmp_path / "run").exists()
 
 
+def test_independent_mistakes_come_together_in_one_line(base_model, tmp_path, capsys):
+    """The paper's ToolRL config on the demo model: too long a context for the model, and
+    prompts longer than max_prompt_tokens, in one run, with the settings that would fit."""
+    from transformers import AutoTokenizer
+
+    from gdpo_megatron.data.samples import load_samples
+
+    data = "examples/data/toolrl/rlla_4k_test.parquet"
+    tokenizer = AutoTokenizer.from_pretrained(base_model)
+    rendered = {s.id: tokenizer.apply_chat_template(s.messages, add_generation_prompt=True, tokenize=False)
+                for s in load_samples(data, "toolrl")}
+    lengths = {i: len(tokenizer(text, add_special_tokens=False)["input_ids"]) for i, text in rendered.items()}
+    longest = max(lengths, key=lengths.get)
+    over = sum(n > 2048 for n in lengths.values())
+    call = lambda: train_main(["--config", "configs/toolrl_qwen2.5_1.5b.yaml", f"base_model={base_model}",
+                               f"run_dir={tmp_path / 'run'}", f"data.train_path={data}"])  # noqa: E731
+    expect_user_error(capsys, tmp_path, call, (
+        "error: 2 problems: (1) rollout.max_model_len: expected <= 1024, the max_position_embeddings of base_model, "
+        f"got 3072; (2) data.max_prompt_tokens: {over} prompt(s) of {data} are longer than 2048 tokens, the longest "
+        f"{longest!r} with {lengths[longest]}; set data.max_prompt_tokens={lengths[longest]} and "
+        f"rollout.max_model_len={lengths[longest] + 1024} (or more), or drop them"))
+
+
 def test_train_config_file_and_command_line(base_model, tmp_path, capsys):
     expect_user_error(capsys, tmp_path, lambda: train_main(["--config", str(tmp_path / "none.yaml")]),
                       f"config file {tmp_path / 'none.yaml'}: not found")

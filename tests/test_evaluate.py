@@ -27,7 +27,7 @@ def test_reward_means_match_the_reward_functions(demo_base_model):
     assert metrics["eval/tool_format/failures"] == 0
 
 
-def test_bfcl_skips_prompts_that_do_not_fit_and_scores_the_rest(demo_base_model, tmp_path):
+def test_bfcl_skips_prompts_that_do_not_fit_and_scores_the_rest(demo_base_model, tmp_path, capsys):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(demo_base_model)
@@ -41,8 +41,16 @@ def test_bfcl_skips_prompts_that_do_not_fit_and_scores_the_rest(demo_base_model,
     metrics = json.loads(out.read_text())
     assert metrics["eval/prompts"] == len(fits)
     assert metrics["eval/skipped_too_long"] == len(samples) - len(fits)
-    # the tiny demo model does not know BFCL's functions: every category present scores 0
-    assert metrics == {**metrics, **{k: 0.0 for k in bfcl_accuracy(fits, [""] * len(fits))}}
+    # the tiny demo model does not know BFCL's functions: every category present scores 0, of
+    # the prompts that fit; a category none of whose prompts fit is not scored
+    expected = bfcl_accuracy(fits, [""] * len(fits))
+    assert {k: v for k, v in metrics.items() if k.startswith("eval/bfcl/")} == expected
+    assert all(v == 0.0 for k, v in expected.items() if k.endswith("/accuracy"))
+    assert sum(v for k, v in expected.items() if k.endswith("/prompts") and "overall" not in k) == len(fits)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gdpo-eval:")]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"gdpo-eval: {len(samples) - len(fits)} of {len(samples)} prompts are longer than --max-model-len 1024 "
+        "minus --max-new-tokens 32 and are left out")
 
 
 def test_toolrl_family_from_a_verl_parquet(demo_base_model, tmp_path):
@@ -62,9 +70,9 @@ def test_toolrl_family_from_a_verl_parquet(demo_base_model, tmp_path):
     data = tmp_path / "test.parquet"
     pq.write_table(pa.Table.from_pylist(rows), data)
     out = tmp_path / "toolrl.json"
+    # no --rewards: the family's own, ToolRL's format and correctness
     assert main(["--model", demo_base_model, "--data", str(data), "--family", "toolrl", "--limit", "2",
-                 "--rewards", "toolrl_format,toolrl_correctness", "--max-new-tokens", "32",
-                 "--max-model-len", "1024", "--out", str(out)]) == 0
+                 "--max-new-tokens", "32", "--max-model-len", "1024", "--out", str(out)]) == 0
     metrics = json.loads(out.read_text())
     assert metrics["eval/prompts"] == 2 and metrics["eval/skipped_too_long"] == 0
     assert metrics["eval/toolrl_format/failures"] == metrics["eval/toolrl_correctness/failures"] == 0

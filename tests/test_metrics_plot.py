@@ -24,17 +24,26 @@ def _write_run(run_dir, slope, steps=6):
     logger.close()
 
 
-def test_resumed_run_keeps_last_record_per_step_and_skips_a_torn_last_line(tmp_path):
+def test_a_resumed_run_drops_the_records_after_its_checkpoint_and_a_torn_last_line(tmp_path):
     _write_run(tmp_path, 0.1, steps=4)
-    logger = MetricsLogger(tmp_path, config={})  # a resume from step 2 appends
-    logger.log(3, {"reward/format/mean": 0.0})
-    logger.close()
     with open(tmp_path / METRICS_FILE, "a") as f:
         f.write('{"step": 9, "reward/for')  # the process died mid-write
+    logger = MetricsLogger(tmp_path, config={}, start_step=2)  # resumed from the checkpoint of step 2
+    logger.log(3, {"reward/format/mean": 0.0})
+    logger.close()
+    lines = (tmp_path / METRICS_FILE).read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]  # in the file itself, each step once
     records = read_metrics(tmp_path)
-    assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert records[2]["reward/format/mean"] == 0.0
     assert records[1]["reward/format/mean"] == pytest.approx(0.7)
+
+
+def test_reading_keeps_the_last_record_of_a_step_and_skips_a_torn_last_line(tmp_path):
+    _write_run(tmp_path, 0.1, steps=2)
+    with open(tmp_path / METRICS_FILE, "a") as f:
+        f.write(json.dumps({"step": 2, "reward/format/mean": 0.0}) + '\n{"step": 9, "reward/for')
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2] and records[1]["reward/format/mean"] == 0.0
 
 
 def test_corrupt_line_in_the_middle_names_the_line(tmp_path):

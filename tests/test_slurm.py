@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from gdpo_megatron.commands import plan
-from gdpo_megatron.commands.train import EXIT_INTERRUPTED
+from gdpo_megatron.commands.train import EXIT_REQUEUE
 from gdpo_megatron.distributed.launch import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -298,7 +298,7 @@ def _sbatch_options(script: str) -> dict[str, str]:
 
 def test_job_scripts_agree_with_the_trainer_and_the_plan(capsys):
     launch = (REPO / "slurm" / "launch.sh").read_text()
-    assert int(re.search(r"^EXIT_INTERRUPTED=(\d+)$", launch, re.MULTILINE).group(1)) == EXIT_INTERRUPTED
+    assert int(re.search(r"^EXIT_REQUEUE=(\d+)$", launch, re.MULTILINE).group(1)) == EXIT_REQUEUE
     for script, config in (("slurm/gdpo_7b.sh", "configs/gdpo_7b.yaml"), ("slurm/gdpo_tiny_cpu.sh",
                                                                           "configs/tiny_cpu.yaml")):
         options = _sbatch_options(script)

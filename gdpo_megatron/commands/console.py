@@ -14,6 +14,7 @@ Exit statuses of the console commands:
       the layout does not fit; ``gdpo-doctor``: a mismatch
 2     a user error (:data:`EXIT_USER_ERROR`)
 75    ``gdpo-train`` stopped by SIGUSR1/SIGTERM after saving a checkpoint (requeue it)
+130   stopped by Ctrl-C (``gdpo-train``: after saving a checkpoint, unless pressed twice)
 ====  ==========================================================================
 
 Under torchrun the line also goes to torch's error file, so torchrun's closing
@@ -35,6 +36,7 @@ from typing import Callable, Optional, Sequence
 from gdpo_megatron.errors import UsageError, UserError
 
 EXIT_USER_ERROR = 2
+EXIT_CTRL_C = 130  # 128 + SIGINT, as a shell reports it
 DEBUG_ENV = "GDPO_DEBUG"
 DEBUG_FLAG = "--debug"
 TORCHELASTIC_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"  # set by torchrun for each worker
@@ -80,6 +82,10 @@ def console_entry(main: Callable[[list[str]], Optional[int]]) -> Callable[[Optio
         except UserError as e:
             report(e, debug=DEBUG_FLAG in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0"))
             return EXIT_USER_ERROR
+        except KeyboardInterrupt:
+            if launch_rank() == 0:
+                print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+            return EXIT_CTRL_C
 
     return entry
 
@@ -122,6 +128,10 @@ def launch_rank() -> int:
 
 
 def quiet_defaults() -> None:
-    """Terse vLLM logs. (Threads: each rank uses its share of the host's cores, see
+    """Terse library logs: vLLM's at WARNING, and known harmless messages filtered
+    (:mod:`gdpo_megatron.quiet`). (Threads: each rank uses its share of the host's cores, see
     :mod:`gdpo_megatron.distributed.threads`; ``OMP_NUM_THREADS`` overrides it.)"""
+    from gdpo_megatron import quiet
+
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    quiet.install()

@@ -9,10 +9,11 @@ is checked before the engine starts.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from gdpo_megatron.commands.console import ArgumentParser, console_entry, positive_int, quiet_defaults
-from gdpo_megatron.data.samples import FAMILIES, Fields
+from gdpo_megatron.data.samples import FAMILIES, FAMILY_REWARDS, Fields
 from gdpo_megatron.errors import UsageError
 from gdpo_megatron.config.rewards import RewardSpec
 
@@ -32,7 +33,8 @@ def main(argv: list[str]) -> int:
                                                       "(default: train of a DatasetDict, all of a single dataset)")
     for key in ("prompt", "system", "ground-truth"):
         parser.add_argument(f"--{key}-key", default=None, help=f"with --data: the {key.replace('-', ' ')} field")
-    parser.add_argument("--rewards", default="", help="comma-separated reward names to report")
+    parser.add_argument("--rewards", default=None,
+                        help="comma-separated reward names to report (with --data, default: the family's rewards)")
     parser.add_argument("--limit", type=positive_int, default=None,
                         help="at most this many prompts (per BFCL category)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=256)
@@ -60,7 +62,8 @@ def main(argv: list[str]) -> int:
         check_vllm_can_load(hf_config)
     max_model_len = _max_model_len(hf_config, args.max_model_len, args.max_new_tokens)
     check_weights(args.model, "--model")
-    rewards = [RewardSpec(name) for name in args.rewards.split(",") if name]
+    names = args.rewards.split(",") if args.rewards is not None else FAMILY_REWARDS.get(args.family, ())
+    rewards = [RewardSpec(name) for name in names if name]
     check_reward_specs(rewards, "--rewards", in_config=False)
     if args.out:
         check_output_file(args.out, "--out")
@@ -72,10 +75,7 @@ def main(argv: list[str]) -> int:
         fields = Fields(args.prompt_key, args.system_key, args.ground_truth_key)
         samples = load_prompts(args.data, args.family, args.system_prompt, "--data", fields=fields,
                                split=args.split)[: args.limit]
-    shortest = min(prompt_lengths(samples, args.model, "--model"))
-    if shortest + args.max_new_tokens > max_model_len:
-        raise UsageError(f"--max-model-len: none of the {len(samples)} prompts fits in {max_model_len} tokens with "
-                         f"--max-new-tokens={args.max_new_tokens} (the shortest has {shortest})")
+    tell_what_does_not_fit(samples, prompt_lengths(samples, args.model, "--model"), max_model_len, args.max_new_tokens)
 
     from gdpo_megatron.evaluate import evaluate
 
@@ -87,6 +87,23 @@ def main(argv: list[str]) -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text + "\n")
     return 0
+
+
+def tell_what_does_not_fit(samples: list, lengths: list[int], max_model_len: int, max_new_tokens: int) -> None:
+    """A line saying which prompts leave no room for ``max_new_tokens`` in the context and are
+    left out of the scores (BFCL categories left with none named); an error if none is left."""
+    fits = [n + max_new_tokens <= max_model_len for n in lengths]
+    kept = [s for s, ok in zip(samples, fits) if ok]
+    if not kept:
+        raise UsageError(f"--max-model-len: none of the {len(samples)} prompts fits in {max_model_len} tokens with "
+                         f"--max-new-tokens={max_new_tokens} (the shortest has {min(lengths)}); nothing to evaluate")
+    if len(kept) < len(samples):
+        categories = {s.metadata.get("category") for s in samples} - {None}
+        left = sorted(categories - {s.metadata.get("category") for s in kept})
+        empty = f"; no prompt of {', '.join(left)} fits, so they are not scored" if left else ""
+        print(f"gdpo-eval: {len(samples) - len(kept)} of {len(samples)} prompts are longer than --max-model-len "
+              f"{max_model_len} minus --max-new-tokens {max_new_tokens} and are left out; the scores cover the "
+              f"other {len(kept)}{empty}", file=sys.stderr)
 
 
 def _max_model_len(hf_config: dict, requested: int | None, max_new_tokens: int) -> int:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Union
 
 from gdpo_megatron.config.loader import require
 
@@ -13,7 +13,9 @@ class CheckpointConfig:
 
     save_every: int = 0  # steps; 0: only at the end
     keep_last: int = 2
-    resume: bool = True
+    # A run directory with checkpoints: true resumes it when its settings are this config's
+    # (those that change what it trains), false refuses it, "force" resumes it under this config.
+    resume: Union[bool, Literal["force"]] = True
     export_hf: bool = True  # write a Hugging Face directory at the end
     # The distributed optimizer's state on disk (megatron-core's formats): "dp_reshardable"
     # resumes under another data-parallel size only, "fully_reshardable" (gathered when saving)

@@ -24,6 +24,9 @@ class RolloutConfig:
     kv_cache_gib: Optional[float] = None  # null: vLLM's sizing on GPU, one step's rollouts on CPU
     max_model_len: int = 2048
     enforce_eager: Optional[bool] = None  # null: eager on CPU, CUDA graphs on GPU
+    # Prompt and decode tokens vLLM schedules in one engine step. null: vLLM's default; on the
+    # CPU, where a prompt's prefill is never split over steps, at least max_model_len.
+    max_num_batched_tokens: Optional[int] = None
     quantization: Optional[Literal["fp8"]] = None  # FP8 rollouts on GPU
 
     def __post_init__(self):
@@ -44,3 +47,5 @@ class RolloutConfig:
                 self.gpu_memory_utilization)
         require(self.kv_cache_gib is None or self.kv_cache_gib > 0, "rollout.kv_cache_gib", "> 0 or null",
                 self.kv_cache_gib)
+        require(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+                "rollout.max_num_batched_tokens", ">= 1 or null", self.max_num_batched_tokens)

@@ -69,7 +69,8 @@ def load_bfcl(
 
 
 def bfcl_accuracy(samples: Sequence[Sample], completions: Sequence[str]) -> dict[str, float]:
-    """Share of exactly correct completions per category, and over all samples."""
+    """Share of exactly correct completions per category and over all samples, and how many
+    prompts each share is of."""
     if len(samples) != len(completions):
         raise ValueError(f"bfcl_accuracy: {len(samples)} samples but {len(completions)} completions")
     correct, total = defaultdict(int), defaultdict(int)
@@ -79,7 +80,9 @@ def bfcl_accuracy(samples: Sequence[Sample], completions: Sequence[str]) -> dict
         for key in (category, "overall"):
             total[key] += 1
             correct[key] += score == MAX_CORRECTNESS
-    return {f"eval/bfcl/{key}/accuracy": correct[key] / total[key] for key in total}
+    out = {f"eval/bfcl/{key}/accuracy": correct[key] / total[key] for key in total}
+    out.update({f"eval/bfcl/{key}/prompts": float(total[key]) for key in total})
+    return out
 
 
 def _category_files(data_dir: Path, category: str) -> tuple[Path, Path]:

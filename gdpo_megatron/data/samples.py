@@ -56,6 +56,14 @@ GROUND_TRUTH_KEYS = {
     "toolrl": ("reward_model.ground_truth", "output"),
 }
 
+# The rewards each family's ground truth is made for (gdpo-eval scores with them by default).
+FAMILY_REWARDS = {
+    "math": ("math_correctness", "math_format"),
+    "tool": ("tool_format", "tool_correctness"),
+    "code": ("code_pass", "code_no_bug"),
+    "toolrl": ("toolrl_format", "toolrl_correctness"),
+}
+
 MATH_SYSTEM_PROMPT = (
     "Think step by step inside <think>...</think>, then give the final answer in \\boxed{}."
 )

@@ -59,11 +59,11 @@ def sft_batches(tokenizer, examples: list[dict], batch_size: int, rng: random.Ra
 
 def make_base_model(out_dir: str | Path, steps: int = 150, batch_size: int = 32, lr: float = 3e-3, seed: int = 0,
                     demonstration: Callable[[dict, random.Random], str] = task.demonstration,
-                    tools: tuple[str, ...] = task.TOOLS) -> Path:
+                    tools: tuple[str, ...] = task.TOOLS, max_position_embeddings: int = 1024) -> Path:
     """Fine-tune a tiny random Llama on noisy demonstrations; save it with its tokenizer.
 
     ``demonstration(example, rng)`` writes one answer (default: the demo task's noise) to
-    requests for ``tools``.
+    requests for ``tools``; ``max_position_embeddings`` is the context the model declares.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -72,7 +72,7 @@ def make_base_model(out_dir: str | Path, steps: int = 150, batch_size: int = 32,
     tokenizer = build_tokenizer(seed=seed)
     config = LlamaConfig(
         vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False,
+        num_key_value_heads=2, max_position_embeddings=max_position_embeddings, tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
     )

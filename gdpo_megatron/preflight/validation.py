@@ -27,7 +27,7 @@ from gdpo_megatron.checkpoint.layout import hf_shapes
 from gdpo_megatron.checkpoint.state import (
     LAYOUT_KEYS, check_files, check_reshardable, complete_steps, model_section, read_training_state, step_dir,
 )
-from gdpo_megatron.config import ConfigError, TrainConfig
+from gdpo_megatron.config import ConfigError, TrainConfig, to_dict
 from gdpo_megatron.data.samples import Fields, Sample, load_samples
 from gdpo_megatron.errors import InputError, UserError
 from gdpo_megatron.device import check_precision, this_machine
@@ -142,17 +142,19 @@ def prompt_lengths(samples: Sequence[Sample], model_dir: str | os.PathLike, key:
     return lengths
 
 
-def check_prompt_lengths(samples: Sequence[Sample], path: str, model_dir: str, max_prompt_tokens: int) -> list[int]:
-    """Every prompt of ``path``, rendered by ``model_dir``'s tokenizer and chat template, fits
-    ``max_prompt_tokens``; returns their lengths in tokens."""
-    lengths = prompt_lengths(samples, model_dir, "base_model")
-    too_long = [(s, n) for s, n in zip(samples, lengths) if n > max_prompt_tokens]
+def check_prompt_lengths(samples: Sequence[Sample], config: TrainConfig) -> list[int]:
+    """Every prompt of ``data.train_path``, rendered by the base model's tokenizer and chat
+    template, fits ``data.max_prompt_tokens``; returns their lengths in tokens. The error says
+    which settings would fit the longest one."""
+    lengths = prompt_lengths(samples, config.base_model, "base_model")
+    limit = config.data.max_prompt_tokens
+    too_long = [(s, n) for s, n in zip(samples, lengths) if n > limit]
     if too_long:
         sample, n = max(too_long, key=lambda item: item[1])
         raise ConfigError(
-            f"data.max_prompt_tokens: {len(too_long)} prompt(s) of {path} are longer than {max_prompt_tokens} "
-            f"tokens, the longest {sample.id!r} with {n}; raise data.max_prompt_tokens (and "
-            "rollout.max_model_len) or drop them")
+            f"data.max_prompt_tokens: {len(too_long)} prompt(s) of {config.data.train_path} are longer than {limit} "
+            f"tokens, the longest {sample.id!r} with {n}; set data.max_prompt_tokens={n} and "
+            f"rollout.max_model_len={n + config.rollout.max_new_tokens} (or more), or drop them")
     return lengths
 
 
@@ -244,6 +246,11 @@ def check_machine(config: TrainConfig) -> None:
     if config.rollout.quantization:
         raise ConfigError(f"rollout.quantization: {config.rollout.quantization!r} rollouts need a CUDA GPU; "
                           "use null on this machine")
+    budget, longest = config.rollout.max_num_batched_tokens, config.rollout.max_model_len
+    if budget is not None and budget < longest:
+        raise ConfigError(f"rollout.max_num_batched_tokens: expected >= rollout.max_model_len={longest} on this "
+                          f"machine, got {budget} (without CUDA a prompt's prefill is never split over engine "
+                          "steps); raise it or leave it null")
     check_precision(policy.precision)  # without CUDA it touches no device
 
 
@@ -265,10 +272,32 @@ def training_prompts(config: TrainConfig) -> list[Sample]:
                         fields=Fields(data.prompt_key, data.system_key, data.ground_truth_key), split=data.split)
 
 
-def check_training(config: TrainConfig, world_size: int) -> TrainingInputs:
-    """Every check of a training run that needs no model; cheap ones first."""
-    conditions = check_settings(config, world_size)
-    hf_config = read_model_config(config.base_model, "base_model")
+class Problems:
+    """The user errors of independent checks, reported together: a run with several mistakes
+    learns them all at once."""
+
+    def __init__(self):
+        self.errors: list[UserError] = []
+
+    @contextlib.contextmanager
+    def check(self) -> Iterator[None]:
+        """Run the block; a UserError it raises is recorded and the block is left."""
+        try:
+            yield
+        except UserError as e:
+            self.errors.append(e)
+
+    def raise_any(self) -> None:
+        if len(self.errors) == 1:
+            raise self.errors[0]
+        if self.errors:
+            listed = "; ".join(f"({i}) {e}" for i, e in enumerate(self.errors, 1))
+            raise UserError(f"{len(self.errors)} problems: {listed}")
+
+
+def check_base_model(config: TrainConfig, hf_config: dict, world_size: int) -> ModelConfig:
+    """The policy's shape from ``base_model``'s ``config.json``, checked against the layout, the
+    context the config asks for and every safetensors header."""
     model = model_shape(hf_config, "base_model",
                         make_vocab_size_divisible_by=config.policy.model.make_vocab_size_divisible_by)
     with about("base_model"):
@@ -278,23 +307,75 @@ def check_training(config: TrainConfig, world_size: int) -> TrainingInputs:
         raise ConfigError(f"rollout.max_model_len: expected <= {model.max_position_embeddings}, the "
                           f"max_position_embeddings of base_model, got {config.rollout.max_model_len}")
     check_weights(config.base_model, "base_model", model)
-
-    samples = training_prompts(config)
-    lengths = check_prompt_lengths(samples, config.data.train_path, config.base_model, config.data.max_prompt_tokens)
-    _check_resume(config, model)
-    return TrainingInputs(samples, hf_config, model, conditions, max(lengths))
+    return model
 
 
-def _check_resume(config: TrainConfig, model: ModelConfig) -> None:
-    """A run directory with checkpoints resumes only when allowed, from a complete training checkpoint
-    of ``model``'s shape, at this config's data position, with optimizer state this layout can load."""
+def check_training(config: TrainConfig, world_size: int) -> TrainingInputs:
+    """Every check of a training run that needs no model. Checks that do not depend on each
+    other all run; their errors come as one line (:class:`Problems`)."""
+    problems = Problems()
+    conditions = hf_config = model = samples = lengths = resume_step = None
+    with problems.check():
+        conditions = check_settings(config, world_size)
+    with problems.check():
+        hf_config = read_model_config(config.base_model, "base_model")
+    if hf_config is not None:
+        with problems.check():
+            model = check_base_model(config, hf_config, world_size)
+    with problems.check():
+        samples = training_prompts(config)
+    if samples is not None and hf_config is not None:
+        with problems.check():
+            lengths = check_prompt_lengths(samples, config)
+    if model is not None:
+        with problems.check():
+            resume_step = check_resume(config, model)
+    problems.raise_any()
+    return TrainingInputs(samples, hf_config, model, conditions, max(lengths), resume_step)
+
+
+# Keys whose value may change when a run directory resumes: how the run is laid out, sized,
+# logged and saved, not what it trains. policy.parallel and the rollout engine's layout are
+# checked against the checkpoint by check_reshardable; policy.model is gdpo-plan's shape.
+RESUME_MAY_CHANGE = (
+    "run_dir", "base_model", "steps", "logging.", "checkpoint.", "rewards.num_workers", "rewards.timeout_s",
+    "policy.parallel.", "policy.model.", "policy.micro_batch_size", "policy.micro_batch_tokens",
+    "policy.offload_grads_and_optimizer", "rollout.tensor_parallel_size", "rollout.gpu_memory_utilization",
+    "rollout.kv_cache_gib", "rollout.enforce_eager", "rollout.max_num_batched_tokens",
+)
+
+
+def config_changes(saved: dict, config: TrainConfig) -> list[str]:
+    """``key: saved -> new`` for every setting that changes what a resumed run trains (keys
+    that either side lacks, from another version of the schema, are left out)."""
+    old, new = _flatten(saved), _flatten(to_dict(config))
+    return [f"{key}: {old[key]!r} -> {new[key]!r}" for key in sorted(old.keys() & new.keys())
+            if old[key] != new[key] and not key.startswith(RESUME_MAY_CHANGE)]
+
+
+def _flatten(data, prefix: str = "") -> dict:
+    """Dotted keys of the leaves of nested dicts and lists (list items by index, as in overrides;
+    a list's own key holds its length, so an item added or removed shows)."""
+    if isinstance(data, list):
+        items = _flatten(dict(enumerate(data)), prefix) if data else {}
+        return {prefix[:-1]: f"{len(data)} items", **items}
+    if isinstance(data, dict) and data:
+        return {k: v for key, value in data.items() for k, v in _flatten(value, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: data}
+
+
+def check_resume(config: TrainConfig, model: ModelConfig) -> int:
+    """The step a run directory resumes from (0: none to resume). It resumes only when allowed,
+    from a complete training checkpoint of ``model``'s shape, of the same run (the settings
+    that change what it trains are the same, unless ``checkpoint.resume: force``), at this
+    config's data position, with optimizer state this layout can load."""
     root = Path(config.run_dir) / CHECKPOINT_DIR
     if root.exists():
         check_output_dir(root, "run_dir")
     steps = complete_steps(root)
     if not steps:
-        return
-    if not config.checkpoint.resume:
+        return 0
+    if config.checkpoint.resume is False:
         raise ConfigError(f"checkpoint.resume: false, but {root} holds step_{steps[-1]}; "
                           "choose another run_dir or remove its checkpoints")
     directory = step_dir(root, steps[-1])
@@ -308,11 +389,17 @@ def _check_resume(config: TrainConfig, model: ModelConfig) -> None:
     if differ:
         raise InputError(f"run_dir: {directory} holds a model of another shape: {', '.join(differ)}; "
                          "choose another run_dir")
+    changes = config_changes(state.config or {}, config)
+    if changes and config.checkpoint.resume != "force":
+        raise ConfigError(f"run_dir: {config.run_dir} holds step {state.step} of a run with other settings "
+                          f"({'; '.join(changes)}); choose a new run_dir, or set checkpoint.resume=force to "
+                          "continue that run under these settings")
     expected = state.step * config.data.prompts_per_step
     if state.data_position != expected:
         raise ConfigError(f"data.prompts_per_step: the checkpoint of step {state.step} was taken after "
                           f"{state.data_position} prompts, this config would resume after {expected}")
-    if config.policy.optim.use_distributed_optimizer:
+    if config.policy.resolved(this_machine()).optim.use_distributed_optimizer:
         parallel = config.policy.parallel
         check_reshardable(directory, state, {key: getattr(parallel, key) for key in LAYOUT_KEYS})
     check_files(directory)
+    return state.step

@@ -58,6 +58,9 @@ class VLLMEngineConfig:
     enable_sleep_mode: bool | None = None  # None: on when CUDA is available
     enforce_eager: bool | None = None  # None: eager on CPU, CUDA graphs on GPU
     quantization: str | None = None  # "fp8" on GPU only
+    # Prompt and decode tokens of one engine step; None: vLLM's default (with chunked prefill
+    # off, as on the CPU, that is at least max_model_len, so no prompt is split).
+    max_num_batched_tokens: int | None = None
     seed: int = 0
 
 
@@ -97,6 +100,8 @@ class VLLMEngine:
             enforce_eager=(not on_gpu) if config.enforce_eager is None else config.enforce_eager,
             quantization=config.quantization,
             logprobs_mode="processed_logprobs",
+            enable_chunked_prefill=machine.chunked_prefill,
+            max_num_batched_tokens=config.max_num_batched_tokens,
             seed=config.seed,
             **({} if on_gpu else {"block_size": CPU_BLOCK_SIZE}),
         )
@@ -136,7 +141,7 @@ class VLLMEngine:
         (e.g. to score it). If it raises, the unfinished requests are aborted and the error
         propagates.
         """
-        from vllm.inputs import TokensPrompt
+        from vllm.inputs.engine import tokens_input
 
         if self._asleep:
             raise RuntimeError("generate: the engine is asleep; call wake_up() first")
@@ -147,7 +152,7 @@ class VLLMEngine:
             if len(ids) == 0:
                 raise ValueError(f"prompt_token_ids[{i}]: empty prompt")
             for j in range(n):
-                prompts.append(TokensPrompt(prompt_token_ids=list(ids)))
+                prompts.append(tokens_input(list(ids)))
                 params.append(self._sampling_params(sampling, i, j))
         completions: list[Completion | None] = [None] * len(prompts)
         engine = self._llm.llm_engine

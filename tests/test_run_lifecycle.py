@@ -1,0 +1,149 @@
+"""A run directory through gdpo-train as a user meets it: a new run and its summary, a finished
+run rerun, another config refused, a forced resume, Ctrl-C, and metrics after a crash."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from reference_run import CHAT_TEMPLATE
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "tests" / "data" / "reference_run.yaml"
+GDPO_TRAIN = str(Path(sys.executable).parent / "gdpo-train")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    from support.tiny_model import TinyLlamaSpec, save_tiny_llama
+
+    path = tmp_path_factory.mktemp("base") / "model"
+    save_tiny_llama(path, TinyLlamaSpec(seed=0))
+    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return path
+
+
+def train(base, run_dir, *overrides, wait=True):
+    command = [GDPO_TRAIN, "--config", str(CONFIG), f"base_model={base}", f"run_dir={run_dir}", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GDPO_MALLOC": "system"}
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return process.communicate(timeout=600) + (process.returncode,) if wait else process
+
+
+def steps_logged(run_dir) -> list[int]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.fixture(scope="module")
+def finished(base, tmp_path_factory):
+    """A 3-step run of the reference config, with what it printed."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    out, err, status = train(base, run_dir)
+    assert status == 0, err
+    return run_dir, out, err
+
+
+def test_a_new_run_says_so_and_ends_with_where_its_outputs_are(finished):
+    run_dir, out, err = finished
+    assert f"gdpo-train: a new run in {run_dir}, 3 steps" in err.splitlines()
+    assert "Traceback" not in err and "RotaryEmbedding" not in err + out  # known vLLM noise is filtered
+    assert out.startswith("gdpo-train: finished\nreward means, first 3 steps -> last 3 steps (of 3):")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for name in ("distinct_chars", "vowel_share"):
+        means = [r[f"reward/{name}/mean"] for r in records]
+        assert f"  {name:<20} {sum(means) / 3:8.3f} -> {sum(means) / 3:8.3f}" in out  # 3 steps: both windows
+    for line in (f"checkpoint: {run_dir}/checkpoints/step_3", f"Hugging Face export: {run_dir}/hf",
+                 f"metrics: {run_dir}/metrics.jsonl", f"plot: {run_dir}/rewards.png", f"plot: {run_dir}/diagnostics.png"):
+        assert line in out.splitlines()
+        assert Path(line.split(": ", 1)[1]).exists()
+
+
+def test_a_finished_run_says_so_and_leaves_its_export(finished, base):
+    run_dir, _, _ = finished
+    before = {p: p.stat().st_mtime_ns for p in (run_dir / "hf").iterdir()}
+    out, err, status = train(base, run_dir)
+    assert status == 0 and out == ""
+    assert err.splitlines() == [f"gdpo-train: {run_dir} has finished step 3 of 3: nothing to train (raise steps to "
+                                "train on)"]
+    assert {p: p.stat().st_mtime_ns for p in (run_dir / "hf").iterdir()} == before
+
+
+def test_another_config_is_refused_naming_what_differs(finished, base):
+    run_dir, _, _ = finished
+    _, err, status = train(base, run_dir, "steps=5", "advantage.mode=grpo", "rewards.rewards.1.weight=2")
+    assert status == 2
+    assert err.splitlines() == [
+        f"error: run_dir: {run_dir} holds step 3 of a run with other settings (advantage.mode: 'gdpo' -> 'grpo'; "
+        "rewards.rewards.1.weight: 0.5 -> 2.0); choose a new run_dir, or set checkpoint.resume=force to continue "
+        "that run under these settings"]
+    assert steps_logged(run_dir) == [1, 2, 3]
+
+
+def test_a_forced_resume_trains_on_under_the_new_settings(finished, base, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "forced"
+    shutil.copytree(finished[0], run_dir)
+    out, err, status = train(base, run_dir, "steps=4", "advantage.mode=grpo", "checkpoint.resume=force")
+    assert status == 0, err
+    assert f"gdpo-train: resuming {run_dir} from step 3 of 4" in err.splitlines()
+    assert steps_logged(run_dir) == [1, 2, 3, 4]
+    state = json.loads((run_dir / "checkpoints" / "step_4" / "trainer_state.json").read_text())
+    assert state["config"]["advantage"]["mode"] == "grpo"
+
+
+def test_ctrl_c_saves_after_the_step_and_a_resume_logs_each_step_once(base, tmp_path):
+    run_dir = tmp_path / "run"
+    long_run = ("steps=1000", "checkpoint.save_every=2")
+    # A crash (SIGKILL) after step 3: the newest checkpoint is step 2, metrics.jsonl has step 3 too.
+    process = train(base, run_dir, *long_run, wait=False)
+    while len(steps_logged(run_dir)) < 3 and process.poll() is None:
+        time.sleep(0.2)
+    process.kill()
+    process.communicate()
+    crashed = steps_logged(run_dir)
+    assert len(crashed) >= 3 and crashed == list(range(1, len(crashed) + 1))
+    checkpoint = max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
+
+    # The rerun resumes from that checkpoint; Ctrl-C then ends it after a step, with a checkpoint.
+    process = train(base, run_dir, *long_run, wait=False)
+    while len(steps_logged(run_dir)) < checkpoint + 2 and process.poll() is None:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 130, err
+    assert f"gdpo-train: resuming {run_dir} from step {checkpoint} of 1000" in err.splitlines()
+    assert "gdpo-train: Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to stop at once)" in (
+        err.splitlines())
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    logged = steps_logged(run_dir)
+    assert logged == list(range(1, len(logged) + 1))  # every step once, those redone after the crash too
+    assert out.startswith("gdpo-train: stopped by Ctrl-C; rerun the same command to resume\n")
+    assert f"checkpoint: {run_dir}/checkpoints/step_{logged[-1]}" in out.splitlines()
+
+
+def test_the_papers_tool_prompts_train_on_the_cpu(tmp_path):
+    """ToolRL's published prompts (1,300-5,400 tokens here), 4 per step: more new prompt tokens in
+    one engine step than vLLM's default budget, every rollout seeded."""
+    from gdpo_megatron.demo.warmup import make_base_model
+
+    base = make_base_model(tmp_path / "base", steps=0, max_position_embeddings=8192)
+    command = [GDPO_TRAIN, "--config", "configs/toolrl_qwen2.5_1.5b.yaml", f"base_model={base}",
+               f"run_dir={tmp_path / 'run'}", "data.train_path=examples/data/toolrl/rlla_4k_test.parquet",
+               "data.max_prompt_tokens=5400", "rollout.max_model_len=5440", "rollout.max_new_tokens=32",
+               "data.prompts_per_step=4", "rollout.group_size=2", "policy.micro_batch_size=2",
+               "policy.precision.dtype=fp32", "steps=2", "logging.progress_bar=false", "rewards.num_workers=1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GDPO_MALLOC": "system"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["rollout/logprob_mismatch"] < 1e-3 and r["train/num_tokens"] > 0 for r in records)
+    assert "ERROR" not in done.stderr and "Generator does not use offset" not in done.stderr

@@ -10,6 +10,7 @@ the newest). One process is enough; under ``torchrun`` the work is split over TP
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 from pathlib import Path
@@ -51,6 +52,11 @@ def _parser() -> ArgumentParser:
                        help="safetensors shard size (default 5)")
     common(to_hf)
     return parser
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line, checked (a UsageError names what is wrong)."""
+    return _parser().parse_args(argv)
 
 
 def model_config_of(config: dict, where: str) -> ModelConfig:
@@ -142,7 +148,7 @@ def _megatron_to_hf(args, plan: Plan, parallel: ParallelConfig, precision: Preci
 @console_entry
 def main(argv: list[str]) -> int:
     """Entry point; uses the process group if one exists, else starts one from the launcher env."""
-    args = _parser().parse_args(argv)
+    args = parse(argv)
     parallel = ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
     precision = PrecisionConfig(dtype=args.dtype or "auto")
     started = not dist.is_initialized()

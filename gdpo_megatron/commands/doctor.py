@@ -5,6 +5,7 @@ mismatches (checks that cannot run here do not fail), 1 on a mismatch, 2 on bad 
 """
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
@@ -15,8 +16,8 @@ from gdpo_megatron.preflight.doctor import CHECKS, SKIP_ENV, Target, format_tabl
 from gdpo_megatron.preflight.pins import PIN_FILE, read_pins
 
 
-@console_entry
-def main(argv: list[str]) -> int:
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line, checked (a UsageError names what is wrong)."""
     parser = ArgumentParser(
         prog="gdpo-doctor",
         description="Check this machine's libraries, GPU, NCCL and memory against the pins and a config. "
@@ -27,9 +28,15 @@ def main(argv: list[str]) -> int:
                         help=f"run only this check (repeatable): {', '.join(CHECKS)}")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides of the config")
     args = parser.parse_args(argv)
-    quiet_defaults()
     if args.overrides and not args.config:
         parser.error("overrides need --config")
+    return args
+
+
+@console_entry
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    quiet_defaults()
     config = load_config(TrainConfig, args.config, args.overrides) if args.config else None
     pins = read_pins()
     world_size = args.nodes * max(torch.cuda.device_count(), 1)

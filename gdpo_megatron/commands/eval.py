@@ -8,6 +8,7 @@ is checked before the engine starts.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -18,9 +19,8 @@ from gdpo_megatron.errors import UsageError
 from gdpo_megatron.config.rewards import RewardSpec
 
 
-@console_entry
-def main(argv: list[str]) -> int:
-    """``gdpo-eval --model DIR (--bfcl | --data PATH --family F [--prompt-key K ...]) [--rewards a,b] [--limit N]``."""
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line, checked (a UsageError names what is wrong)."""
     parser = ArgumentParser(prog="gdpo-eval", description="Evaluate a Hugging Face checkpoint.")
     parser.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     source = parser.add_mutually_exclusive_group(required=True)
@@ -50,6 +50,12 @@ def main(argv: list[str]) -> int:
     given = [flag for flag, value in data_options.items() if value is not None]
     if args.bfcl and given:
         parser.error(f"{given[0]} goes with --data, not --bfcl")
+    return args
+
+
+@console_entry
+def main(argv: list[str]) -> int:
+    args = parse(argv)
 
     from gdpo_megatron.preflight.validation import (about, check_output_file, check_reward_specs, check_weights,
                                                     load_prompts, prompt_lengths, read_model_config)

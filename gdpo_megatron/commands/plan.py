@@ -6,13 +6,15 @@ optimizer (:mod:`gdpo_megatron.preflight.plan`), and exits 0 when the configured
 """
 from __future__ import annotations
 
+import argparse
+
 from gdpo_megatron.commands.console import ArgumentParser, console_entry
 from gdpo_megatron.config import TrainConfig, load_config
 from gdpo_megatron.preflight.plan import DEFAULT_OVERHEAD_GIB, Cluster, format_plan, plan_memory
 
 
-@console_entry
-def main(argv: list[str]) -> int:
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line, checked (a UsageError names what is wrong)."""
     parser = ArgumentParser(
         prog="gdpo-plan", description="Per-GPU memory of a training config, and whether it fits, before submitting.")
     parser.add_argument("--config", required=True, help="training YAML (see configs/)")
@@ -23,7 +25,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--overhead", type=float, default=DEFAULT_OVERHEAD_GIB, metavar="GIB",
                         help="per-GPU allowance for the CUDA context, NCCL and fragmentation")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides of the config")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+@console_entry
+def main(argv: list[str]) -> int:
+    args = parse(argv)
     cluster = Cluster(args.nodes, args.gpus_per_node, args.gpu_memory, args.overhead)
     plan = plan_memory(load_config(TrainConfig, args.config, args.overrides), cluster)
     print(format_plan(plan))

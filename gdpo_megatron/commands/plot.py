@@ -4,18 +4,25 @@ Runs given the same label (e.g. the seeds of one mode) are drawn as their mean w
 """
 from __future__ import annotations
 
+import argparse
+
 from gdpo_megatron.commands.console import ArgumentParser, console_entry
 
 
-@console_entry
-def main(argv: list[str]) -> int:
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line, checked (a UsageError names what is wrong)."""
     parser = ArgumentParser(prog="gdpo-plot", description="Plot rewards and advantage diagnostics of runs.")
     parser.add_argument("run_dirs", nargs="+")
     parser.add_argument("--out", default=None, help="output directory (default: the first run's)")
     parser.add_argument("--labels", nargs="+", default=None,
                         help="legend labels, one per run; runs sharing a label are drawn as mean and band")
     parser.add_argument("--smooth", type=int, default=1, help="draw each run's trailing mean over N steps")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+@console_entry
+def main(argv: list[str]) -> int:
+    args = parse(argv)
 
     from gdpo_megatron.plot import DIAGNOSTICS_PNG, REWARDS_PNG, plot_runs
     from gdpo_megatron.preflight.validation import check_output_dir, check_output_file

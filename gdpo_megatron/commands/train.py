@@ -13,6 +13,7 @@ checkpoint was saved; a Slurm script requeues the job on it), :data:`EXIT_CTRL_C
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 
@@ -22,12 +23,17 @@ from gdpo_megatron.commands.cpu_malloc import reexec_with_tcmalloc
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: "try again later"
 
 
-@console_entry
-def main(argv: list[str]) -> int:
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line, checked (a UsageError names what is wrong)."""
     parser = ArgumentParser(prog="gdpo-train", description="Multi-reward RL with GDPO on Megatron-core.")
     parser.add_argument("--config", required=True, help="YAML file (see configs/)")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides of the config")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+@console_entry
+def main(argv: list[str]) -> int:
+    args = parse(argv)
     quiet_defaults()
 
     from gdpo_megatron.config import TrainConfig, load_config

@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -18,11 +19,16 @@ from gdpo_megatron.commands.cpu_malloc import reexec_with_tcmalloc
 CONFIG = "configs/tiny_cpu.yaml"
 
 
-@console_entry
-def main(argv: list[str]) -> int:
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line, checked (a UsageError names what is wrong)."""
     parser = ArgumentParser(prog="python -m gdpo_megatron.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help=f"dotted overrides of {CONFIG}")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+@console_entry
+def main(argv: list[str]) -> int:
+    args = parse(argv)
     quiet_defaults()
 
     from gdpo_megatron.config import TrainConfig, load_config

@@ -284,6 +284,66 @@ def test_distributed_optimizer_in_dp_reshardable_format_refuses_another_tp_size(
         assert "checkpoint.optimizer_sharding=fully_reshardable" in error
 
 
+def _plain_tensors(directory) -> dict[str, torch.Tensor]:
+    """A dist_checkpointing directory's tensors by dotted name (collective: every rank reads)."""
+    from megatron.core import dist_checkpointing
+
+    def flat(tree, prefix=""):
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                yield from flat(value, f"{prefix}{key}.")
+            elif isinstance(value, torch.Tensor):
+                yield f"{prefix}{key}", value
+
+    return dict(flat(dist_checkpointing.load_plain_tensors(str(directory))))
+
+
+def fully_reshardable_two_ways(root):
+    """One step of the distributed optimizer at DP=2, its state saved as fully_reshardable by the
+    manager and by megatron-core's default variant of the format (an NCCL all-gather to every
+    rank, here over gloo); both read back as plain tensors, with the model's weights."""
+    from megatron.core import dist_checkpointing
+
+    from gdpo_megatron.checkpoint.manager import InProcessTorchDistSave
+    from gdpo_megatron.checkpoint.weight_stream import unwrap
+    from gdpo_megatron.policy import cpu_compat
+    from gdpo_megatron.policy.worker import PolicyWorker
+
+    seed_batches()
+    config = tiny_policy(1)
+    config = dataclasses.replace(config, optim=dataclasses.replace(config.optim, use_distributed_optimizer=True))
+    with PolicyWorker(config) as worker:
+        worker.train_step(sampled_batch())
+        CheckpointManager(root / "manager", optimizer_sharding="fully_reshardable").save(
+            1, worker.model, worker.optimizer)
+        with cpu_compat.device_scope():
+            model_state = unwrap(worker.model).sharded_state_dict()
+            optimizer_state = worker.optimizer.sharded_state_dict(
+                model_state, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+            if torch.distributed.get_rank() == 0:
+                (root / "default").mkdir()
+            torch.distributed.barrier()
+            dist_checkpointing.save({"model": model_state, "optimizer": optimizer_state}, str(root / "default"),
+                                    sharded_strategy=InProcessTorchDistSave())
+    saved = read_training_state(root / "manager" / "step_1").optimizer_sharding
+    return saved, _plain_tensors(root / "manager" / "step_1" / "dist"), _plain_tensors(root / "default")
+
+
+def test_fully_reshardable_gathers_on_one_rank_what_megatrons_default_variant_saves(gloo_world_2, tmp_path):
+    """The memory-efficient variant (gloo gather to data-parallel rank 0) stores the same
+    per-parameter Adam state as megatron-core's default one; the fp32 master weights in it are
+    the model's."""
+    saved, ours, default = gloo_world_2.run(fully_reshardable_two_ways, tmp_path)[0]
+    assert saved == "fully_reshardable"
+    assert sorted(ours) == sorted(default)
+    for name, tensor in default.items():
+        assert torch.equal(ours[name], tensor), name
+    weights = [n for n in ours if not n.startswith("optimizer.")]  # stacked over layers
+    for name in weights:
+        assert torch.equal(ours[f"optimizer.state.param.{name}"], ours[name]), name
+        assert ours[f"optimizer.state.exp_avg_sq.{name}"].abs().sum() > 0, name
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_distributed_optimizer_in_fully_reshardable_format_resumes_at_another_tp_size(tmp_path):

@@ -287,3 +287,23 @@ def test_the_pinned_vllm_cannot_load_a_qwen2_head_dim_that_check_vllm_can_load_r
     assert run.returncode != 0, "this vLLM loads a Qwen2 head_dim other than hidden / heads: drop the check"
     # its q_proj shard is sized hidden / heads = 128 rows; the checkpoint's has head_dim = 64
     assert "RuntimeError: start (0) + length (128) exceeds dimension size (64)." in run.stderr, run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("temperature, accepted", [(0.005, False), (0.01, True), (2.0, True), (2.5, False)])
+def test_rollout_temperature_is_bounded_where_vllm_bounds_it(temperature, accepted):
+    from vllm import SamplingParams
+
+    from gdpo_megatron.config import ConfigError
+    from gdpo_megatron.config.rollout import TEMPERATURE_RANGE, RolloutConfig
+
+    if accepted:
+        assert RolloutConfig(temperature=temperature).temperature == temperature
+        assert SamplingParams(temperature=temperature).temperature == temperature  # vLLM takes it as it is
+    else:
+        with pytest.raises(ConfigError, match=r"rollout.temperature: expected in \[0.01, 2\]"):
+            RolloutConfig(temperature=temperature)
+    # the bounds are vLLM's: above 2 it refuses, below 0.01 it samples at 0.01
+    low, high = TEMPERATURE_RANGE
+    with pytest.raises(Exception, match=f"temperature must be in \\[0, {high:g}\\]"):
+        SamplingParams(temperature=high * 1.0001)
+    assert SamplingParams(temperature=low / 2).temperature == low

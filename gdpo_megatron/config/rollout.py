@@ -8,6 +8,10 @@ from typing import Literal, Optional
 
 from gdpo_megatron.config.loader import require
 
+# vLLM's SamplingParams refuses a temperature above 2 and raises one in (0, 0.01) to 0.01,
+# which the policy, dividing its logits by the configured value, would not match.
+TEMPERATURE_RANGE = (0.01, 2.0)
+
 
 @dataclass
 class RolloutConfig:
@@ -31,6 +35,9 @@ class RolloutConfig:
                 ">= 2 (advantages compare the completions of a prompt; one alone gets advantage 0)", self.group_size)
         require(self.temperature > 0, "rollout.temperature", "> 0 (training samples; gdpo-eval is greedy)",
                 self.temperature)
+        low, high = TEMPERATURE_RANGE
+        require(low <= self.temperature <= high, "rollout.temperature",
+                f"in [{low}, {high:g}] (vLLM refuses more and raises less to {low})", self.temperature)
         require(0 < self.top_p <= 1, "rollout.top_p", "in (0, 1]", self.top_p)
         require(self.top_k == -1 or self.top_k >= 1, "rollout.top_k", "-1 (off) or >= 1", self.top_k)
         if self.top_p < 1 or self.top_k > 0:

@@ -24,10 +24,14 @@ class RolloutConfig:
     max_new_tokens: int = 256
     stop: list[str] = dataclasses.field(default_factory=list)
     tensor_parallel_size: int = 1  # vLLM's own TP; may differ from the policy's
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float = 0.5  # unused on GPU when kv_cache_gib is set (derived from it)
     kv_cache_gib: Optional[float] = None  # null: vLLM's sizing on GPU, one step's rollouts on CPU
     max_model_len: int = 2048
     enforce_eager: Optional[bool] = None  # null: eager on CPU, CUDA graphs on GPU
+    # vLLM's sleep level while the policy trains. 2: the weights are discarded, and the weight
+    # sync after each update loads every one (checked); 1: they are copied to pinned host memory
+    # and back each step, only to be overwritten by the sync.
+    sleep_level: Literal[1, 2] = 2
     quantization: Optional[Literal["fp8"]] = None  # FP8 rollouts on GPU
 
     def __post_init__(self):

@@ -241,6 +241,8 @@ def test_machine_dependent_defaults_planned_as_on_a_gpu(tmp_path):
 
 
 def test_presets_match_published_parameter_counts():
+    assert total_params(ModelConfig.preset("qwen2-0.5b")) == 494_032_768  # Qwen2.5-0.5B
+    assert total_params(ModelConfig.preset("qwen2-1.5b")) == 1_543_714_304  # Qwen2.5-1.5B
     assert total_params(ModelConfig.preset("qwen2-7b")) == 7_615_616_512  # Qwen2.5-7B
     assert total_params(ModelConfig.preset("llama3-8b")) == 8_030_261_248
     assert total_params(ModelConfig.preset("llama2-7b")) == 6_738_415_616

@@ -88,6 +88,13 @@ MODEL_PRESETS = {
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, ffn_hidden_size=14336, num_layers=32,
                       num_attention_heads=32, num_query_groups=8, max_position_embeddings=8192,
                       rotary_base=500000.0),
+    # Qwen2 and Qwen2.5 of these sizes share the shape (tied embeddings).
+    "qwen2-0.5b": dict(vocab_size=151936, hidden_size=896, ffn_hidden_size=4864, num_layers=24,
+                       num_attention_heads=14, num_query_groups=2, max_position_embeddings=32768,
+                       rotary_base=1000000.0, norm_epsilon=1e-6, tie_word_embeddings=True, add_qkv_bias=True),
+    "qwen2-1.5b": dict(vocab_size=151936, hidden_size=1536, ffn_hidden_size=8960, num_layers=28,
+                       num_attention_heads=12, num_query_groups=2, max_position_embeddings=32768,
+                       rotary_base=1000000.0, norm_epsilon=1e-6, tie_word_embeddings=True, add_qkv_bias=True),
     "qwen2-7b": dict(vocab_size=152064, hidden_size=3584, ffn_hidden_size=18944, num_layers=28,
                      num_attention_heads=28, num_query_groups=4, max_position_embeddings=32768,
                      rotary_base=1000000.0, norm_epsilon=1e-6, add_qkv_bias=True),

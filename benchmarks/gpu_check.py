@@ -1,10 +1,14 @@
 """One prepared command for a lent GPU: what of the GPU path runs without vLLM and Transformer Engine.
 
 On a machine with one CUDA GPU, its own torch and megatron-core from a carried wheel, run from
-the source tree (docs/gpu.md: the device command, what travels, what has never run):
+the source tree (docs/gpu.md: what travels, what has never run). Here, once,
+``make gpu-wheels`` puts megatron-core's cp312 wheel into ``.gpu-wheels/``; there, from the
+repository root with ``.gpu-wheels`` carried, ``make gpu-check OUT=$OUT`` or what it runs:
 
-    make gpu-wheels                  # here, once: megatron-core's cp312 wheel into .gpu-wheels/
-    make gpu-check OUT=$OUT          # there: installs the carried wheel, then runs this file
+    set -o pipefail; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+      --target /tmp/gdpo-gpu-site .gpu-wheels/*.whl && \
+    PYTHONPATH=$PWD:/tmp/gdpo-gpu-site PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 \
+      python3 benchmarks/gpu_check.py --out $OUT 2>&1 | tee $OUT/gpu_check.log
 
 In CI, on the CPU, the same code path on a tiny model (tests/test_gpu_check.py):
 
@@ -71,7 +75,7 @@ PROMPT_TOKENS = 64  # every row's prompt; the rest is completion (the loss, and 
 class Sizes:
     """What one run measures: the real sizes on a GPU, a tiny model for the CPU dry run."""
 
-    update_models: tuple[str, ...]
+    update_models: dict[str, ModelConfig]
     rows: int
     shortest: int
     longest: int
@@ -83,22 +87,15 @@ class Sizes:
     copy_gib: float
 
 
-def qwen2(name: str, **overrides) -> ModelConfig:
-    return ModelConfig.preset(name, **overrides)
-
-
 def sizes(dry_run: bool) -> Sizes:
     if dry_run:
-        tiny = qwen2("tiny", tie_word_embeddings=True, add_qkv_bias=True)
-        return Sizes(update_models=("tiny",), rows=4, shortest=40, longest=80, micro_batch_tokens=160, timed_steps=2,
-                     check_model=tiny, check_rows=2, check_length=48, copy_gib=0.0)
-    return Sizes(update_models=("qwen2-0.5b", "qwen2-1.5b"), rows=16, shortest=2048, longest=4096,
-                 micro_batch_tokens=8192, timed_steps=3, check_model=qwen2("qwen2-0.5b", num_layers=4),
-                 check_rows=4, check_length=1024, copy_gib=4.0)
-
-
-def model_for(name: str) -> ModelConfig:
-    return qwen2("tiny", tie_word_embeddings=True, add_qkv_bias=True) if name == "tiny" else qwen2(name)
+        tiny = ModelConfig.preset("tiny", tie_word_embeddings=True, add_qkv_bias=True)  # Qwen2-shaped
+        return Sizes(update_models={"tiny": tiny}, rows=4, shortest=40, longest=80, micro_batch_tokens=160,
+                     timed_steps=2, check_model=tiny, check_rows=2, check_length=48, copy_gib=0.0)
+    return Sizes(update_models={name: ModelConfig.preset(name) for name in ("qwen2-0.5b", "qwen2-1.5b")},
+                 rows=16, shortest=2048, longest=4096, micro_batch_tokens=8192, timed_steps=3,
+                 check_model=ModelConfig.preset("qwen2-0.5b", num_layers=4), check_rows=4, check_length=1024,
+                 copy_gib=4.0)
 
 
 # ---- the report ---------------------------------------------------------------------------
@@ -263,8 +260,7 @@ def update(name: str, size: Sizes) -> dict:
     """Median train step of a random ``name``-shaped policy in bf16, its throughput and peak memory."""
     from gdpo_megatron.policy.worker import PolicyWorker
 
-    model = model_for(name)
-    longest = max(size.longest, size.shortest)
+    model, longest = size.update_models[name], size.longest
     config = PolicyConfig(model=model, precision=PrecisionConfig(dtype="bf16", transformer_engine=False),
                           optim=OptimConfig(lr=1e-6), micro_batch_tokens=size.micro_batch_tokens)
     batch = rows_of(model, size.rows, size.shortest, longest)

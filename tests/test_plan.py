@@ -178,7 +178,7 @@ def test_the_engine_counts_vllm_as_the_plan_does(tmp_path, overrides):
     while generating passes the GPU."""
     from gdpo_megatron.checkpoint.layout import hf_shapes
     from gdpo_megatron.errors import InputError
-    from gdpo_megatron.rollout.vllm_engine import _layer_and_other_params, gpu_memory_utilization, vllm_weight_bytes
+    from gdpo_megatron.rollout.vllm_engine import layer_and_other_params, gpu_memory_utilization, vllm_weight_bytes
 
     kv = 256 * 1024
     config = load_config(TrainConfig, write(tmp_path, SMALL), [*overrides, f"rollout.kv_cache_gib={kv / GIB}"])
@@ -187,7 +187,7 @@ def test_the_engine_counts_vllm_as_the_plan_does(tmp_path, overrides):
     for gpu_memory in (total, int(total * 0.6)):
         cluster = Cluster(1, 8, gpu_memory / GIB, OVERHEAD / GIB, RUNTIME / GIB)
         plan = plan_memory(config, cluster)
-        weights = vllm_weight_bytes(*_layer_and_other_params(hf_shapes(config.policy.model)), 2,
+        weights = vllm_weight_bytes(*layer_and_other_params(hf_shapes(config.policy.model)), 2,
                                     rollout.quantization, rollout.tensor_parallel_size)
         assert weights == plan.vllm_weights
         free = gpu_memory - (plan.peak_generating(True) - plan.vllm_total)  # next to the policy

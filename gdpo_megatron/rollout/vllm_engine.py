@@ -111,7 +111,7 @@ class VLLMEngine:
         utilization = config.gpu_memory_utilization
         if on_gpu:
             free, total = torch.cuda.mem_get_info()
-            weights = vllm_weight_bytes(*_layer_and_other_params(self._shapes), _dtype_bytes(dtype),
+            weights = vllm_weight_bytes(*layer_and_other_params(self._shapes), _dtype_bytes(dtype),
                                         config.quantization, config.tensor_parallel_size)
             kv_cache = None if config.kv_cache_gib is None else int(config.kv_cache_gib * _GIB)
             utilization = gpu_memory_utilization(weights, kv_cache, utilization, free, total)
@@ -351,7 +351,7 @@ def gpu_memory_utilization(weight_bytes: int, kv_cache_bytes: int | None, utiliz
     return derived
 
 
-def _layer_and_other_params(shapes: dict[str, tuple[int, ...]]) -> tuple[int, int]:
+def layer_and_other_params(shapes: dict[str, tuple[int, ...]]) -> tuple[int, int]:
     """Elements of a checkpoint's transformer layers, and of the rest (embeddings, final norm)."""
     layers = other = 0
     for name, shape in shapes.items():

@@ -16,6 +16,7 @@ from gdpo_megatron.checkpoint.manager import CheckpointError, CheckpointManager,
 from gdpo_megatron.distributed.launch import free_port
 from gdpo_megatron.policy.batch import PolicyBatch
 from gdpo_megatron.config.policy import ModelConfig, OptimConfig, ParallelConfig, PolicyConfig
+from gdpo_megatron.device import transformer_engine_available
 from test_convert import megatron_logits
 
 VOCAB = 250
@@ -344,11 +345,16 @@ def test_fully_reshardable_gathers_on_one_rank_what_megatrons_default_variant_sa
         assert ours[f"optimizer.state.exp_avg_sq.{name}"].abs().sum() > 0, name
 
 
+# megatron-core 0.16.1 loads the distributed optimizer's state into TE's (or Apex's) Adam only:
+# torch's Adam has no per-parameter ``step`` before its first step (CheckpointManager says so).
+needs_te_adam = pytest.mark.skipif(not transformer_engine_available(), reason="needs Transformer Engine's Adam")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@two_gpus
+@needs_te_adam
 def test_distributed_optimizer_in_fully_reshardable_format_resumes_at_another_tp_size(tmp_path):
-    """Needs Transformer Engine's or Apex's Adam: megatron-core 0.16.1 cannot load this format
-    into torch's Adam (its per-parameter ``step`` has no source in the gathered state)."""
     from support.local_world import LocalWorld
 
     with LocalWorld(2, backend="nccl") as world:
@@ -359,8 +365,21 @@ def test_distributed_optimizer_in_fully_reshardable_format_resumes_at_another_tp
             assert reloaded == pytest.approx(continued, rel=1e-3)  # bf16: TP=1 and TP=2 sum in other orders
 
 
-@pytest.mark.parametrize("distributed_optimizer", [False, pytest.param(True, marks=pytest.mark.gpu)])
-def test_optimizer_state_survives_a_reload(gloo_world_2, tmp_path, distributed_optimizer):
-    for continued, reloaded, without_optimizer in gloo_world_2.run(continue_after_reload, tmp_path, distributed_optimizer):
+def test_optimizer_state_survives_a_reload(gloo_world_2, tmp_path):
+    for continued, reloaded, without_optimizer in gloo_world_2.run(continue_after_reload, tmp_path, False):
         assert reloaded == pytest.approx(continued, abs=1e-6, rel=0)
         assert abs(without_optimizer - continued) > 1e-4
+
+
+@pytest.mark.gpu
+@two_gpus
+@needs_te_adam
+def test_distributed_optimizer_state_survives_a_reload(tmp_path):
+    """Data parallelism over NCCL, one GPU per rank, as the trainer runs it."""
+    from support.local_world import LocalWorld
+
+    with LocalWorld(2, backend="nccl") as world:
+        world.run(_use_the_gpu_of_this_rank)
+        for continued, reloaded, without_optimizer in world.run(continue_after_reload, tmp_path, True):
+            assert reloaded == pytest.approx(continued, abs=1e-6, rel=0)
+            assert abs(without_optimizer - continued) > 1e-4

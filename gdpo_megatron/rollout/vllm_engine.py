@@ -56,6 +56,7 @@ CPU_BLOCK_SIZE = 32
 # policy's update too.
 VLLM_RUNTIME_GIB = 2.0
 SLEEP_LEVELS = (1, 2)
+_DISCARDED = "the weights were discarded by a level-2 sleep and no complete update_weights has loaded them since"
 
 # vLLM's layer-wise in-place reload, imported by the workers (gdpo-doctor checks that the
 # installed vLLM has it and that its workers take the arguments of ``reload_kwargs``).
@@ -306,10 +307,6 @@ class VLLMEngine:
             raise RuntimeError("vLLM returned logprobs that are not those of the sampled tokens")
         text = output.text if detokenized else self.tokenizer.decode(token_ids, skip_special_tokens=True)
         return Completion(token_ids=token_ids, logprobs=list(flat.logprobs), finish_reason=output.finish_reason, text=text)
-
-
-_DISCARDED = ("the weights were discarded by a level-2 sleep and no complete update_weights has loaded them "
-              "since")
 
 
 def vllm_weight_bytes(layer_params: int, other_params: int, element_bytes: int, quantization: str | None,

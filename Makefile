@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 export OMP_NUM_THREADS ?= 1
 export WANDB_MODE ?= offline
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench gpu-wheels gpu-check clean
 
 install: $(STAMP)
 
@@ -40,6 +40,27 @@ bench: install
 	$(BIN)/python benchmarks/advantages.py
 	$(BIN)/python benchmarks/policy_step.py
 	$(BIN)/python benchmarks/rollout.py
+
+# A lent GPU machine has its own Python 3.12 and torch but no megatron-core, and reaches no
+# registry: `make gpu-wheels` here puts the pinned megatron-core's cp312 wheel in $(GPU_WHEELS)
+# (git-ignored; the device call carries it), `make gpu-check OUT=DIR` there installs it beside
+# the source tree and runs benchmarks/gpu_check.py (docs/gpu.md: the whole device command).
+GPU_WHEELS ?= .gpu-wheels
+GPU_PYTHON ?= python3
+GPU_SITE ?= /tmp/gdpo-gpu-site
+OUT ?= gpu-check-out
+GPU_CHECK_ARGS ?=
+MEGATRON_PIN := $(shell grep '^megatron-core==' gdpo_megatron/preflight/pins.txt)
+
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d $(GPU_WHEELS) "$(MEGATRON_PIN)"
+
+gpu-check:
+	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+		--target $(GPU_SITE) $(GPU_WHEELS)/*.whl
+	PYTHONPATH=$(CURDIR):$(GPU_SITE) PYTHONUNBUFFERED=1 $(GPU_PYTHON) benchmarks/gpu_check.py --out $(OUT) \
+		$(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

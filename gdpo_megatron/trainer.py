@@ -129,6 +129,7 @@ class Trainer:
             gpu_memory_utilization=config.rollout.gpu_memory_utilization,
             kv_cache_gib=self._kv_cache_gib(rollouts_per_replica, inputs.longest_prompt),
             enforce_eager=config.rollout.enforce_eager,
+            sleep_level=config.rollout.sleep_level,
             quantization=config.rollout.quantization,
             max_num_batched_tokens=config.rollout.max_num_batched_tokens,
             seed=config.seed,

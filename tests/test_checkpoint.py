@@ -16,6 +16,7 @@ from gdpo_megatron.checkpoint.manager import CheckpointError, CheckpointManager,
 from gdpo_megatron.distributed.launch import free_port
 from gdpo_megatron.policy.batch import PolicyBatch
 from gdpo_megatron.config.policy import ModelConfig, OptimConfig, ParallelConfig, PolicyConfig
+from gdpo_megatron.device import transformer_engine_available
 from test_convert import megatron_logits
 
 VOCAB = 250
@@ -284,11 +285,76 @@ def test_distributed_optimizer_in_dp_reshardable_format_refuses_another_tp_size(
         assert "checkpoint.optimizer_sharding=fully_reshardable" in error
 
 
+def _plain_tensors(directory) -> dict[str, torch.Tensor]:
+    """A dist_checkpointing directory's tensors by dotted name (collective: every rank reads)."""
+    from megatron.core import dist_checkpointing
+
+    def flat(tree, prefix=""):
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                yield from flat(value, f"{prefix}{key}.")
+            elif isinstance(value, torch.Tensor):
+                yield f"{prefix}{key}", value
+
+    return dict(flat(dist_checkpointing.load_plain_tensors(str(directory))))
+
+
+def fully_reshardable_two_ways(root):
+    """One step of the distributed optimizer at DP=2, its state saved as fully_reshardable by the
+    manager and by megatron-core's default variant of the format (an NCCL all-gather to every
+    rank, here over gloo); both read back as plain tensors, with the model's weights."""
+    from megatron.core import dist_checkpointing
+
+    from gdpo_megatron.checkpoint.manager import InProcessTorchDistSave
+    from gdpo_megatron.checkpoint.weight_stream import unwrap
+    from gdpo_megatron.policy import cpu_compat
+    from gdpo_megatron.policy.worker import PolicyWorker
+
+    seed_batches()
+    config = tiny_policy(1)
+    config = dataclasses.replace(config, optim=dataclasses.replace(config.optim, use_distributed_optimizer=True))
+    with PolicyWorker(config) as worker:
+        worker.train_step(sampled_batch())
+        CheckpointManager(root / "manager", optimizer_sharding="fully_reshardable").save(
+            1, worker.model, worker.optimizer)
+        with cpu_compat.device_scope():
+            model_state = unwrap(worker.model).sharded_state_dict()
+            optimizer_state = worker.optimizer.sharded_state_dict(
+                model_state, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+            if torch.distributed.get_rank() == 0:
+                (root / "default").mkdir()
+            torch.distributed.barrier()
+            dist_checkpointing.save({"model": model_state, "optimizer": optimizer_state}, str(root / "default"),
+                                    sharded_strategy=InProcessTorchDistSave())
+    saved = read_training_state(root / "manager" / "step_1").optimizer_sharding
+    return saved, _plain_tensors(root / "manager" / "step_1" / "dist"), _plain_tensors(root / "default")
+
+
+def test_fully_reshardable_gathers_on_one_rank_what_megatrons_default_variant_saves(gloo_world_2, tmp_path):
+    """The memory-efficient variant (gloo gather to data-parallel rank 0) stores the same
+    per-parameter Adam state as megatron-core's default one; the fp32 master weights in it are
+    the model's."""
+    saved, ours, default = gloo_world_2.run(fully_reshardable_two_ways, tmp_path)[0]
+    assert saved == "fully_reshardable"
+    assert sorted(ours) == sorted(default)
+    for name, tensor in default.items():
+        assert torch.equal(ours[name], tensor), name
+    weights = [n for n in ours if not n.startswith("optimizer.")]  # stacked over layers
+    for name in weights:
+        assert torch.equal(ours[f"optimizer.state.param.{name}"], ours[name]), name
+        assert ours[f"optimizer.state.exp_avg_sq.{name}"].abs().sum() > 0, name
+
+
+# megatron-core 0.16.1 loads the distributed optimizer's state into TE's (or Apex's) Adam only:
+# torch's Adam has no per-parameter ``step`` before its first step (CheckpointManager says so).
+needs_te_adam = pytest.mark.skipif(not transformer_engine_available(), reason="needs Transformer Engine's Adam")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@two_gpus
+@needs_te_adam
 def test_distributed_optimizer_in_fully_reshardable_format_resumes_at_another_tp_size(tmp_path):
-    """Needs Transformer Engine's or Apex's Adam: megatron-core 0.16.1 cannot load this format
-    into torch's Adam (its per-parameter ``step`` has no source in the gathered state)."""
     from support.local_world import LocalWorld
 
     with LocalWorld(2, backend="nccl") as world:
@@ -299,8 +365,21 @@ def test_distributed_optimizer_in_fully_reshardable_format_resumes_at_another_tp
             assert reloaded == pytest.approx(continued, rel=1e-3)  # bf16: TP=1 and TP=2 sum in other orders
 
 
-@pytest.mark.parametrize("distributed_optimizer", [False, pytest.param(True, marks=pytest.mark.gpu)])
-def test_optimizer_state_survives_a_reload(gloo_world_2, tmp_path, distributed_optimizer):
-    for continued, reloaded, without_optimizer in gloo_world_2.run(continue_after_reload, tmp_path, distributed_optimizer):
+def test_optimizer_state_survives_a_reload(gloo_world_2, tmp_path):
+    for continued, reloaded, without_optimizer in gloo_world_2.run(continue_after_reload, tmp_path, False):
         assert reloaded == pytest.approx(continued, abs=1e-6, rel=0)
         assert abs(without_optimizer - continued) > 1e-4
+
+
+@pytest.mark.gpu
+@two_gpus
+@needs_te_adam
+def test_distributed_optimizer_state_survives_a_reload(tmp_path):
+    """Data parallelism over NCCL, one GPU per rank, as the trainer runs it."""
+    from support.local_world import LocalWorld
+
+    with LocalWorld(2, backend="nccl") as world:
+        world.run(_use_the_gpu_of_this_rank)
+        for continued, reloaded, without_optimizer in world.run(continue_after_reload, tmp_path, True):
+            assert reloaded == pytest.approx(continued, abs=1e-6, rel=0)
+            assert abs(without_optimizer - continued) > 1e-4

@@ -159,6 +159,19 @@ def test_the_memory_plan_is_gdpo_plans_verdict_with_its_override_named():
         assert (f"{SKIP_ENV}=memory runs anyway" in row.expected) == (status == MISMATCH)
 
 
+def test_the_memory_row_names_the_utilization_the_engine_gives_vllm():
+    """With rollout.kv_cache_gib the engine derives vLLM's share from weights + KV cache + its
+    runtime allowance; the row shows the plan's figure for it, computed the same way."""
+    from gdpo_megatron.rollout.vllm_engine import VLLM_RUNTIME_GIB
+
+    config = load_config(TrainConfig, CONFIG, ["rollout.kv_cache_gib=4"])
+    plan = plan_memory(config, Cluster(1, 2, 80.0))
+    assert plan.vllm_total == plan.vllm_weights + 4 * GIB + VLLM_RUNTIME_GIB * GIB
+    row = memory_row(config, 2, 80.0)
+    assert row.status == OK
+    assert f"vLLM gets gpu_memory_utilization {plan.vllm_total / (80 * GIB):.3f}" in row.found
+
+
 def test_an_nccl_older_than_torchs_fails_and_a_newer_one_passes():
     assert nccl_row((2, 27, 5), "2.27.5") == doctor.Check("NCCL", OK, "2.27.5", ">= 2.27.5 (torch's requirement)")
     older = nccl_row((2, 26, 2), "2.27.5")

@@ -32,10 +32,13 @@ SMALL = {
         "micro_batch_size": 2,
     },
 }
-# A 4 MiB GPU with a 1.25 MiB allowance: the distributed optimizer fits, the plain one does not.
-GPU_GIB, OVERHEAD = 4 * MIB / GIB, 1.25 * MIB
-CLUSTER = Cluster(nodes=1, gpus_per_node=8, gpu_memory_gib=GPU_GIB, overhead_gib=OVERHEAD / GIB)
-CLI = ["--gpus-per-node", "8", "--gpu-memory", str(GPU_GIB), "--overhead", str(OVERHEAD / GIB)]
+# A 4 MiB GPU with a 1.25 MiB allowance and 64 KiB for vLLM's runtime: the distributed optimizer
+# fits, the plain one does not.
+GPU_GIB, OVERHEAD, RUNTIME = 4 * MIB / GIB, 1.25 * MIB, 64 * 1024
+CLUSTER = Cluster(nodes=1, gpus_per_node=8, gpu_memory_gib=GPU_GIB, overhead_gib=OVERHEAD / GIB,
+                  vllm_runtime_gib=RUNTIME / GIB)
+CLI = ["--gpus-per-node", "8", "--gpu-memory", str(GPU_GIB), "--overhead", str(OVERHEAD / GIB),
+       "--vllm-runtime", str(RUNTIME / GIB)]
 
 # ---- worked by hand -----------------------------------------------------------------------
 # One layer, unsharded: QKV 64 x (64 + 2 * 32) = 8192 + bias 128, projection 64 x 64 = 4096,
@@ -56,7 +59,7 @@ ACTIVATIONS1 = 1 * 2 * 496 * 2 * TOKENS  # 507904
 LOGITS1 = TOKENS * VOCAB_SHARD * (2 + 4 + 4)  # bf16 logits, fp32 copy, fp32 softmax: 1310720
 # vLLM at TP 1, bf16: 4 layers x 30976 + final norm 64 + 2 x 1000 x 64 embeddings = 251968 params.
 VLLM_WEIGHTS = 2 * 251968
-VLLM_TOTAL = GPU_GIB * GIB // 4  # gpu_memory_utilization 0.25 of 4 MiB
+VLLM_TOTAL = GPU_GIB * GIB // 4  # gpu_memory_utilization 0.25 of 4 MiB: weights, KV cache, runtime
 KV_PER_TOKEN = 2 * 4 * 2 * 16 * 2  # K and V, 4 layers, 2 KV heads of 16, bf16
 
 
@@ -76,13 +79,14 @@ def test_small_config_against_hand_computed_bytes(tmp_path):
         WEIGHTS1, GRADS1, ADAM1_DIST, ADAM1_PLAIN, REF1)
     assert (s.activations, s.logits) == (ACTIVATIONS1, LOGITS1)
     assert (plan.vllm_weights, plan.vllm_total) == (VLLM_WEIGHTS, VLLM_TOTAL)
-    assert plan.kv_cache_tokens == (VLLM_TOTAL - VLLM_WEIGHTS) // KV_PER_TOKEN == 1063
+    assert plan.kv_cache_tokens == (VLLM_TOTAL - VLLM_WEIGHTS - RUNTIME) // KV_PER_TOKEN == 935
 
     static_dist = WEIGHTS1 + GRADS1 + ADAM1_DIST + REF1
     static_plain = WEIGHTS1 + GRADS1 + ADAM1_PLAIN + REF1
     assert plan.peak_generating(True) == OVERHEAD + static_dist + VLLM_TOTAL
-    assert plan.peak_training(True) == OVERHEAD + static_dist + ACTIVATIONS1 + LOGITS1 == 4024448
-    assert plan.peak_training(False) == OVERHEAD + static_plain + ACTIVATIONS1 + LOGITS1 == 4408064
+    # vLLM sleeps while the policy trains, its runtime allowance stays
+    assert plan.peak_training(True) == OVERHEAD + static_dist + ACTIVATIONS1 + LOGITS1 + RUNTIME == 4089984
+    assert plan.peak_training(False) == OVERHEAD + static_plain + ACTIVATIONS1 + LOGITS1 + RUNTIME == 4473600
     assert plan.fits(True) and not plan.fits(False)  # 4 MiB = 4194304
 
 
@@ -99,7 +103,7 @@ def test_offloading_grads_and_adam_during_generation(tmp_path, capsys):
         assert plan.peak_generating(True, offload=False) == OVERHEAD + resident + vllm_total
         assert plan.peak_generating(True, offload=True) == OVERHEAD + WEIGHTS1 + REF1 + vllm_total == 3579729
         assert plan.peak_generating(True) == plan.peak_generating(True, offload)  # as configured
-        assert plan.peak_training(True) == OVERHEAD + resident + ACTIVATIONS1 + LOGITS1
+        assert plan.peak_training(True) == OVERHEAD + resident + ACTIVATIONS1 + LOGITS1 + RUNTIME
         assert plan.fits(True) == offload  # 4219089 > 4 MiB = 4194304 without offloading
     assert main(["--config", path, *CLI, *share]) == 1
     assert main(["--config", path, *CLI, *share, "policy.offload_grads_and_optimizer=true"]) == 0
@@ -125,7 +129,78 @@ def test_rollout_variants(tmp_path):
     tp2 = plan_memory(load_config(TrainConfig, path, ["rollout.tensor_parallel_size=2"]), CLUSTER)
     assert tp2.vllm_weights == VLLM_WEIGHTS // 2 and tp2.kv_cache_per_token == KV_PER_TOKEN // 2
     fixed = plan_memory(load_config(TrainConfig, path, [f"rollout.kv_cache_gib={1 / 1024}"]), CLUSTER)
-    assert fixed.vllm_total == VLLM_WEIGHTS + MIB and fixed.kv_cache == MIB
+    assert fixed.vllm_total == VLLM_WEIGHTS + MIB + RUNTIME and fixed.kv_cache == MIB
+
+
+def test_a_token_budget_sizes_the_micro_batch(tmp_path):
+    """policy.micro_batch_tokens replaces micro_batch_size: a micro-batch holds up to the budget,
+    or one row alone when the row is longer; every row may be a micro-batch of its own."""
+    path = write(tmp_path, SMALL)
+    per_token = 2 * 496 * 2  # stage 1's 2 layers, 496 bf16 elements each
+    budget = plan_memory(load_config(TrainConfig, path, [f"policy.micro_batch_tokens={16 * 128}"]), CLUSTER)
+    assert (budget.micro_batch_tokens, budget.micro_batches_per_step) == (2048, 16)
+    assert budget.stage.activations == per_token * 2048 == 8 * ACTIVATIONS1  # 8 x the 2-row micro-batch
+    assert budget.stage.logits == 2048 * VOCAB_SHARD * 10 == 8 * LOGITS1
+    short = plan_memory(load_config(TrainConfig, path, ["policy.micro_batch_tokens=100"]), CLUSTER)
+    assert short.micro_batch_tokens == 128 and short.stage.activations == per_token * 128  # one row of 128
+
+
+def test_rows_are_planned_at_their_padded_width(tmp_path):
+    """With FP8 a row is padded to 16 tokens: 96 + 33 = 129 -> 144."""
+    config = load_config(TrainConfig, write(tmp_path, SMALL), [
+        "rollout.max_new_tokens=33", "rollout.max_model_len=256", "policy.precision.fp8=e4m3"])
+    plan = plan_memory(config, CLUSTER)
+    assert plan.sequence_length == 144 and plan.micro_batch_tokens == 2 * 144
+    assert plan.stage.activations == 2 * 496 * 2 * 288
+
+
+def test_a_fixed_kv_cache_gives_vllm_the_share_it_holds(tmp_path, capsys):
+    """vLLM starts only with gpu_memory_utilization x the GPU free: at 0.5 the policy leaves too
+    little; with a fixed KV cache the engine passes what weights + KV cache + runtime hold,
+    which fits, and the plan prints it."""
+    path = write(tmp_path, SMALL)
+    share = plan_memory(load_config(TrainConfig, path, ["rollout.gpu_memory_utilization=0.5"]), CLUSTER)
+    assert share.gpu_memory_utilization == 0.5 and not share.fits(True)
+    kv = 256 * 1024
+    fixed = plan_memory(load_config(TrainConfig, path, ["rollout.gpu_memory_utilization=0.5",
+                                                        f"rollout.kv_cache_gib={kv / GIB}"]), CLUSTER)
+    assert fixed.vllm_total == VLLM_WEIGHTS + kv + RUNTIME
+    assert fixed.gpu_memory_utilization == pytest.approx(fixed.vllm_total / (GPU_GIB * GIB)) and fixed.fits(True)
+    assert main(["--config", path, *CLI, "rollout.gpu_memory_utilization=0.5", f"rollout.kv_cache_gib={kv / GIB}"]) == 0
+    assert "vLLM: gpu_memory_utilization 0.198 (derived from rollout.kv_cache_gib)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("overrides", [[], ["rollout.quantization=fp8"], ["rollout.tensor_parallel_size=2"],
+                                       ["policy.model.tie_word_embeddings=true"]])
+def test_the_engine_counts_vllm_as_the_plan_does(tmp_path, overrides):
+    """The engine sizes vLLM's start-up from the checkpoint's tensors: for a checkpoint of the
+    planned shape it derives the plan's utilization, and refuses exactly where the plan's peak
+    while generating passes the GPU."""
+    from gdpo_megatron.checkpoint.layout import hf_shapes
+    from gdpo_megatron.errors import InputError
+    from gdpo_megatron.rollout.vllm_engine import layer_and_other_params, gpu_memory_utilization, vllm_weight_bytes
+
+    kv = 256 * 1024
+    config = load_config(TrainConfig, write(tmp_path, SMALL), [*overrides, f"rollout.kv_cache_gib={kv / GIB}"])
+    rollout = config.rollout
+    total, verdicts = int(GPU_GIB * GIB), set()
+    for gpu_memory in (total, int(total * 0.6)):
+        cluster = Cluster(1, 8, gpu_memory / GIB, OVERHEAD / GIB, RUNTIME / GIB)
+        plan = plan_memory(config, cluster)
+        weights = vllm_weight_bytes(*layer_and_other_params(hf_shapes(config.policy.model)), 2,
+                                    rollout.quantization, rollout.tensor_parallel_size)
+        assert weights == plan.vllm_weights
+        free = gpu_memory - (plan.peak_generating(True) - plan.vllm_total)  # next to the policy
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("gdpo_megatron.rollout.vllm_engine.VLLM_RUNTIME_GIB", RUNTIME / GIB)
+            verdicts.add(plan.peak_generating(True) <= gpu_memory)
+            if plan.peak_generating(True) <= gpu_memory:
+                assert gpu_memory_utilization(weights, kv, 0.5, free, gpu_memory) == pytest.approx(
+                    plan.gpu_memory_utilization)
+            else:
+                with pytest.raises(InputError, match="rollout.kv_cache_gib"):
+                    gpu_memory_utilization(weights, kv, 0.5, free, gpu_memory)
+    assert verdicts == {True, False}
 
 
 def test_cli_exit_status_and_table(tmp_path, capsys):
@@ -136,7 +211,7 @@ def test_cli_exit_status_and_table(tmp_path, capsys):
     verdict = next(line for line in out.splitlines() if line.startswith("in "))
     assert re.search(r"\sfits\s+does not fit$", verdict)  # distributed optimizer, plain optimizer
     assert main(["--config", path, *CLI, "policy.optim.use_distributed_optimizer=false"]) == 1
-    # memory fits, but vLLM needs room for one max_model_len sequence (1063 tokens of KV cache)
+    # memory fits, but vLLM needs room for one max_model_len sequence (935 tokens of KV cache)
     assert main(["--config", path, *CLI, "rollout.max_model_len=2048"]) == 1
 
 
@@ -166,6 +241,8 @@ def test_machine_dependent_defaults_planned_as_on_a_gpu(tmp_path):
 
 
 def test_presets_match_published_parameter_counts():
+    assert total_params(ModelConfig.preset("qwen2-0.5b")) == 494_032_768  # Qwen2.5-0.5B
+    assert total_params(ModelConfig.preset("qwen2-1.5b")) == 1_543_714_304  # Qwen2.5-1.5B
     assert total_params(ModelConfig.preset("qwen2-7b")) == 7_615_616_512  # Qwen2.5-7B
     assert total_params(ModelConfig.preset("llama3-8b")) == 8_030_261_248
     assert total_params(ModelConfig.preset("llama2-7b")) == 6_738_415_616

@@ -4,6 +4,7 @@ import torch
 
 from gdpo_megatron.config import ConfigError, from_dict
 from gdpo_megatron.config.policy import (
+    FP8_RECIPES,
     LossConfig,
     ModelConfig,
     OptimConfig,
@@ -101,18 +102,47 @@ def test_old_logprobs_come_from_the_rollout_only_where_numerics_are_the_same():
 @pytest.mark.parametrize("tp,sp,fp8,recipe,multiple", [
     (1, False, None, "delayed", 1),
     (4, True, None, "delayed", 4),
-    # TE asserts on each rank's slice: (T / TP) x rows tokens, a multiple of 8 ...
-    (4, True, "e4m3", "delayed", 32),  # lcm(TP, 16) = 16 gave 4 tokens per rank at one row
-    (2, False, "hybrid", "tensorwise", 8),
-    # ... of 32 for MXFP8 tensors, of 128 where a blockwise-quantized input is all-gathered (SP)
+    # 8 tokens per rank's slice, and the weight-gradient GEMM's count (every rank's) a multiple of 16
+    (1, False, "e4m3", "delayed", 16),  # 8 failed on Hopper at an odd number of rows
+    (2, True, "e4m3", "delayed", 16),
+    (4, True, "e4m3", "delayed", 32),
+    (2, False, "hybrid", "tensorwise", 16),
+    # 32 for MXFP8 tensors, 128 where a blockwise-quantized input is all-gathered (SP)
     (2, True, "e4m3", "mxfp8", 64),
     (2, True, "e4m3", "blockwise", 256),
-    (2, False, "e4m3", "blockwise", 8),
+    (2, False, "e4m3", "blockwise", 16),
 ])
-def test_sequence_multiple_is_what_transformer_engine_checks_per_rank(tp, sp, fp8, recipe, multiple):
+def test_sequence_multiple_is_what_transformer_engine_checks(tp, sp, fp8, recipe, multiple):
     config = PolicyConfig(parallel=ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp),
                           precision=PrecisionConfig(dtype="bf16", fp8=fp8, fp8_recipe=recipe))
     assert config.sequence_multiple() == multiple
+
+
+def fp8_shape_ok(recipe: str, tp: int, sp: bool, rows: int, width: int) -> bool:
+    """Transformer Engine 2.11's shape rules for one micro-batch of ``rows x width`` tokens,
+    written out per recipe (pytorch/utils.py, tensor/*_tensor.py, common/gemm/cublaslt_gemm.cu):
+    L = the local slice each rank quantizes, N = the tokens of the weight-gradient GEMM."""
+    tokens = rows * width
+    local = tokens // tp if sp else tokens
+    if recipe == "mxfp8":
+        return local % 32 == 0
+    ok = local % 8 == 0 and tokens % 16 == 0
+    if recipe == "blockwise" and sp:
+        ok = ok and local % 128 == 0
+    return ok
+
+
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_padding_to_the_sequence_multiple_meets_every_fp8_shape_rule(recipe):
+    for tp in (1, 2, 4, 8):
+        for sp in (False, True) if tp > 1 else (False,):
+            config = PolicyConfig(parallel=ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp),
+                                  precision=PrecisionConfig(dtype="bf16", fp8="e4m3", fp8_recipe=recipe))
+            multiple = config.sequence_multiple()
+            for rows in range(1, 9):
+                for k in (1, 2, 3, 5):
+                    assert fp8_shape_ok(recipe, tp, sp, rows, k * multiple), (tp, sp, rows, k)
+            assert not fp8_shape_ok(recipe, tp, sp, 1, multiple // 2)  # and it is the smallest
 
 
 @pytest.mark.parametrize("build,field", [

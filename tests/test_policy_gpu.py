@@ -80,6 +80,26 @@ def test_fp8_step_tracks_bf16(gpu_world, fp8):
     assert fp8_metrics["grad_norm"] > 0 and fp8_metrics["update_skipped"] == 0.0
 
 
+def one_row_fp8_step(recipe):
+    """One train step on one row of exactly ``sequence_multiple()`` tokens at TP 1; its metrics."""
+    from gdpo_megatron.policy.worker import PolicyWorker
+
+    config = PolicyConfig(model=ModelConfig.preset("tiny"), optim=OptimConfig(lr=1e-5), micro_batch_size=1,
+                          precision=PrecisionConfig(dtype="bf16", fp8="e4m3", fp8_recipe=recipe))
+    with PolicyWorker(config) as worker:
+        return config.sequence_multiple(), worker.train_step(make_batch(config.sequence_multiple()).slice(0, 1))
+
+
+@needs_te
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_fp8_step_on_one_row_of_the_sequence_multiple(gpu_world, recipe):
+    """The weight-gradient GEMM's token count is the row's width: cuBLASLt's FP8 GEMM on Hopper
+    refuses one that is not a multiple of 16 ("Caller must pad")."""
+    width, metrics = gpu_world.run(one_row_fp8_step, recipe)[0]
+    assert width == 16
+    assert torch.isfinite(torch.tensor(metrics["loss"])) and metrics["update_skipped"] == 0.0
+
+
 def recipe_verdicts(recipe):
     """(our check passed, TE's own check of the recipe megatron-core builds passed, its reason)."""
     from megatron.core.fp8_utils import get_fp8_recipe

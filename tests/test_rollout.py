@@ -287,3 +287,79 @@ def test_the_pinned_vllm_cannot_load_a_qwen2_head_dim_that_check_vllm_can_load_r
     assert run.returncode != 0, "this vLLM loads a Qwen2 head_dim other than hidden / heads: drop the check"
     # its q_proj shard is sized hidden / heads = 128 rows; the checkpoint's has head_dim = 64
     assert "RuntimeError: start (0) + length (128) exceeds dimension size (64)." in run.stderr, run.stderr[-3000:]
+
+
+def test_after_a_level_2_sleep_only_a_complete_update_brings_the_engine_back(engine, models, base_weights):
+    """On CPU a level-2 sleep zeroes the weights vLLM keeps as parameters (on GPU vLLM discards
+    them): a stream missing one tensor is refused and the engine stays unusable; the complete
+    stream brings back exactly the weights and outputs of before."""
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=6)
+    outputs = lambda: [g[0].token_ids for g in engine.generate(PROMPTS, 1, sampling)]
+    expected, checksums = outputs(), engine._llm.collective_rpc("compute_weight_checksums")
+    assert engine.config.sleep_level == 2
+    engine.sleep()
+    assert engine._llm.collective_rpc("compute_weight_checksums") != checksums  # zeroed
+    state = list(models["base"].state_dict().items())
+    missing = "model.layers.1.mlp.down_proj.weight"
+    with pytest.raises(ValueError, match=rf"1 tensor\(s\) of the checkpoint not loaded, e.g. '{missing}'; "
+                                         "after a level-2 sleep every one must be"):
+        engine.update_weights((name, t) for name, t in state if name != missing)
+    with pytest.raises(RuntimeError, match="wake_up: the weights were discarded by a level-2 sleep"):
+        engine.wake_up()
+    engine.update_weights(state)
+    engine.wake_up()
+    assert engine._llm.collective_rpc("compute_weight_checksums") == checksums
+    assert outputs() == expected
+
+
+def test_the_utilization_given_to_vllm_passes_its_start_up_check():
+    """vLLM's own start-up rule (free >= utilization x total, also with a fixed KV cache), on a
+    policy that leaves 33 of 80 GiB free: the configured 0.5 is refused, the utilization derived
+    from weights + KV cache + runtime passes, and a KV cache too large for the free memory is
+    an InputError naming the key."""
+    from vllm.utils.mem_utils import MemorySnapshot
+    from vllm.v1.worker.utils import request_memory
+
+    from gdpo_megatron.errors import InputError
+    from gdpo_megatron.rollout.vllm_engine import VLLM_RUNTIME_GIB, gpu_memory_utilization
+
+    gib = 2**30
+    free, total, weights, kv_cache = 33 * gib, 80 * gib, 15 * gib, 10 * gib
+    snapshot = MemorySnapshot(free_memory=free, total_memory=total, device="cpu", auto_measure=False)
+
+    def vllm_start(utilization):
+        return request_memory(snapshot, type("CacheConfig", (), {"gpu_memory_utilization": utilization})())
+
+    with pytest.raises(ValueError, match="less than desired GPU memory utilization"):
+        vllm_start(0.5)
+    derived = gpu_memory_utilization(weights, kv_cache, 0.5, free, total)
+    assert derived == (weights + kv_cache + VLLM_RUNTIME_GIB * gib) / total
+    assert vllm_start(derived) <= free
+    with pytest.raises(InputError, match=r"rollout.kv_cache_gib=20: vLLM needs 37.0 GiB free at start-up "
+                                         r"\(weights 15.0 \+ KV cache 20.0 \+ runtime 2 GiB\) and 33.0 GiB of 80.0"):
+        gpu_memory_utilization(weights, 20 * gib, 0.5, free, total)
+    # without a fixed KV cache the configured share stands, and is checked the same way
+    assert gpu_memory_utilization(weights, None, 0.4, free, total) == 0.4
+    assert vllm_start(0.4) <= free
+    with pytest.raises(InputError, match=r"rollout.gpu_memory_utilization=0.5: vLLM starts only with 40.0 GiB"):
+        gpu_memory_utilization(weights, None, 0.5, free, total)
+
+
+@pytest.mark.parametrize("temperature, accepted", [(0.005, False), (0.01, True), (2.0, True), (2.5, False)])
+def test_rollout_temperature_is_bounded_where_vllm_bounds_it(temperature, accepted):
+    from vllm import SamplingParams
+
+    from gdpo_megatron.config import ConfigError
+    from gdpo_megatron.config.rollout import TEMPERATURE_RANGE, RolloutConfig
+
+    if accepted:
+        assert RolloutConfig(temperature=temperature).temperature == temperature
+        assert SamplingParams(temperature=temperature).temperature == temperature  # vLLM takes it as it is
+    else:
+        with pytest.raises(ConfigError, match=r"rollout.temperature: expected in \[0.01, 2\]"):
+            RolloutConfig(temperature=temperature)
+    # the bounds are vLLM's: above 2 it refuses, below 0.01 it samples at 0.01
+    low, high = TEMPERATURE_RANGE
+    with pytest.raises(Exception, match=f"temperature must be in \\[0, {high:g}\\]"):
+        SamplingParams(temperature=high * 1.0001)
+    assert SamplingParams(temperature=low / 2).temperature == low

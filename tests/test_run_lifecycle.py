@@ -29,9 +29,15 @@ def base(tmp_path_factory):
     return path
 
 
+def clean_env() -> dict:
+    """This process's environment without what vLLM, run in-process by earlier tests, left in it."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}, "OMP_NUM_THREADS": "1",
+            "GDPO_MALLOC": "system"}
+
+
 def train(base, run_dir, *overrides, wait=True):
     command = [GDPO_TRAIN, "--config", str(CONFIG), f"base_model={base}", f"run_dir={run_dir}", *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GDPO_MALLOC": "system"}
+    env = clean_env()
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return process.communicate(timeout=600) + (process.returncode,) if wait else process
 
@@ -141,8 +147,7 @@ def test_the_papers_tool_prompts_train_on_the_cpu(tmp_path):
                "data.max_prompt_tokens=5400", "rollout.max_model_len=5440", "rollout.max_new_tokens=32",
                "data.prompts_per_step=4", "rollout.group_size=2", "policy.micro_batch_size=2",
                "policy.precision.dtype=fp32", "steps=2", "logging.progress_bar=false", "rewards.num_workers=1"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GDPO_MALLOC": "system"}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(command, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]

@@ -19,9 +19,14 @@ model's weights, and the plain optimizer's state (kept per model parameter), loa
 tensor/pipeline/data-parallel layout. The distributed optimizer's state is stored in one of
 megatron-core's formats (``optimizer_sharding``): ``dp_reshardable`` (its own bucket layout,
 written by every rank without communication) reloads under another data-parallel size only;
-``fully_reshardable`` (gathered into per-parameter tensors when saving) reloads under any
-layout. A checkpoint records its format and TP/PP sizes, and loading the distributed optimizer
-under another TP/PP from ``dp_reshardable`` is a clear error before anything is read.
+``fully_reshardable`` (per-parameter tensors) reloads under any layout. It is saved through
+megatron-core's memory-efficient variant: the state is gathered over gloo to data-parallel
+rank 0, which writes it (12 bytes per parameter of a TP x PP shard in its host memory); the
+default variant would all-gather it with NCCL through GPU buffers into every rank's host
+memory, next to a colocated vLLM. Loading it reads the whole shard's state on every rank (12
+bytes per parameter of host memory each). A checkpoint records its format and TP/PP sizes,
+and loading the distributed optimizer under another TP/PP from ``dp_reshardable`` is a clear
+error before anything is read.
 """
 from __future__ import annotations
 
@@ -158,13 +163,20 @@ def _layout() -> dict | None:
             "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size()}
 
 
+def optimizer_metadata(optimizer_sharding: str) -> dict:
+    """megatron-core's metadata for the distributed optimizer's format (``fully_reshardable``:
+    its memory-efficient variant, see the module docstring)."""
+    return {"distrib_optim_sharding_type": optimizer_sharding,
+            "distrib_optim_fully_reshardable_mem_efficient": optimizer_sharding == "fully_reshardable"}
+
+
 def _sharded_state_dict(model, optimizer, optimizer_sharding: str, is_loading: bool) -> dict:
     model_sd = unwrap(model).sharded_state_dict()
     state = {"model": model_sd}
     if optimizer is not None:
         try:
             state["optimizer"] = optimizer.sharded_state_dict(
-                model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": optimizer_sharding}
+                model_sd, is_loading=is_loading, metadata=optimizer_metadata(optimizer_sharding)
             )
         except AssertionError as e:  # megatron-core's torch-Adam path of the distributed optimizer
             raise CheckpointError(

@@ -18,8 +18,10 @@ class CheckpointConfig:
     resume: Union[bool, Literal["force"]] = True
     export_hf: bool = True  # write a Hugging Face directory at the end
     # The distributed optimizer's state on disk (megatron-core's formats): "dp_reshardable"
-    # resumes under another data-parallel size only, "fully_reshardable" (gathered when saving)
-    # under any TP/PP/DP layout. The plain optimizer's state and the weights reshard either way.
+    # resumes under another data-parallel size only, "fully_reshardable" under any TP/PP/DP
+    # layout, at a cost in host memory: saving gathers the Adam state of each TP x PP shard
+    # (12 bytes a parameter) on its data-parallel rank 0, loading reads it on every rank.
+    # The plain optimizer's state and the weights reshard either way.
     optimizer_sharding: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
 
     def __post_init__(self):

@@ -88,6 +88,13 @@ MODEL_PRESETS = {
     "llama3-8b": dict(vocab_size=128256, hidden_size=4096, ffn_hidden_size=14336, num_layers=32,
                       num_attention_heads=32, num_query_groups=8, max_position_embeddings=8192,
                       rotary_base=500000.0),
+    # Qwen2 and Qwen2.5 of these sizes share the shape (tied embeddings).
+    "qwen2-0.5b": dict(vocab_size=151936, hidden_size=896, ffn_hidden_size=4864, num_layers=24,
+                       num_attention_heads=14, num_query_groups=2, max_position_embeddings=32768,
+                       rotary_base=1000000.0, norm_epsilon=1e-6, tie_word_embeddings=True, add_qkv_bias=True),
+    "qwen2-1.5b": dict(vocab_size=151936, hidden_size=1536, ffn_hidden_size=8960, num_layers=28,
+                       num_attention_heads=12, num_query_groups=2, max_position_embeddings=32768,
+                       rotary_base=1000000.0, norm_epsilon=1e-6, tie_word_embeddings=True, add_qkv_bias=True),
     "qwen2-7b": dict(vocab_size=152064, hidden_size=3584, ffn_hidden_size=18944, num_layers=28,
                      num_attention_heads=28, num_query_groups=4, max_position_embeddings=32768,
                      rotary_base=1000000.0, norm_epsilon=1e-6, add_qkv_bias=True),
@@ -256,20 +263,28 @@ class PolicyConfig:
     def sequence_multiple(self) -> int:
         """Every batch's sequence length must be a multiple of this (pad the batch to it).
 
-        Sequence parallelism splits the sequence over the TP ranks. Transformer Engine checks
-        FP8 GEMM inputs on each rank's *local* slice, ``tokens = (T / TP if SP else T) x rows``:
-        ``assert_dim_for_fp8_exec`` wants ``tokens % 8 == 0`` for every recipe, an MXFP8 tensor
-        ``tokens % 32 == 0`` (``MXFP8Quantizer.make_empty``), and under sequence parallelism
-        the quantized input that the column-parallel layers all-gather must be quantizable
-        (``Float8BlockQuantizer.is_quantizable``: ``tokens % 128 == 0`` for blockwise). A
-        multiple of the split times that count holds for any number of rows per micro-batch.
+        Sequence parallelism splits the sequence over the TP ranks. With FP8, Transformer
+        Engine 2.11 needs, per micro-batch of ``rows x T`` tokens:
+
+        * each rank's *local* slice, ``L = rows x T / (TP if SP else 1)``, a multiple of 8
+          (``assert_dim_for_fp8_exec``), of 32 for MXFP8 tensors (``MXFP8Quantizer``), and of
+          128 where a blockwise-quantized input is all-gathered under SP
+          (``Float8BlockQuantizer.is_quantizable``);
+        * the weight-gradient GEMM's token count, ``N = rows x T`` (the all-gathered input
+          under SP), a multiple of 16: that GEMM puts the tokens in cuBLASLt's leading
+          dimension, which ``CanonicalizeGemmInput`` requires ``% 16 == 0`` ("Caller must
+          pad") for tensor scaling on Ada, Hopper and sm120, and for blockwise scaling
+          everywhere.
+
+        The smallest per-row multiple that meets all of them for any number of rows is
+        ``lcm(split x local multiple, 16)``, split being TP under SP and 1 without.
         """
         split = self.parallel.tensor_model_parallel_size if self.parallel.sequence_parallel else 1
-        tokens = 1
-        if self.precision.fp8:
-            tokens = {"mxfp8": 32, "blockwise": 128 if self.parallel.sequence_parallel else 8}.get(
-                self.precision.fp8_recipe, 8)
-        return split * tokens
+        if not self.precision.fp8:
+            return split
+        local = {"mxfp8": 32, "blockwise": 128 if self.parallel.sequence_parallel else 8}.get(
+            self.precision.fp8_recipe, 8)
+        return math.lcm(split * local, 16)
 
 
 def check_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:

@@ -8,6 +8,10 @@ from typing import Literal, Optional
 
 from gdpo_megatron.config.loader import require
 
+# vLLM's SamplingParams refuses a temperature above 2 and raises one in (0, 0.01) to 0.01,
+# which the policy, dividing its logits by the configured value, would not match.
+TEMPERATURE_RANGE = (0.01, 2.0)
+
 
 @dataclass
 class RolloutConfig:
@@ -20,13 +24,17 @@ class RolloutConfig:
     max_new_tokens: int = 256
     stop: list[str] = dataclasses.field(default_factory=list)
     tensor_parallel_size: int = 1  # vLLM's own TP; may differ from the policy's
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float = 0.5  # unused on GPU when kv_cache_gib is set (derived from it)
     kv_cache_gib: Optional[float] = None  # null: vLLM's sizing on GPU, one step's rollouts on CPU
     max_model_len: int = 2048
     enforce_eager: Optional[bool] = None  # null: eager on CPU, CUDA graphs on GPU
     # Prompt and decode tokens vLLM schedules in one engine step. null: vLLM's default; on the
     # CPU, where a prompt's prefill is never split over steps, at least max_model_len.
     max_num_batched_tokens: Optional[int] = None
+    # vLLM's sleep level while the policy trains. 2: the weights are discarded, and the weight
+    # sync after each update loads every one (checked); 1: they are copied to pinned host memory
+    # and back each step, only to be overwritten by the sync.
+    sleep_level: Literal[1, 2] = 2
     quantization: Optional[Literal["fp8"]] = None  # FP8 rollouts on GPU
 
     def __post_init__(self):
@@ -34,6 +42,9 @@ class RolloutConfig:
                 ">= 2 (advantages compare the completions of a prompt; one alone gets advantage 0)", self.group_size)
         require(self.temperature > 0, "rollout.temperature", "> 0 (training samples; gdpo-eval is greedy)",
                 self.temperature)
+        low, high = TEMPERATURE_RANGE
+        require(low <= self.temperature <= high, "rollout.temperature",
+                f"in [{low}, {high:g}] (vLLM refuses more and raises less to {low})", self.temperature)
         require(0 < self.top_p <= 1, "rollout.top_p", "in (0, 1]", self.top_p)
         require(self.top_k == -1 or self.top_k >= 1, "rollout.top_k", "-1 (off) or >= 1", self.top_k)
         if self.top_p < 1 or self.top_k > 0:

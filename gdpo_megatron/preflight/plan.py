@@ -11,15 +11,22 @@ What is counted, per GPU (the assumptions are printed with the table):
   ``grad_reduce_in_fp32``); Adam state in fp32: master weights (bf16 parameters only) and two
   moments, divided by the data-parallel size under the distributed optimizer;
 * a frozen reference copy of the weights when ``loss.kl_coef > 0``;
-* activations of the in-flight micro-batches (1F1B keeps ``PP - stage`` of them), sequence =
-  ``data.max_prompt_tokens + rollout.max_new_tokens``, no activation recompute, flash/fused
-  attention (no ``s x s`` scores), no dropout; on the last stage also the logits in the
-  parameter dtype plus their fp32 copy and the fp32 softmax kept for the backward pass;
-* vLLM, colocated: while generating it holds ``gpu_memory_utilization`` of the GPU (weights in
-  bf16, or FP8 linear layers with ``rollout.quantization: fp8``, split over the rollout TP size,
-  and the KV cache in the rest; ``rollout.kv_cache_gib`` replaces the fraction); while the
-  policy trains it sleeps (level 1: weights on the host, KV cache freed) and holds nothing,
-  and the update's activations go back to the driver before it wakes (``empty_cache``);
+* activations of the in-flight micro-batches (1F1B keeps ``PP - stage`` of them), no activation
+  recompute, flash/fused attention (no ``s x s`` scores), no dropout; on the last stage also
+  the logits in the parameter dtype plus their fp32 copy and the fp32 softmax kept for the
+  backward pass. A row is ``data.max_prompt_tokens + rollout.max_new_tokens`` tokens padded to
+  ``policy.sequence_multiple()``; a micro-batch holds ``micro_batch_size`` rows, or with
+  ``policy.micro_batch_tokens`` up to that many tokens (one row alone when it is longer);
+* vLLM, colocated: while generating, its weights (bf16, or FP8 linear layers with
+  ``rollout.quantization: fp8``, split over the rollout TP size), its KV cache and
+  :data:`~gdpo_megatron.rollout.vllm_engine.VLLM_RUNTIME_GIB` for its activations, sampler,
+  CUDA graphs and NCCL buffers (``--vllm-runtime``). All of it is ``gpu_memory_utilization``
+  of the GPU, which vLLM wants free at start-up; with ``rollout.kv_cache_gib`` the engine
+  passes the utilization that weights + KV cache + runtime make (printed). While the policy
+  trains vLLM sleeps; the runtime allowance stays counted (sleep frees neither the CUDA-graph
+  pool nor NCCL buffers), and so do the update's activations until they go back to the driver
+  before vLLM wakes (``empty_cache``). At ``rollout.sleep_level: 1`` the sleeping weights take
+  host memory (printed);
 * with ``policy.offload_grads_and_optimizer`` the gradient buffers are freed and the Adam state
   (moments and master weights) waits in host memory while vLLM generates; the table shows the
   peak while generating both ways (the weight sync, between the two, holds less than either);
@@ -35,7 +42,7 @@ from gdpo_megatron.config import ConfigError, TrainConfig
 from gdpo_megatron.device import CUDA
 from gdpo_megatron.errors import UsageError
 from gdpo_megatron.config.policy import ModelConfig, ParallelConfig, check_model_parallel
-from gdpo_megatron.rollout.vllm_engine import kv_cache_bytes_per_token
+from gdpo_megatron.rollout.vllm_engine import VLLM_RUNTIME_GIB, kv_cache_bytes_per_token, vllm_weight_bytes
 
 GIB = 2**30
 FP32_BYTES = 4
@@ -53,6 +60,7 @@ class Cluster:
     gpus_per_node: int
     gpu_memory_gib: float
     overhead_gib: float = DEFAULT_OVERHEAD_GIB  # CUDA context, NCCL buffers, fragmentation
+    vllm_runtime_gib: float = VLLM_RUNTIME_GIB  # vLLM's besides weights and KV cache, awake or asleep
 
     def __post_init__(self):
         for name in ("nodes", "gpus_per_node"):
@@ -60,8 +68,10 @@ class Cluster:
                 raise UsageError(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(self, name)}")
         if not (self.gpu_memory_gib > 0 and math.isfinite(self.gpu_memory_gib)):
             raise UsageError(f"--gpu-memory: expected a finite number > 0 GiB, got {self.gpu_memory_gib}")
-        if not (self.overhead_gib >= 0 and math.isfinite(self.overhead_gib)):
-            raise UsageError(f"--overhead: expected a finite number >= 0 GiB, got {self.overhead_gib}")
+        for name in ("overhead_gib", "vllm_runtime_gib"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise UsageError(f"--{name[:-4].replace('_', '-')}: expected a finite number >= 0 GiB, got {value}")
 
     @property
     def world_size(self) -> int:
@@ -114,12 +124,10 @@ def activation_bytes_per_token_layer(model: ModelConfig, parallel: ParallelConfi
     return (hidden + sharded) * param_bytes
 
 
-def vllm_weight_bytes(model: ModelConfig, rollout_tp: int, quantization: Optional[str]) -> int:
-    """vLLM's weights on one rank: bf16, or FP8 (1 byte) transformer layers with ``fp8``."""
+def vllm_weights(model: ModelConfig, rollout_tp: int, quantization: Optional[str]) -> int:
+    """vLLM's weights on one rank (bf16, FP8 transformer layers with ``fp8``), as the engine counts them."""
     layers = model.num_layers * layer_params(model, 1)
-    embeddings_and_final_norm = total_params(model) - layers
-    layer_bytes = 1 if quantization == "fp8" else VLLM_DTYPE_BYTES
-    return (embeddings_and_final_norm * VLLM_DTYPE_BYTES + layers * layer_bytes) // rollout_tp
+    return vllm_weight_bytes(layers, total_params(model) - layers, VLLM_DTYPE_BYTES, quantization, rollout_tp)
 
 
 # ---- the plan ----------------------------------------------------------------------------
@@ -152,31 +160,41 @@ class MemoryPlan:
     config: TrainConfig
     cluster: Cluster
     data_parallel_size: int
-    sequence_length: int
-    micro_batches_per_step: int
+    sequence_length: int  # one row, padded to policy.sequence_multiple()
+    micro_batch_tokens: int  # the most a micro-batch holds, padding included
+    micro_batches_per_step: int  # the most a step can have
     stage: StagePlan  # the pipeline stage with the highest peak
     vllm_weights: int
-    vllm_total: int  # while generating: weights + KV cache
+    vllm_total: int  # while generating: weights + KV cache + runtime
+    vllm_runtime: int  # besides weights and KV cache; stays while vLLM sleeps
     kv_cache_per_token: int
     overhead: int
 
     @property
     def kv_cache(self) -> int:
-        return self.vllm_total - self.vllm_weights
+        return self.vllm_total - self.vllm_weights - self.vllm_runtime
 
     @property
     def kv_cache_tokens(self) -> int:
         return max(self.kv_cache, 0) // self.kv_cache_per_token
 
+    @property
+    def gpu_memory_utilization(self) -> float:
+        """What vLLM is given (and wants free at start-up): configured, or with
+        ``rollout.kv_cache_gib`` derived from what it holds."""
+        return self.vllm_total / (self.cluster.gpu_memory_gib * GIB)
+
     def peak_generating(self, distributed: bool, offload: Optional[bool] = None) -> int:
         """vLLM awake next to the policy's weights, and its gradients and Adam state unless offloaded
-        (``offload=None``: as configured)."""
+        (``offload=None``: as configured). Also what vLLM's start-up check asks: the memory free
+        next to the policy must hold ``vllm_total``."""
         offload = self.offload if offload is None else offload
         policy = self.stage.weights + self.stage.reference if offload else self.stage.static(distributed)
         return self.overhead + policy + self.vllm_total
 
     def peak_training(self, distributed: bool) -> int:
-        return self.overhead + self.stage.static(distributed) + self.stage.activations + self.stage.logits
+        return (self.overhead + self.stage.static(distributed) + self.stage.activations + self.stage.logits
+                + self.vllm_runtime)
 
     def peak(self, distributed: bool, offload: Optional[bool] = None) -> int:
         return max(self.peak_generating(distributed, offload), self.peak_training(distributed))
@@ -194,6 +212,14 @@ class MemoryPlan:
         return bool(self.config.policy.offload_grads_and_optimizer)
 
 
+def micro_batch_tokens(policy, sequence_length: int) -> int:
+    """The most tokens one micro-batch holds: ``micro_batch_size`` rows, or with a token budget
+    that budget, or one row alone where a row is longer (:meth:`PolicyBatch.split_by_tokens`)."""
+    if policy.micro_batch_tokens is None:
+        return policy.micro_batch_size * sequence_length
+    return max(policy.micro_batch_tokens, sequence_length)
+
+
 def plan_memory(config: TrainConfig, cluster: Cluster) -> MemoryPlan:
     """Per-GPU memory of ``config`` on ``cluster`` of CUDA GPUs; raises ConfigError if the layout is impossible."""
     config = dataclasses.replace(config, policy=config.policy.resolved(CUDA))
@@ -205,11 +231,14 @@ def plan_memory(config: TrainConfig, cluster: Cluster) -> MemoryPlan:
         raise ConfigError(f"policy.{e}") from None
     dp, rollouts_per_replica = config.layout(cluster.world_size)
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    micro_batches = rollouts_per_replica // policy.micro_batch_size
+    # With a token budget a step has at most one micro-batch per row (every row alone).
+    budget = policy.micro_batch_tokens is not None
+    micro_batches = rollouts_per_replica if budget else rollouts_per_replica // policy.micro_batch_size
 
     param_bytes = PARAM_BYTES[policy.precision.dtype]
-    sequence = data.max_prompt_tokens + rollout.max_new_tokens
-    tokens = sequence * policy.micro_batch_size
+    multiple = policy.sequence_multiple()
+    sequence = math.ceil((data.max_prompt_tokens + rollout.max_new_tokens) / multiple) * multiple
+    tokens = micro_batch_tokens(policy, sequence)
     per_layer = activation_bytes_per_token_layer(model, parallel, param_bytes) * tokens
     adam_bytes = ADAM_MOMENTS * FP32_BYTES + (FP32_BYTES if param_bytes < FP32_BYTES else 0)
 
@@ -230,14 +259,16 @@ def plan_memory(config: TrainConfig, cluster: Cluster) -> MemoryPlan:
             activations=in_flight * (model.num_layers // pp) * per_layer,
             logits=logits,
         ))
-    vllm_weights = vllm_weight_bytes(model, rollout.tensor_parallel_size, rollout.quantization)
+    weights = vllm_weights(model, rollout.tensor_parallel_size, rollout.quantization)
+    runtime = int(cluster.vllm_runtime_gib * GIB)
     if rollout.kv_cache_gib is not None:
-        vllm_total = vllm_weights + int(rollout.kv_cache_gib * GIB)
+        vllm_total = weights + int(rollout.kv_cache_gib * GIB) + runtime
     else:
         vllm_total = int(rollout.gpu_memory_utilization * cluster.gpu_memory_gib * GIB)
     plans = [MemoryPlan(
         config=config, cluster=cluster, data_parallel_size=dp, sequence_length=sequence,
-        micro_batches_per_step=micro_batches, stage=stage, vllm_weights=vllm_weights, vllm_total=vllm_total,
+        micro_batch_tokens=tokens, micro_batches_per_step=micro_batches, stage=stage, vllm_weights=weights,
+        vllm_total=vllm_total, vllm_runtime=runtime,
         kv_cache_per_token=kv_cache_bytes_per_token(model, rollout.tensor_parallel_size, VLLM_DTYPE_BYTES),
         overhead=int(cluster.overhead_gib * GIB),
     ) for stage in stages]
@@ -271,13 +302,14 @@ def format_plan(plan: MemoryPlan) -> str:
         ("logits + fp32 softmax (last stage)", s.logits, s.logits),
         (f"vLLM weights (TP {rollout.tensor_parallel_size})", plan.vllm_weights, plan.vllm_weights),
         ("vLLM KV cache", plan.kv_cache, plan.kv_cache),
+        ("vLLM runtime (CUDA graphs, NCCL, activations)", plan.vllm_runtime, plan.vllm_runtime),
         ("CUDA context, NCCL, fragmentation", plan.overhead, plan.overhead),
         (f"peak while generating{offload_marks[0]}", plan.peak_generating(True, False),
          plan.peak_generating(False, False)),
         (f"peak while generating, grads + Adam offloaded{offload_marks[1]}", plan.peak_generating(True, True),
          plan.peak_generating(False, True)),
         ("  (host memory for the offloaded Adam state)", s.optimizer_distributed, s.optimizer_plain),
-        ("peak while training (vLLM asleep)", plan.peak_training(True), plan.peak_training(False)),
+        ("peak while training (vLLM asleep, its runtime kept)", plan.peak_training(True), plan.peak_training(False)),
     ]
     marks = ("*" if configured else "", "" if configured else "*")
     header = ("GiB per GPU", f"distributed optimizer{marks[0]}", f"plain optimizer{marks[1]}")
@@ -291,7 +323,11 @@ def format_plan(plan: MemoryPlan) -> str:
         f"{', sequence parallel' if parallel.sequence_parallel else ''}; "
         f"figures for pipeline stage {s.stage} ({s.params / 1e9:.2f} B parameters per GPU)",
         f"sequence: {plan.sequence_length} tokens ({cfg.data.max_prompt_tokens} prompt + {rollout.max_new_tokens} "
-        f"new) x micro-batch {policy.micro_batch_size}; {plan.micro_batches_per_step} micro-batches per step",
+        f"new{f', padded to a multiple of {policy.sequence_multiple()}' if policy.sequence_multiple() > 1 else ''}); "
+        + (f"micro-batches of <= {plan.micro_batch_tokens} tokens (policy.micro_batch_tokens "
+           f"{policy.micro_batch_tokens}), up to {plan.micro_batches_per_step} per step"
+           if policy.micro_batch_tokens is not None else
+           f"micro-batch {policy.micro_batch_size}; {plan.micro_batches_per_step} micro-batches per step"),
         f"assumed: {dtype} weights, fp32 gradients, Adam fp32 "
         f"{'master weights + ' if PARAM_BYTES[dtype] < FP32_BYTES else ''}2 moments, no activation recompute, "
         f"flash attention"
@@ -309,5 +345,11 @@ def format_plan(plan: MemoryPlan) -> str:
         f"policy.offload_grads_and_optimizer={str(plan.offload).lower()})",
         f"KV cache: {plan.kv_cache_tokens:,} tokens per vLLM engine, {plan.kv_cache_tokens // plan.sequence_length} "
         f"full sequences at once (rollout.max_model_len {rollout.max_model_len} must fit)",
+        f"vLLM: gpu_memory_utilization {plan.gpu_memory_utilization:.3f}"
+        + (" (derived from rollout.kv_cache_gib)" if rollout.kv_cache_gib is not None else "")
+        + ": it starts only where that share of the GPU is free next to the policy (the peak while generating)",
     ]
+    if rollout.sleep_level == 1:
+        lines.append(f"host memory: {gib(plan.vllm_weights)} GiB per GPU of pinned memory for vLLM's weights while "
+                     "it sleeps (rollout.sleep_level 1)")
     return "\n".join(lines)

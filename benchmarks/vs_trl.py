@@ -1,18 +1,33 @@
 """End-to-end GDPO training throughput and memory: this trainer vs Hugging Face TRL's GRPOTrainer.
 
     python benchmarks/vs_trl.py --trl-python /work/envs/trl/bin/python [--runs 3] [--threads 2]
+        [--workloads tool math toy]
     GDPO_TRL_PYTHON=/path/to/python python benchmarks/vs_trl.py
 
 TRL lives in its own environment (never a dependency of this package), e.g.
 ``python3 -m venv trl && trl/bin/pip install torch==2.13.0 && trl/bin/pip install trl transformers
 math-verify`` (math-verify because TRL's reward functions are this package's, imported from this
-checkout). Both sides do the same work on the same random Llama (the demo tokenizer and chat
-template, fp32): 8 prompts of the bundled tool-calling task x 8 completions of at most 32 tokens
-per step, temperature 1, the same three rewards (tool_format, tool_correctness, length),
-per-reward group normalization then sum then batch normalization (TRL:
-``multi_objective_aggregation="normalize_then_sum"``), the clipped token-mean loss
-(clip 0.2 / 0.28, no KL), one Adam step per batch in one micro-batch, the same number of
-threads (``--threads``, default every core this process may use).
+checkout).
+
+Workloads (``WORKLOADS``), each on a random fp32 Llama that both sides start from:
+- ``tool``: the paper's tool-calling shape. ToolRL's bundled test prompts (tool schemas and
+  ToolRL's system prompt, ~3,000 characters: ~800 tokens) with a tokenizer of realistic
+  vocabulary (``workload_tokenizer.py``), 8 completions of at most 256 tokens per prompt,
+  ToolRL's two rewards;
+- ``math``: short prompts (the bundled math set, the math system prompt), 8 completions of at
+  most 512 tokens per prompt, the two math rewards;
+- ``toy``: the demo's tiny model and tokenizer, 8 bundled demo prompts (15-19 tokens) x 8
+  completions of at most 32 tokens, the demo's three rewards (``toy-13m``: a 13M body).
+
+The same work on both sides: the same prompts in the same order (this trainer's schedule; TRL
+without shuffling), per-reward group normalization then sum then batch normalization (TRL:
+``multi_objective_aggregation="normalize_then_sum"``), temperature 1, the clipped token-mean
+loss (clip 0.2 / 0.28, no KL), one Adam step per batch, the same number of threads
+(``--threads``, default every core this process may use). The batch's gradient is computed in
+micro-batches of ``Workload.micro_batch`` rows: TRL's by gradient accumulation, each as wide as
+the step's longest prompt plus the longest completion; this trainer's by its default token
+budget (``policy.micro_batch_tokens: auto``: as many tokens as that many rows of the step's
+longest), rows sorted by length and each micro-batch cut to its longest row.
 
 Timed: the training loop only, first step included (start-up, checkpoints and the export are
 left out on both sides). Each run is a fresh process; runs of the two sides alternate
@@ -22,8 +37,11 @@ left out on both sides). Each run is a fresh process; runs of the two sides alte
   the vLLM engine's ``generate``, its Python included);
 - update s/step: median per step of what follows scoring (TRL: the rest of the step; here:
   the Megatron update plus the weight sync into vLLM);
+- prefix cache: prompt tokens the vLLM engine found in its prefix cache / prompt tokens of
+  its requests, from the engine's own per-request counts (``VLLMEngine.prefix_cache``): the
+  G samples of a prompt share its prefill (HF ``generate`` computes it G times);
 - malloc: the host allocator each side ran with (this project preloads tcmalloc on CPU, see
-  ``gdpo_megatron/cpu_malloc.py``; ``--trl-tcmalloc`` gives TRL the same);
+  ``gdpo_megatron/commands/cpu_malloc.py``; ``--trl-tcmalloc`` gives TRL the same);
 - peak RSS: the main process's high-water mark; tree PSS: the highest proportional set size
   of the process and all its children (reward workers, forkserver), sampled every
   ``--tree-pss-interval`` seconds. A sample reads the page tables of every process in the tree
@@ -38,11 +56,13 @@ completions/s over the loop's time outside generation, and peak RSS less vLLM's 
 RSS that importing vLLM adds on top of torch, megatron-core and transformers, plus its KV cache
 and its copy of the weights).
 
-A third table asks whether the vLLM CPU engine is what keeps this trainer from 1.2x TRL's
-completions/s: the generation speed that would get there (given this trainer's measured time
-outside generation), next to what the engine does alone. The engine alone is a third process
-per run: the same engine, built as the trainer builds it, generating the trainer's prompts with
-its sampling, batch after batch with nothing in between (``run_engine``).
+A third table asks whether the vLLM CPU engine is what keeps this trainer from the workload's
+target ratio of TRL's completions/s: the generation speed that would get there (given this
+trainer's measured time outside generation), next to what the engine does alone. The engine
+alone is a third process per run: the same engine, built as the trainer builds it, generating
+the trainer's prompts with its sampling, batch after batch with nothing in between
+(``run_engine``). A fourth sets each side's update against the same update in plain PyTorch
+(``run_bare``) and this core's GEMM rate.
 """
 from __future__ import annotations
 
@@ -57,74 +77,145 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from gdpo_megatron.commands.cpu_malloc import preload_env, reexec_with_tcmalloc, tcmalloc_library
 from timing import median_time
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT / "examples" / "data" / "tool_demo.jsonl"
-PROMPTS, GENERATIONS, NEW_TOKENS = 8, 8, 32
-REWARDS = [{"name": "tool_format"}, {"name": "tool_correctness"}, {"name": "length", "kwargs": {"max_tokens": 50}}]
+DATA = ROOT / "examples" / "data"
 LR, CLIP_LOW, CLIP_HIGH, MAX_GRAD_NORM = 1e-5, 0.2, 0.28, 1.0
-# name -> (hidden, heads, layers, ffn, steps per run)
-SIZES = {
-    "tiny": (128, 2, 2, 256, 12),
-    "13m": (512, 8, 4, 1376, 6),
-}
-# the runs of one size, in this order and then reversed; "engine" is the vLLM engine alone
-# (run_engine) and "bare" the update's arithmetic alone (run_bare)
-SIDES = ("trl", "project", "engine", "bare")
-TARGET = 1.2  # the completions/s ratio to TRL that the generation table asks about
+SEED = 0  # both sides' seed, and the seed of this trainer's prompt schedule
 _GIB = 1 << 30
 GEMM_SIZE, GEMM_REPEATS = 2048, 9  # the square fp32 matmul that measures this core's GEMM rate
 
 
-# ---- the models ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Model:
+    """A random fp32 Llama's shape; ``tokenizer``: "demo" (the demo's 512-token BPE and chat
+    template) or "realistic" (``workload_tokenizer``: ~18k tokens of BPE in 32k rows, ChatML)."""
+
+    hidden: int
+    heads: int
+    layers: int
+    ffn: int
+    vocab: int
+    context: int
+    tokenizer: str
 
 
-def write_model(path: Path, hidden: int, heads: int, layers: int, ffn: int) -> int:
-    """A random fp32 Llama with the demo tokenizer and chat template; returns its parameter count."""
+@dataclass(frozen=True)
+class Workload:
+    """What one row of the tables runs: the data, rewards, step shape and model."""
+
+    data: Path
+    family: str
+    system_prompt: str | None  # None: the family's own (none for toolrl, whose prompts carry it)
+    rewards: tuple[dict, ...]
+    prompts: int  # per step
+    generations: int  # completions per prompt (G)
+    new_tokens: int  # at most, per completion
+    model: Model
+    micro_batch: int  # rows of a micro-batch (see the module docstring)
+    steps: int  # per run
+    target: float  # the completions/s ratio to TRL that the generation table asks about
+
+    @property
+    def completions(self) -> int:
+        return self.prompts * self.generations
+
+
+REALISTIC = Model(hidden=256, heads=4, layers=4, ffn=688, vocab=32_000, context=4096, tokenizer="realistic")
+TOY_REWARDS = ({"name": "tool_format"}, {"name": "tool_correctness"}, {"name": "length", "kwargs": {"max_tokens": 50}})
+WORKLOADS = {
+    "tool": Workload(DATA / "toolrl" / "rlla_4k_test.parquet", "toolrl", None,
+                     ({"name": "toolrl_format"}, {"name": "toolrl_correctness"}),
+                     prompts=2, generations=8, new_tokens=256, model=REALISTIC, micro_batch=8, steps=3, target=1.5),
+    "math": Workload(DATA / "math.jsonl", "math", None, ({"name": "math_format"}, {"name": "math_correctness"}),
+                     prompts=2, generations=8, new_tokens=512, model=REALISTIC, micro_batch=8, steps=3, target=1.2),
+    "toy": Workload(DATA / "tool_demo.jsonl", "tool", "", TOY_REWARDS, prompts=8, generations=8, new_tokens=32,
+                    model=Model(128, 2, 2, 256, 512, 512, "demo"), micro_batch=64, steps=12, target=1.2),
+    "toy-13m": Workload(DATA / "tool_demo.jsonl", "tool", "", TOY_REWARDS, prompts=8, generations=8, new_tokens=32,
+                        model=Model(512, 8, 4, 1376, 512, 512, "demo"), micro_batch=64, steps=6, target=1.2),
+}
+DEFAULT_WORKLOADS = ("tool", "math", "toy")
+# the runs of one workload, in this order and then reversed; "engine" is the vLLM engine alone
+# (run_engine) and "bare" the update's arithmetic alone (run_bare)
+SIDES = ("trl", "project", "engine", "bare")
+
+
+# ---- the models and the prompts ---------------------------------------------------------------
+
+
+def write_model(path: Path, model: Model) -> int:
+    """A random fp32 Llama with ``model``'s tokenizer and chat template; returns its parameter count."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from gdpo_megatron.demo.warmup import build_tokenizer
+    if model.tokenizer == "demo":
+        from gdpo_megatron.demo.warmup import build_tokenizer
+    else:
+        from workload_tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer()
     config = LlamaConfig(
-        vocab_size=512, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=512,
-        tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, torch_dtype="float32")
+        vocab_size=model.vocab, hidden_size=model.hidden, intermediate_size=model.ffn,
+        num_hidden_layers=model.layers, num_attention_heads=model.heads, num_key_value_heads=model.heads,
+        max_position_embeddings=model.context, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, torch_dtype="float32")
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(path)
+    llama = LlamaForCausalLM(config)
+    llama.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in llama.parameters())
+
+
+def step_samples(work: Workload, steps: int) -> list[list]:
+    """Each step's samples, as this trainer's prompt schedule picks them."""
+    from gdpo_megatron.data.samples import load_samples
+    from gdpo_megatron.experience import PromptSchedule
+
+    samples = load_samples(work.data, work.family, system_prompt=work.system_prompt)
+    schedule = PromptSchedule(len(samples), work.prompts, SEED)
+    return [[samples[i] for i in schedule.indices(step)] for step in range(steps)]
+
+
+def longest_prompt(work: Workload, tokenizer) -> int:
+    """Tokens of the data's longest prompt, chat template applied."""
+    from gdpo_megatron.data.chat import encode_prompt
+    from gdpo_megatron.data.samples import load_samples
+
+    return max(len(encode_prompt(tokenizer, s.messages))
+               for s in load_samples(work.data, work.family, system_prompt=work.system_prompt))
 
 
 # ---- one run of each side (in its own process) -------------------------------------------------
 
 
-def project_trainer(model: str, steps: int, out: Path):
+def project_trainer(work: Workload, model: str, steps: int, out: Path):
     """This trainer as gdpo-train builds it for the comparison's work, and the RSS that
     importing vLLM added on top of torch, megatron-core and transformers."""
     import yaml
+    from transformers import AutoTokenizer
 
     from gdpo_megatron.config import TrainConfig, load_config
     from gdpo_megatron.distributed.launch import init_distributed
     from gdpo_megatron.preflight.validation import check_training
     from gdpo_megatron.trainer import Trainer
 
+    longest = longest_prompt(work, AutoTokenizer.from_pretrained(model))
+    data = {"train_path": str(work.data), "family": work.family, "prompts_per_step": work.prompts,
+            "max_prompt_tokens": longest, "shuffle_seed": SEED}
+    if work.system_prompt is not None:
+        data["system_prompt"] = work.system_prompt
     config = {
-        "run_dir": str(out / "run"), "base_model": model, "steps": steps, "seed": 0,
-        "data": {"train_path": str(DATA), "family": "tool", "system_prompt": "", "prompts_per_step": PROMPTS,
-                 "max_prompt_tokens": 128},
-        "rewards": {"rewards": REWARDS, "num_workers": 2, "timeout_s": 30},
+        "run_dir": str(out / "run"), "base_model": model, "steps": steps, "seed": SEED, "data": data,
+        "rewards": {"rewards": list(work.rewards), "num_workers": 2, "timeout_s": 30},
         "advantage": {"mode": "gdpo"},
-        "rollout": {"group_size": GENERATIONS, "temperature": 1.0, "max_new_tokens": NEW_TOKENS,
-                    "max_model_len": 256},
-        "policy": {"micro_batch_size": PROMPTS * GENERATIONS,
+        "rollout": {"group_size": work.generations, "temperature": 1.0, "max_new_tokens": work.new_tokens,
+                    "max_model_len": longest + work.new_tokens},
+        "policy": {"micro_batch_size": work.micro_batch,
                    "optim": {"lr": LR, "weight_decay": 0.0, "clip_grad": MAX_GRAD_NORM},
                    "loss": {"ratio_clip_low": CLIP_LOW, "ratio_clip_high": CLIP_HIGH}},
         "checkpoint": {"save_every": 0, "export_hf": False},
@@ -141,9 +232,14 @@ def project_trainer(model: str, steps: int, out: Path):
     return Trainer(config, inputs), vllm_modules
 
 
-def run_project(model: str, steps: int, out: Path) -> dict:
+def prefix_cache(engine) -> dict:
+    """The engine's own counts of prompt tokens served from its prefix cache."""
+    return {"prefix_hits": engine.prefix_cache.hits, "prefix_queries": engine.prefix_cache.queries}
+
+
+def run_project(work: Workload, model: str, steps: int, out: Path) -> dict:
     """This trainer: the same Trainer as gdpo-train, its step loop without checkpoints or export."""
-    trainer, vllm_modules = project_trainer(model, steps, out)
+    trainer, vllm_modules = project_trainer(work, model, steps, out)
     vllm_tensors = trainer.engine.config.kv_cache_gib * _GIB + Path(model, "model.safetensors").stat().st_size
     try:
         records, start = [], time.perf_counter()
@@ -152,6 +248,7 @@ def run_project(model: str, steps: int, out: Path) -> dict:
             trainer.logger.log(step + 1, metrics)
             records.append(metrics)
         loop_s = time.perf_counter() - start
+        cache = prefix_cache(trainer.engine)
     finally:
         trainer.close()
     return {
@@ -162,30 +259,32 @@ def run_project(model: str, steps: int, out: Path) -> dict:
         "update_s": [r["time/train"] + r["time/sync"] for r in records],
         "step_s": [r["time/step"] for r in records],
         "vllm_share_gib": (vllm_modules + vllm_tensors) / _GIB,
+        **cache,
     }
 
 
-def run_engine(model: str, steps: int, out: Path) -> dict:
+def run_engine(work: Workload, model: str, steps: int, out: Path) -> dict:
     """The trainer's vLLM engine alone: the prompts and sampling of the trainer's steps, one
-    batch after another, with no scoring, update or weight sync between them."""
+    batch after another, with no scoring, update or weight sync between them (nor the prefix
+    cache reset that follows each sync: the prompts of a step differ from the last step's)."""
     from gdpo_megatron.data.chat import encode_prompt
-    from gdpo_megatron.rollout.engine import derive_seed
-    from gdpo_megatron.rollout.engine import SamplingConfig
+    from gdpo_megatron.rollout.engine import SamplingConfig, derive_seed
 
-    trainer, _ = project_trainer(model, steps, out)
+    trainer, _ = project_trainer(work, model, steps, out)
     try:
         generate_s, tokens = 0.0, 0
         for step in range(steps):
             prompts = [encode_prompt(trainer.tokenizer, trainer.samples[i].messages)
                        for i in trainer.schedule.indices(step)]
-            sampling = SamplingConfig(temperature=1.0, max_new_tokens=NEW_TOKENS, seed=derive_seed(0, step, 0))
+            sampling = SamplingConfig(temperature=1.0, max_new_tokens=work.new_tokens, seed=derive_seed(SEED, step, 0))
             start = time.perf_counter()
-            groups = trainer.engine.generate(prompts, GENERATIONS, sampling)
+            groups = trainer.engine.generate(prompts, work.generations, sampling)
             generate_s += time.perf_counter() - start
             tokens += sum(len(c.token_ids) for group in groups for c in group)
+        cache = prefix_cache(trainer.engine)
     finally:
         trainer.close()
-    return {"generate_s": generate_s, "tokens": tokens}
+    return {"generate_s": generate_s, "tokens": tokens, **cache}
 
 
 def rss_bytes() -> int:
@@ -194,56 +293,65 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def run_bare(model: str, steps: int, out: Path) -> dict:
+def run_bare(work: Workload, model: str, steps: int, out: Path) -> dict:
     """The update's arithmetic alone, the floor of both trainers' updates: the HF model in plain
-    PyTorch, one batch as wide as the longest prompt plus the completions, logits of the
-    completion positions only (as TRL computes them), a policy-gradient token mean, backward,
-    clipping, one Adam step. Also its FLOPs (torch's counter) and this core's fp32 GEMM rate."""
+    PyTorch; per step one batch of the step's rows, as wide as its longest prompt plus the
+    completions (random ids), in micro-batches of ``micro_batch`` rows as TRL's; logits of the
+    completion positions only (as TRL computes them); a policy-gradient token mean, backward,
+    clipping, one Adam step. Each step's FLOPs (torch's
+    counter, a first pass that also warms up) and time (a second pass), and this core's fp32
+    GEMM rate."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from gdpo_megatron.data.chat import encode_prompt
-    from gdpo_megatron.data.samples import load_samples
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    longest_prompt = max(len(encode_prompt(tokenizer, s.messages)) for s in load_samples(DATA, "tool", system_prompt=""))
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=LR, weight_decay=0.0)
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, policy.config.vocab_size, (PROMPTS * GENERATIONS, longest_prompt + NEW_TOKENS),
-                        generator=generator)
-    advantages = torch.randn(ids.shape[0], 1, generator=generator)
+    new = work.new_tokens
 
-    def update():
-        logits = policy(input_ids=ids, logits_to_keep=NEW_TOKENS + 1).logits[:, :-1]
-        logprobs = logits.log_softmax(-1).gather(-1, ids[:, -NEW_TOKENS:, None]).squeeze(-1)
-        (-(advantages * logprobs).mean()).backward()
+    def update(ids, advantages):
+        for rows in range(0, ids.shape[0], work.micro_batch):
+            micro = ids[rows : rows + work.micro_batch]
+            logits = policy(input_ids=micro, logits_to_keep=new + 1).logits[:, :-1]
+            logprobs = logits.log_softmax(-1).gather(-1, micro[:, -new:, None]).squeeze(-1)
+            (-(advantages[rows : rows + work.micro_batch] * logprobs).sum() / advantages.numel() / new).backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), MAX_GRAD_NORM)
         optimizer.step()
         optimizer.zero_grad()
 
-    with FlopCounterMode(display=False) as counter:
-        update()
+    flops, seconds = [], []
+    for samples in step_samples(work, steps):
+        width = max(len(encode_prompt(tokenizer, s.messages)) for s in samples) + new
+        ids = torch.randint(0, policy.config.vocab_size, (work.completions, width), generator=generator)
+        advantages = torch.randn(work.completions, 1, generator=generator)
+        with FlopCounterMode(display=False) as counter:
+            update(ids, advantages)
+        flops.append(counter.get_total_flops())
+        start = time.perf_counter()
+        update(ids, advantages)
+        seconds.append(time.perf_counter() - start)
     a, b = torch.randn(GEMM_SIZE, GEMM_SIZE), torch.randn(GEMM_SIZE, GEMM_SIZE)
-    return {"update_flops": counter.get_total_flops(), "update_s": median_time(update, steps),
+    return {"update_flops": flops, "update_s": seconds,
             "gemm_flops_per_s": 2 * GEMM_SIZE ** 3 / median_time(lambda: torch.mm(a, b), GEMM_REPEATS)}
 
 
-def run_trl(model: str, steps: int, out: Path) -> dict:
-    """TRL 1.x GRPOTrainer with HF generate, configured for the same work."""
+def run_trl(work: Workload, model: str, steps: int, out: Path) -> dict:
+    """TRL 1.x GRPOTrainer with HF generate, configured for the same work: the dataset is the
+    steps' prompts in this trainer's schedule order, read without shuffling."""
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     import gdpo_megatron.rewards  # noqa: F401  (registers the rewards)
-    from gdpo_megatron.data.samples import load_samples
     from gdpo_megatron.rewards.registry import get_reward
 
-    samples = load_samples(DATA, "tool", system_prompt="")
     dataset = Dataset.from_list([{"prompt": s.messages, "truth": json.dumps(s.reward_truth())}
-                                 for s in samples])
+                                 for samples in step_samples(work, steps) for s in samples])
 
     def reward_fn(spec):
         fn = get_reward(spec["name"])
@@ -282,16 +390,17 @@ def run_trl(model: str, steps: int, out: Path) -> dict:
             timing["last"] = now
 
     args = GRPOConfig(
-        output_dir=str(out / "trl"), max_steps=steps, per_device_train_batch_size=PROMPTS * GENERATIONS,
-        gradient_accumulation_steps=1, steps_per_generation=1, num_generations=GENERATIONS,
-        max_completion_length=NEW_TOKENS, temperature=1.0, learning_rate=LR, weight_decay=0.0,
+        output_dir=str(out / "trl"), max_steps=steps, per_device_train_batch_size=work.micro_batch,
+        gradient_accumulation_steps=work.completions // work.micro_batch,
+        steps_per_generation=work.completions // work.micro_batch, num_generations=work.generations,
+        max_completion_length=work.new_tokens, temperature=1.0, learning_rate=LR, weight_decay=0.0,
         lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=MAX_GRAD_NORM, epsilon=CLIP_LOW,
         epsilon_high=CLIP_HIGH, beta=0.0, loss_type="dapo", multi_objective_aggregation="normalize_then_sum",
         num_iterations=1, bf16=False, gradient_checkpointing=False, use_cpu=True, report_to="none",
-        save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0, dataloader_num_workers=0,
-        model_init_kwargs={"dtype": torch.float32},
+        save_strategy="no", logging_steps=1, disable_tqdm=True, seed=SEED, dataloader_num_workers=0,
+        shuffle_dataset=False, model_init_kwargs={"dtype": torch.float32},
     )
-    trainer = Timed(model=model, reward_funcs=[reward_fn(s) for s in REWARDS], args=args, train_dataset=dataset,
+    trainer = Timed(model=model, reward_funcs=[reward_fn(s) for s in work.rewards], args=args, train_dataset=dataset,
                     callbacks=[Clock()])
     trainer.train()
     return {
@@ -304,7 +413,7 @@ def run_trl(model: str, steps: int, out: Path) -> dict:
     }
 
 
-def child_main(side: str, model: str, steps: int, result: Path) -> None:
+def child_main(side: str, workload: str, model: str, steps: int, result: Path) -> None:
     if side in ("project", "engine"):
         reexec_with_tcmalloc()  # what gdpo-train does first on a CPU machine
     import torch
@@ -312,7 +421,7 @@ def child_main(side: str, model: str, steps: int, result: Path) -> None:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     with tempfile.TemporaryDirectory() as tmp:
         run = {"project": run_project, "engine": run_engine, "bare": run_bare, "trl": run_trl}[side]
-        out = run(model, steps, Path(tmp))
+        out = run(WORKLOADS[workload], model, steps, Path(tmp))
     out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / _GIB
     out["tcmalloc"] = "tcmalloc" in Path("/proc/self/maps").read_text()
     result.write_text(json.dumps(out))
@@ -343,7 +452,8 @@ def tree_pss_peak(pid: int, interval_s: float, stop: threading.Event, peak: list
         peak[0] = max(peak[0], total)
 
 
-def launch(side: str, python: str, model: str, steps: int, args: argparse.Namespace, tmp: Path) -> dict:
+def launch(side: str, python: str, workload: str, model: str, steps: int, args: argparse.Namespace,
+           tmp: Path) -> dict:
     result = tmp / f"{side}.json"
     result.unlink(missing_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT),
@@ -352,8 +462,8 @@ def launch(side: str, python: str, model: str, steps: int, args: argparse.Namesp
     env.pop("MASTER_PORT", None)
     if side == "trl" and args.trl_tcmalloc:
         env = preload_env(env, tcmalloc_library())
-    cmd = [python, str(Path(__file__).resolve()), "--child", side, "--model", model, "--steps", str(steps),
-           "--result", str(result)]
+    cmd = [python, str(Path(__file__).resolve()), "--child", side, "--workloads", workload, "--model", model,
+           "--steps", str(steps), "--result", str(result)]
     log = tmp / f"{side}.log"
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=tmp)
@@ -367,7 +477,7 @@ def launch(side: str, python: str, model: str, steps: int, args: argparse.Namesp
         if sampler is not None:
             sampler.join()
     if code != 0 or not result.exists():
-        raise SystemExit(f"{side} run failed (exit {code}); its log:\n{log.read_text()[-4000:]}")
+        raise SystemExit(f"{workload} {side} run failed (exit {code}); its log:\n{log.read_text()[-4000:]}")
     out = json.loads(result.read_text())
     out["tree_pss_gib"] = peak[0] / _GIB if args.tree_pss_interval > 0 else math.nan
     return out
@@ -386,6 +496,8 @@ def summarize(runs: list[dict]) -> dict:
         "outside_generation_per_s": med(r["completions"] / (r["loop_s"] - r["generate_s"]) for r in runs),
         "tokens_per_completion": med(r["tokens"] / r["completions"] for r in runs),
         "vllm_share_gib": med(r.get("vllm_share_gib", 0.0) for r in runs),
+        **({"prefix_hits": med(r["prefix_hits"] for r in runs), "prefix_queries": med(r["prefix_queries"] for r in runs),
+            "prompt_tokens": med(r["prefix_queries"] / r["completions"] for r in runs)} if "prefix_hits" in runs[0] else {}),
     }
 
 
@@ -393,14 +505,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trl-python", default=os.environ.get("GDPO_TRL_PYTHON"),
                         help="python of the environment with TRL installed (or GDPO_TRL_PYTHON)")
-    parser.add_argument("--runs", type=int, default=3, help="runs per side and size (medians are reported)")
+    parser.add_argument("--runs", type=int, default=3, help="runs per side and workload (medians are reported)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                         help="threads of each side (OMP_NUM_THREADS; default: every core this process may use)")
-    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    parser.add_argument("--steps", type=int, default=None, help="steps per run (default: per size)")
+    parser.add_argument("--workloads", nargs="+", default=list(DEFAULT_WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--steps", type=int, default=None, help="steps per run (default: per workload)")
     parser.add_argument("--trl-tcmalloc", action="store_true",
                         help="preload tcmalloc into TRL's process too (this project's side uses it on CPU, "
-                             "see gdpo_megatron/cpu_malloc.py)")
+                             "see gdpo_megatron/commands/cpu_malloc.py)")
     parser.add_argument("--tree-pss-interval", type=float, default=1.0, metavar="SECONDS",
                         help="how often to sample the tree PSS column (0: not at all; sampling takes CPU "
                              "time from runs whose threads use every core)")
@@ -409,7 +521,7 @@ def main() -> None:
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return child_main(args.child, args.model, args.steps, args.result)
+        return child_main(args.child, args.workloads[0], args.model, args.steps, args.result)
     if not args.trl_python:
         raise SystemExit("--trl-python (or GDPO_TRL_PYTHON): the python of an environment with TRL installed")
     if args.trl_tcmalloc and tcmalloc_library() is None:
@@ -419,41 +531,51 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        for size in args.sizes:
-            hidden, heads, layers, ffn, default_steps = SIZES[size]
-            steps = args.steps or default_steps
-            model = tmp / size
-            params = write_model(model, hidden, heads, layers, ffn)
+        for name in args.workloads:
+            work = WORKLOADS[name]
+            steps = args.steps or work.steps
+            model = tmp / name
+            params = write_model(model, work.model)
             runs = {side: [] for side in SIDES}
             for i in range(args.runs):
                 for side in SIDES if i % 2 == 0 else SIDES[::-1]:
-                    runs[side].append(launch(side, pythons[side], str(model), steps, args, tmp))
-                    print(f"  {size} run {i + 1} {side}: {json.dumps(runs[side][-1])}", file=sys.stderr, flush=True)
-            bare = runs["bare"]
+                    runs[side].append(launch(side, pythons[side], name, str(model), steps, args, tmp))
+                    print(f"  {name} run {i + 1} {side}: {json.dumps(runs[side][-1])}", file=sys.stderr, flush=True)
+            med, bare = statistics.median, runs["bare"]
             rows.append({
-                "name": f"{params / 1e6:.2f}M (hidden {hidden}, {layers} layers)",
-                "trl": summarize(runs["trl"]), "ours": summarize(runs["project"]),
-                "engine_tok_per_s": statistics.median(r["tokens"] / r["generate_s"] for r in runs["engine"]),
-                "update_gflop": statistics.median(r["update_flops"] for r in bare) / 1e9,
-                "bare_update_s": statistics.median(r["update_s"] for r in bare),
-                "gemm_gflop_per_s": statistics.median(r["gemm_flops_per_s"] for r in bare) / 1e9,
+                "name": name, "work": work, "steps": steps,
+                "model": f"{params / 1e6:.2f}M (hidden {work.model.hidden}, {work.model.layers} layers, "
+                         f"vocab {work.model.vocab:,})",
+                "trl": summarize(runs["trl"]), "ours": summarize(runs["project"]), "engine": summarize_engine(runs["engine"]),
+                "update_gflop": med(med(r["update_flops"]) for r in bare) / 1e9,
+                "bare_update_s": med(med(r["update_s"]) for r in bare),
+                "gemm_gflop_per_s": med(r["gemm_flops_per_s"] for r in bare) / 1e9,
             })
-    print_table(rows, args)
+    print_tables(rows, args)
 
 
-def print_table(rows: list[dict], args) -> None:
-    print(f"{PROMPTS} prompts x {GENERATIONS} completions x <= {NEW_TOKENS} tokens per step, {args.threads} thread(s) "
-          f"per side, median of {args.runs} interleaved runs; load average {os.getloadavg()[0]:.1f}")
-    print("| model | TRL completions/s | this project | ratio | generation tok/s TRL / project "
-          "| update s/step TRL / project | first step s TRL / project | malloc TRL / project | peak RSS GiB TRL / project "
-          "| tree PSS GiB TRL / project |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+def summarize_engine(runs: list[dict]) -> dict:
+    med = statistics.median
+    return {"tok_per_s": med(r["tokens"] / r["generate_s"] for r in runs),
+            "prefix_hits": med(r["prefix_hits"] for r in runs), "prefix_queries": med(r["prefix_queries"] for r in runs)}
+
+
+def print_tables(rows: list[dict], args) -> None:
+    print(f"{args.threads} thread(s) per side, median of {args.runs} interleaved runs; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print("| workload | model | per step | prompt tokens | TRL completions/s | this project | ratio (target) "
+          "| prefix cache hits / queries | generation tok/s TRL / project | update s/step TRL / project "
+          "| first step s TRL / project | malloc TRL / project | peak RSS GiB TRL / project | tree PSS GiB TRL / project |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
-        trl, ours = row["trl"], row["ours"]
+        trl, ours, work = row["trl"], row["ours"], row["work"]
         pss = ("not sampled" if math.isnan(ours["tree_pss_gib"])
                else f"{trl['tree_pss_gib']:.2f} / {ours['tree_pss_gib']:.2f}")
-        print(f"| {row['name']} | {trl['completions_per_s']:.1f} | {ours['completions_per_s']:.1f} "
-              f"| {ours['completions_per_s'] / trl['completions_per_s']:.2f}x "
+        print(f"| {row['name']} | {row['model']} | {work.prompts} x {work.generations} x <= {work.new_tokens} tokens, "
+              f"{row['steps']} steps | {ours['prompt_tokens']:,.0f} "
+              f"| {trl['completions_per_s']:.2f} | {ours['completions_per_s']:.2f} "
+              f"| {ours['completions_per_s'] / trl['completions_per_s']:.2f}x ({work.target}x) "
+              f"| {prefix_figure(ours)} "
               f"| {trl['gen_tok_per_s']:,.0f} / {ours['gen_tok_per_s']:,.0f} "
               f"| {trl['update_s']:.3f} / {ours['update_s']:.3f} "
               f"| {trl['first_step_s']:.2f} / {ours['first_step_s']:.2f} "
@@ -463,30 +585,33 @@ def print_table(rows: list[dict], args) -> None:
     print("\nWithout the vLLM engine's part: completions per second of the loop less its time in "
           "generation; peak RSS less vLLM's share (its modules, measured as the RSS their import adds, "
           "plus its KV cache and weight copy)")
-    print("| model | TRL completions/s outside generation | this project | ratio | vLLM's share GiB "
+    print("| workload | TRL completions/s outside generation | this project | ratio | vLLM's share GiB "
           "| peak RSS GiB TRL / project less vLLM's share | ratio |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
         trl, ours = row["trl"], row["ours"]
         rest = ours["peak_rss_gib"] - ours["vllm_share_gib"]
-        print(f"| {row['name']} | {trl['outside_generation_per_s']:.1f} | {ours['outside_generation_per_s']:.1f} "
+        print(f"| {row['name']} | {trl['outside_generation_per_s']:.2f} | {ours['outside_generation_per_s']:.2f} "
               f"| {ours['outside_generation_per_s'] / trl['outside_generation_per_s']:.2f}x "
               f"| {ours['vllm_share_gib']:.2f} | {trl['peak_rss_gib']:.2f} / {rest:.2f} "
               f"| {rest / trl['peak_rss_gib']:.2f}x |")
-    print(f"\nGeneration: the tokens/s this trainer's generation would need for {TARGET}x TRL's completions/s "
-          "(given its measured time outside generation), next to the vLLM engine alone (the same prompts and "
-          "sampling, batches back to back, nothing between them) and inside this trainer, and HF generate "
-          "inside TRL")
-    print("| model | needed tok/s | vLLM engine alone tok/s | vLLM in this trainer | HF generate in TRL |")
-    print("|---|---|---|---|---|")
+    print("\nGeneration: the tokens/s this trainer's generation would need for the workload's target ratio of "
+          "TRL's completions/s (given its measured time outside generation), next to the vLLM engine alone "
+          "(the same prompts and sampling, batches back to back, nothing between them) and inside this "
+          "trainer, and HF generate inside TRL")
+    print("| workload | target | needed tok/s | vLLM engine alone tok/s (prefix cache hits / queries) "
+          "| vLLM in this trainer | HF generate in TRL |")
+    print("|---|---|---|---|---|---|")
     for row in rows:
-        trl, ours = row["trl"], row["ours"]
-        print(f"| {row['name']} | {needed_generation_rate(trl, ours)} | {row['engine_tok_per_s']:,.0f} "
+        trl, ours, engine = row["trl"], row["ours"], row["engine"]
+        print(f"| {row['name']} | {row['work'].target}x | {needed_generation_rate(trl, ours, row['work'].target)} "
+              f"| {engine['tok_per_s']:,.0f} ({prefix_figure(engine)}) "
               f"| {ours['gen_tok_per_s']:,.0f} | {trl['gen_tok_per_s']:,.0f} |")
     print("\nThe update against its arithmetic alone: the same update in plain PyTorch (run_bare), its FLOPs "
-          "by torch's counter, and the rate each side's update reaches against this core's fp32 GEMM rate "
-          f"({GEMM_SIZE}^3 matmul); TRL's update includes the rest of its step, this project's the weight sync")
-    print("| model | update GFLOP | update s/step plain PyTorch / TRL / project "
+          "by torch's counter (median step), and the rate each side's update reaches against this core's fp32 "
+          f"GEMM rate ({GEMM_SIZE}^3 matmul); TRL's update includes the rest of its step, this project's the "
+          "weight sync")
+    print("| workload | update GFLOP | update s/step plain PyTorch / TRL / project "
           "| GFLOP/s plain PyTorch / TRL / project | GEMM GFLOP/s |")
     print("|---|---|---|---|---|")
     for row in rows:
@@ -495,11 +620,16 @@ def print_table(rows: list[dict], args) -> None:
               f"| {' / '.join(f'{flop / t:.0f}' for t in times)} | {row['gemm_gflop_per_s']:.0f} |")
 
 
-def needed_generation_rate(trl: dict, ours: dict) -> str:
-    """Generated tokens/s that would bring this trainer to ``TARGET`` x TRL's completions/s,
+def prefix_figure(side: dict) -> str:
+    hits, queries = side["prefix_hits"], side["prefix_queries"]
+    return f"{hits:,.0f} / {queries:,.0f} ({hits / queries:.0%})"
+
+
+def needed_generation_rate(trl: dict, ours: dict, target: float) -> str:
+    """Generated tokens/s that would bring this trainer to ``target`` x TRL's completions/s,
     its time outside generation as measured (a lower bound: scoring that overlaps generation
     now would show once generation got faster); "none" where that time alone is too long."""
-    seconds_per_completion = 1 / (TARGET * trl["completions_per_s"]) - 1 / ours["outside_generation_per_s"]
+    seconds_per_completion = 1 / (target * trl["completions_per_s"]) - 1 / ours["outside_generation_per_s"]
     if seconds_per_completion <= 0:
         return "none (the rest of the step alone is too slow)"
     return f"{ours['tokens_per_completion'] / seconds_per_completion:,.0f}"

@@ -191,9 +191,11 @@ class Trainer:
                 seed=derive_seed(cfg.seed, step, self.dp_rank))
             # The leader scores each completion as soon as the engine finishes it.
             scoring = self.reward_stage.begin(len(samples) * G) if self.is_leader else None
+            cached_before = self.engine.prefix_cache
             with _timed(times, "generate"):
                 groups = self.engine.generate(prompt_ids, G, sampling,
                                               on_completion=scoring and reward_submitter(scoring, samples, G))
+            prefix_cache = self.engine.prefix_cache - cached_before
             completions = leader_broadcast([c for group in groups for c in group], self.mp_group)
             group_ids = torch.tensor(global_ids, device=self.device).repeat_interleave(G)
             rollouts = Rollouts(prompt_ids, group_ids, completions)
@@ -228,7 +230,7 @@ class Trainer:
         if kept_fraction is not None:
             metrics["advantage/kept_group_frac"] = kept_fraction
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
-        metrics.update(self._rollout_metrics(rollouts, times["step"]))
+        metrics.update(self._rollout_metrics(rollouts, prefix_cache, times["step"]))
         metrics["rollout/logprob_mismatch"] = mismatch
         metrics.update({f"time/{k}": v for k, v in times.items()})
         return metrics
@@ -295,13 +297,14 @@ class Trainer:
         total, count = all_reduce_sums([values.double().sum().item(), values.numel()], self.device, self.dp_group)
         return total / max(count, 1.0)
 
-    def _rollout_metrics(self, rollouts: Rollouts, step_time: float) -> dict[str, float]:
-        """Generated tokens and truncation over the whole step."""
+    def _rollout_metrics(self, rollouts: Rollouts, prefix_cache, step_time: float) -> dict[str, float]:
+        """Generated tokens, truncation and the prompt tokens served by vLLM's prefix cache, over the whole step."""
         tokens = rollouts.num_tokens
         truncated = sum(c.finish_reason == "length" for c in rollouts.completions)
-        total_tokens, n, truncated = all_reduce_sums([sum(tokens), len(tokens), truncated], self.device,
-                                                     self.dp_group)
+        total_tokens, n, truncated, queries, hits = all_reduce_sums(
+            [sum(tokens), len(tokens), truncated, prefix_cache.queries, prefix_cache.hits], self.device, self.dp_group)
         return {
+            "rollout/prefix_cache_hit_frac": hits / max(queries, 1.0),
             "rollout/tokens_generated": total_tokens,
             "rollout/completion_tokens_mean": total_tokens / n,
             "rollout/truncated_fraction": truncated / n,

@@ -221,7 +221,8 @@ def test_cli_exit_status_and_table(tmp_path, capsys):
      "policy.model.num_attention_heads: expected a multiple of parallel.tensor_model_parallel_size=8"),
     (["rollout.tensor_parallel_size=4"], "rollout.tensor_parallel_size: 4 must divide"),
     (["data.prompts_per_step=3"], "data.prompts_per_step: 3 is not divisible by the data-parallel size 2"),
-    (["policy.micro_batch_size=3"], "policy.micro_batch_size: 3 does not divide the 16 rollouts"),
+    (["policy.micro_batch_size=3", "policy.micro_batch_tokens=null"],
+     "policy.micro_batch_size: 3 does not divide the 16 rollouts"),
     (["policy.optim.lr=-1"], "policy.optim.lr: expected > 0"),
 ])
 def test_bad_layouts_are_named(tmp_path, capsys, args, message):

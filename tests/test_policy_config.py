@@ -162,6 +162,8 @@ def test_padding_to_the_sequence_multiple_meets_every_fp8_shape_rule(recipe):
     (lambda: LossConfig(ratio_clip_low=-0.1), "loss.ratio_clip_low"),
     (lambda: LossConfig(kl_coef=-1.0), "loss.kl_coef"),
     (lambda: PolicyConfig(ppo_epochs=0), "ppo_epochs"),
+    (lambda: from_dict(PolicyConfig, {"micro_batch_tokens": 0}, "policy"), "micro_batch_tokens: expected auto, null or >= 1"),
+    (lambda: from_dict(PolicyConfig, {"micro_batch_tokens": "max"}, "policy"), "policy.micro_batch_tokens: 'max' matches none"),
     (lambda: LossConfig(tis_cap=0.0), "loss.tis_cap"),
     (lambda: from_dict(PolicyConfig, {"old_logprobs": "engine"}, "policy"), "policy.old_logprobs"),
     (lambda: PolicyConfig(old_logprobs="rollout", loss=LossConfig(tis_cap=2.0)),
@@ -196,6 +198,21 @@ def test_bad_batches_are_named(change, field):
         setattr(batch, name, value)
     with pytest.raises(ValueError, match=field):
         batch.validate(vocab_size=512)
+
+
+def test_the_auto_token_budget_never_holds_more_tokens_than_micro_batch_size_rows():
+    """Rows of 10, 9, 4, 3 and 2 tokens in a batch 10 wide: "auto" with 2 rows per micro-batch is
+    a budget of 20 tokens, so the two longest rows go together and the three short ones too."""
+    lengths = torch.tensor([4, 10, 2, 9, 3])
+    ids = torch.where(torch.arange(10) < lengths.unsqueeze(1), 1, 0)
+    batch = PolicyBatch(input_ids=ids, loss_mask=torch.zeros_like(ids, dtype=torch.bool),
+                        advantages=torch.zeros(5), lengths=lengths)
+    config = PolicyConfig(micro_batch_size=2)
+    assert config.micro_batch_tokens == "auto" and config.token_budget(batch.seq_length) == 20
+    _, micro = batch.split_by_tokens(config.token_budget(batch.seq_length))
+    assert [tuple(m.input_ids.shape) for m in micro] == [(2, 10), (3, 4)]
+    assert PolicyConfig(micro_batch_tokens=None).token_budget(10) is None  # rows, not tokens
+    assert PolicyConfig(micro_batch_tokens=64).token_budget(10) == 64
 
 
 def test_micro_batches_must_divide_the_batch():

@@ -52,6 +52,8 @@ MODELS = {
 
 
 def tiny_config(tp=1, pp=1, sp=False, mbs=2, model="llama", loss=None, optim=None, **kwargs) -> PolicyConfig:
+    """Micro-batches of ``mbs`` consecutive rows unless ``micro_batch_tokens`` says otherwise."""
+    kwargs.setdefault("micro_batch_tokens", None)
     return PolicyConfig(
         model=ModelConfig.preset("tiny", vocab_size=VOCAB, **MODELS[model]),
         parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp),

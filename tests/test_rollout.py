@@ -218,6 +218,26 @@ def test_sleep_blocks_generation_until_wake_up_and_allows_updates(engine, models
     ]
 
 
+def test_the_samples_of_a_prompt_share_its_prefill_until_the_weights_change(engine, models, base_weights):
+    """vLLM's own counts: the first of n samples of a new prompt computes its prefill, the
+    other n - 1 find its whole blocks in the prefix cache (all but the last token, which is
+    always computed); a second call finds all n; a weight update empties the cache."""
+    prompt = [(11 * i) % 500 + 1 for i in range(300)]  # in no other test, so not yet cached
+    block = engine._llm.llm_engine.vllm_config.cache_config.block_size  # CPU_BLOCK_SIZE here
+    cacheable = (len(prompt) - 1) // block * block
+    sampling, n = SamplingConfig(max_new_tokens=2, seed=3), 8
+
+    def counts():
+        before = engine.prefix_cache
+        engine.generate([prompt], n, sampling)
+        return engine.prefix_cache.queries - before.queries, engine.prefix_cache.hits - before.hits
+
+    assert counts() == (n * len(prompt), (n - 1) * cacheable)
+    assert counts() == (n * len(prompt), n * cacheable)
+    engine.update_weights(models["other"].state_dict().items())
+    assert counts() == (n * len(prompt), (n - 1) * cacheable)
+
+
 def test_bad_input_is_named(engine, tmp_path):
     with pytest.raises(ValueError, match="n: expected >= 1"):
         engine.generate(PROMPTS, 0, SamplingConfig())

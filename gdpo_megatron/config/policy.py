@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Optional, get_args
+from typing import Literal, Optional, Union, get_args
 
 from gdpo_megatron.config.loader import ConfigError, require
 
@@ -219,10 +219,15 @@ class PolicyConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     loss: LossConfig = field(default_factory=LossConfig)
-    micro_batch_size: int = 1  # sequences per forward-backward micro-batch
-    # When set, micro-batches are formed by this budget of tokens (padding included) instead:
-    # rows sorted by length, each micro-batch cut to its longest row; micro_batch_size is unused.
-    micro_batch_tokens: Optional[int] = None
+    micro_batch_size: int = 1  # sequences per forward-backward micro-batch (see micro_batch_tokens)
+    # Micro-batches by a budget of tokens (padding included): rows sorted by length, each
+    # micro-batch cut to its longest row, which removes padding and, with the logits computed
+    # from each micro-batch's first target, the logits of the longer prompts' positions. The
+    # loss and gradients are those of any other split (up to float summation order). "auto": a
+    # budget of micro_batch_size rows as wide as the step's longest, so no micro-batch holds more
+    # tokens than micro_batch_size rows would; a number: that budget (micro_batch_size unused);
+    # null: consecutive slices of micro_batch_size rows at the step's full width.
+    micro_batch_tokens: Union[int, Literal["auto"], None] = "auto"
     ppo_epochs: int = 1  # optimizer passes over each batch
     # The PPO ratio's old logprobs. "policy": the policy's own before the update, so the ratio
     # starts at 1 and only the policy's kernels enter it (with ppo_epochs > 1 one extra forward
@@ -237,8 +242,8 @@ class PolicyConfig:
 
     def __post_init__(self):
         require(self.micro_batch_size >= 1, "micro_batch_size", ">= 1", self.micro_batch_size)
-        require(self.micro_batch_tokens is None or self.micro_batch_tokens >= 1, "micro_batch_tokens",
-                "null or >= 1", self.micro_batch_tokens)
+        require(self.micro_batch_tokens in (None, "auto") or self.micro_batch_tokens >= 1, "micro_batch_tokens",
+                "auto, null or >= 1", self.micro_batch_tokens)
         require(self.ppo_epochs >= 1, "ppo_epochs", ">= 1", self.ppo_epochs)
         if self.loss.tis_cap is not None and self.old_logprobs == "rollout":
             raise ConfigError("policy.loss.tis_cap: truncated importance sampling weighs the policy's old logprobs "
@@ -259,6 +264,13 @@ class PolicyConfig:
                               "megatron's optimizer holds the model's own parameters, which the weight sync needs on "
                               "the GPU; use precision.dtype: bf16 or optim.use_distributed_optimizer: true")
         return dataclasses.replace(self, precision=precision, optim=optim, old_logprobs=old_logprobs)
+
+    def token_budget(self, seq_length: int) -> Optional[int]:
+        """The tokens of a micro-batch of a batch ``seq_length`` wide (``micro_batch_tokens``
+        resolved), or None for micro-batches of ``micro_batch_size`` rows."""
+        if self.micro_batch_tokens == "auto":
+            return self.micro_batch_size * seq_length
+        return self.micro_batch_tokens
 
     def sequence_multiple(self) -> int:
         """Every batch's sequence length must be a multiple of this (pad the batch to it).

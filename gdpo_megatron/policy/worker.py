@@ -214,9 +214,10 @@ class PolicyWorker:
         """Micro-batches of ``micro_batch_size`` rows, or by the ``micro_batch_tokens`` budget
         (then with the row order, see :meth:`PolicyBatch.split_by_tokens`), each as wide as a
         multiple of :meth:`PolicyConfig.sequence_multiple` (sequence parallelism, FP8)."""
-        if self.config.micro_batch_tokens is None:
+        budget = self.config.token_budget(batch.seq_length)
+        if budget is None:
             return None, batch.micro_batches(self.config.micro_batch_size)
-        return batch.split_by_tokens(self.config.micro_batch_tokens, self.config.sequence_multiple())
+        return batch.split_by_tokens(budget, self.config.sequence_multiple())
 
     def _run(self, model, micro_batches: list[PolicyBatch], loss_fn: Callable, forward_only: bool,
              every_position: bool = False) -> list:

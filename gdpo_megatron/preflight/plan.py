@@ -215,9 +215,10 @@ class MemoryPlan:
 def micro_batch_tokens(policy, sequence_length: int) -> int:
     """The most tokens one micro-batch holds: ``micro_batch_size`` rows, or with a token budget
     that budget, or one row alone where a row is longer (:meth:`PolicyBatch.split_by_tokens`)."""
-    if policy.micro_batch_tokens is None:
+    budget = policy.token_budget(sequence_length)
+    if budget is None:
         return policy.micro_batch_size * sequence_length
-    return max(policy.micro_batch_tokens, sequence_length)
+    return max(budget, sequence_length)
 
 
 def plan_memory(config: TrainConfig, cluster: Cluster) -> MemoryPlan:
@@ -231,9 +232,11 @@ def plan_memory(config: TrainConfig, cluster: Cluster) -> MemoryPlan:
         raise ConfigError(f"policy.{e}") from None
     dp, rollouts_per_replica = config.layout(cluster.world_size)
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    # With a token budget a step has at most one micro-batch per row (every row alone).
+    # With a fixed token budget a step has at most one micro-batch per row (every row alone);
+    # "auto" fits at least micro_batch_size rows in each.
     budget = policy.micro_batch_tokens is not None
-    micro_batches = rollouts_per_replica if budget else rollouts_per_replica // policy.micro_batch_size
+    per_micro_batch = 1 if isinstance(policy.micro_batch_tokens, int) else policy.micro_batch_size
+    micro_batches = math.ceil(rollouts_per_replica / per_micro_batch)
 
     param_bytes = PARAM_BYTES[policy.precision.dtype]
     multiple = policy.sequence_multiple()

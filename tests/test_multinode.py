@@ -186,10 +186,10 @@ def _trainer_pids(hosts, host: str) -> list[int]:
     return hosts.processes(host, r"^\S*python\S* -m gdpo_megatron train ")
 
 
-def _run_to_checkpoint(hosts, base_model, run_dir: Path, step: int, steps: int) -> str:
+def _run_to_checkpoint(hosts, base_model, run_dir: Path, step: int, steps: int, options=()) -> str:
     """A two-host job that saves every ``step`` steps, once it has saved step ``step``."""
-    job = _submit(hosts, TWO_HOSTS, base_model, run_dir, f"steps={steps}", f"checkpoint.save_every={step}",
-                  "checkpoint.export_hf=true")
+    job = _submit(hosts, (*TWO_HOSTS, *options), base_model, run_dir, f"steps={steps}",
+                  f"checkpoint.save_every={step}", "checkpoint.export_hf=true")
     latest = run_dir / "checkpoints" / "latest"
     hosts.wait_for(lambda: (latest.exists() and latest.read_text().strip() == f"step_{step}")
                    or hosts.state(job) not in ("PENDING", "RUNNING"),
@@ -254,7 +254,10 @@ def test_killed_host_ends_the_job_which_slurm_requeues_and_resumes_on_the_host_l
     _skip_without_two_hosts()
     run_dir, reference = tmp_path / "run", tmp_path / "reference"
     with cluster(TwoHostSlurm, settings={"SlurmdTimeout": 10}) as hosts:
-        job = _run_to_checkpoint(hosts, base_model, run_dir, step=2, steps=4)
+        # srun gives up the lost task 2 s after the rank left exits, long before Slurm declares h2
+        # down: launch.sh's wait for that verdict is what keeps the job to be requeued.
+        job = _run_to_checkpoint(hosts, base_model, run_dir, step=2, steps=4,
+                                 options=("--export=ALL,TASK_EXIT_GRACE_S=2",))
         hosts.kill_host("h2")
         lost_at = time.monotonic()
         report_s, exit_s = _report_and_exit_times(hosts, job, lost_at, ("h1",))
@@ -270,6 +273,7 @@ def test_killed_host_ends_the_job_which_slurm_requeues_and_resumes_on_the_host_l
         log = hosts.log(job)
         _assert_one_clear_line(log, "rank 1 (host h2)", 2, run_dir)
         assert "its connection closed" in log
+        assert "waiting up to 25 s for Slurm to declare a failed node" in log, log
         assert "Node failure on h2" in log or "DUE TO NODE FAILURE" in log, log
         _assert_intact(run_dir, 2)
         assert hosts.node_states()["h2"].startswith("down")

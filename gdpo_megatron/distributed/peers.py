@@ -105,7 +105,7 @@ def reason(message: str) -> str:
             return words or f"no answer within {int(match.group(1)) / 1000:g} s"
     first = message.split("\n", 1)[0]
     first = re.sub(r"^\[[^\]]*\]\s*", "", first)  # gloo's "[source.cc:123] " prefix
-    return first[:160]
+    return first[:160].rstrip(". ")
 
 
 def _local_addresses() -> set[str]:

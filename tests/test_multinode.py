@@ -162,9 +162,13 @@ def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> f
 def test_two_hosts_train_exactly_as_one_host(two_hosts, base_model, tmp_path, layout, overrides):
     steps = 2
     runs = {"two hosts": tmp_path / "two-hosts", "one host": tmp_path / "one-host"}
+    link_bytes = two_hosts.link_bytes("h2")
     jobs = {name: _submit(two_hosts, options, base_model, runs[name], f"steps={steps}", *overrides)
             for name, options in (("two hosts", TWO_HOSTS), ("one host", ONE_HOST))}
-    logs = {name: _finished(two_hosts, job) for name, job in jobs.items()}
+    logs = {"two hosts": _finished(two_hosts, jobs["two hosts"])}
+    # The ranks' collectives went over the link (Slurm's own messages are a few kB).
+    assert two_hosts.link_bytes("h2") - link_bytes > 2**20
+    logs["one host"] = _finished(two_hosts, jobs["one host"])
     assert f"job {jobs['two hosts']} (restart 0): 2 tasks on h[1-2]" in logs["two hosts"]
     assert f"job {jobs['one host']} (restart 0): 2 tasks on h1" in logs["one host"]
 

@@ -374,6 +374,12 @@ class TwoHostSlurm(SlurmCluster):
             if pid != holder:
                 _kill(pid)
 
+    def link_bytes(self, host: str) -> int:
+        """Bytes ``host`` has sent and received over its link so far."""
+        stats = Path(f"/proc/{self.holders[host].pid}/net/dev").read_text()
+        fields = re.search(r"^\s*eth0:(.*)$", stats, re.MULTILINE).group(1).split()
+        return int(fields[0]) + int(fields[8])  # receive bytes, transmit bytes
+
     def link(self, host: str, up: bool) -> None:
         """Take ``host``'s interface down (it stops answering without dying) or bring it back."""
         _check([which("ip"), "-n", self.namespaces[host], "link", "set", "eth0", "up" if up else "down"])

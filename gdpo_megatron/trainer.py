@@ -107,7 +107,8 @@ class Trainer:
         latest = self.checkpoints.latest_step()  # resume and its data position are checked with the inputs
 
         self.worker = PolicyWorker(self.policy_config, seed=config.seed, temperature=config.rollout.temperature,
-                                   init_weights=lambda m: load_hf_weights(m, model, config.base_model))
+                                   init_weights=lambda m: load_hf_weights(m, model, config.base_model),
+                                   timeout=config.distributed.timeout)
         self.device = self.worker.device
         self.dp_group = parallel_state.get_data_parallel_group()
         self.dp_size, self.dp_rank = dist.get_world_size(self.dp_group), dist.get_rank(self.dp_group)

@@ -18,12 +18,21 @@
 
 # gdpo_megatron.commands.train.EXIT_REQUEUE ("try again later"): stopped by a signal, checkpoint saved.
 EXIT_REQUEUE=75
+# gdpo_megatron.commands.train.EXIT_PEER_LOST: a rank lost a peer (a host died or stopped answering).
+EXIT_PEER_LOST=69
 export PYTHONUNBUFFERED=1                     # log lines reach the job's output file as written
 export WANDB_MODE=${WANDB_MODE:-offline}      # compute nodes are often offline; wandb sync later
 
 # After the first task ends the others get this long to end too (a crashed rank would otherwise
 # leave the rest blocked in a collective until its timeout).
 TASK_EXIT_GRACE_S=${TASK_EXIT_GRACE_S:-180}
+
+# A lost host. Its peers end (distributed.timeout_s at most) with EXIT_PEER_LOST. Slurm requeues a
+# job with --requeue when it declares one of its nodes failed, which takes up to SlurmdTimeout
+# after the node's last answer; a job that has ended by then just FAILED. So after
+# EXIT_PEER_LOST this script waits that long (NODE_FAIL_WAIT_S, default 1.5 x SlurmdTimeout +
+# 10 s) for the verdict: a failed node ends this script and requeues the job; when no node
+# failed (a rank crashed, which a rerun would repeat), the job fails with the status.
 
 # run_tasks COMMAND [ARG ...]: one srun step running COMMAND in each of the job's tasks, with
 # SIGUSR1 / SIGTERM ignored (see above) and the job's CPUs per task.
@@ -33,12 +42,37 @@ TASK_EXIT_GRACE_S=${TASK_EXIT_GRACE_S:-180}
 # workers share one core. Passing the count on the command line works with every version.
 run_tasks() {
     local cpus=${SRUN_CPUS_PER_TASK:-${SLURM_CPUS_PER_TASK:-}}
-    srun --wait="${TASK_EXIT_GRACE_S}" ${cpus:+--cpus-per-task="$cpus"} \
+    local tasks
+    tasks=$(shrunk_tasks)
+    srun --wait="${TASK_EXIT_GRACE_S}" ${tasks:+--ntasks="$tasks"} ${cpus:+--cpus-per-task="$cpus"} \
         bash -c 'trap "" USR1 TERM; exec "$@"' gdpo-task "$@"
 }
 
+# shrunk_tasks: the task count of a requeued job whose node count was lowered
+# (scontrol update JobId=... NumNodes=1): the nodes it has now times --ntasks-per-node. Such a
+# job keeps the SLURM_NTASKS it was submitted with, which srun would still start. Nothing for
+# any other job.
+shrunk_tasks() {
+    local per_node=${SLURM_NTASKS_PER_NODE:-}
+    if [[ $per_node =~ ^[0-9]+$ && -n ${SLURM_JOB_NUM_NODES:-} ]] \
+        && (( ${SLURM_NTASKS:-0} > per_node * SLURM_JOB_NUM_NODES )); then
+        echo $(( per_node * SLURM_JOB_NUM_NODES ))
+    fi
+}
+
+# wait_for_node_failure: after EXIT_PEER_LOST, give Slurm the time to declare a failed node (see above).
+wait_for_node_failure() {
+    local timeout_s
+    timeout_s=$(scontrol show config | awk '$1 == "SlurmdTimeout" {print $3}')
+    local wait_s=${NODE_FAIL_WAIT_S:-$(( ${timeout_s:-300} * 3 / 2 + 10 ))}
+    echo "a rank lost a peer; waiting up to ${wait_s} s for Slurm to declare a failed node (it then requeues the job)"
+    sleep "$wait_s"
+    echo "no node of job ${SLURM_JOB_ID} failed: not requeued"
+}
+
 # launch_training CONFIG [key.sub=value ...]
-# The run directory is RUN_DIR, else runs/<job name>-<job id>; a run_dir=... argument wins.
+# The run directory is RUN_DIR, else runs/<job name>-<job id>; a run_dir=... argument wins. On a
+# shared filesystem: every node writes its part of each checkpoint there.
 launch_training() {
     local config=$1
     shift
@@ -46,8 +80,11 @@ launch_training() {
         echo "launch_training: config $config not found in $PWD (submit from the repository root)" >&2
         return 2
     fi
-    local run_dir=${RUN_DIR:-runs/${SLURM_JOB_NAME}-${SLURM_JOB_ID}}
-    echo "job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}): ${SLURM_NTASKS} tasks on" \
+    local run_dir=${RUN_DIR:-runs/${SLURM_JOB_NAME}-${SLURM_JOB_ID}} arg
+    for arg in "$@"; do [[ $arg == run_dir=* ]] && run_dir=${arg#run_dir=}; done
+    local tasks
+    tasks=$(shrunk_tasks)
+    echo "job ${SLURM_JOB_ID} (restart ${SLURM_RESTART_COUNT:-0}): ${tasks:-${SLURM_NTASKS}} tasks on" \
          "${SLURM_JOB_NODELIST}, config ${config}, run dir ${run_dir}, $(date -u +%FT%TZ)"
 
     local status=0
@@ -58,6 +95,9 @@ launch_training() {
         echo "trainer saved a checkpoint before the time limit; requeueing job ${SLURM_JOB_ID}"
         scontrol requeue "${SLURM_JOB_ID}"
         return $?
+    fi
+    if (( status == EXIT_PEER_LOST )); then
+        wait_for_node_failure
     fi
     echo "trainer exited with status ${status}, $(date -u +%FT%TZ)"
     return "$status"

@@ -9,18 +9,31 @@ joins the launcher's process group, checks its machine against the pins and the 
 its checkpoint, export, metrics and plots are.
 
 Exit statuses beyond :mod:`.console`'s: :data:`EXIT_REQUEUE` after SIGUSR1/SIGTERM (a
-checkpoint was saved; a Slurm script requeues the job on it), :data:`EXIT_CTRL_C` after Ctrl-C.
+checkpoint was saved; a Slurm script requeues the job on it), :data:`EXIT_CTRL_C` after Ctrl-C,
+:data:`EXIT_PEER_LOST` when a peer rank was lost (its host died, or stopped answering for
+``distributed.timeout_s``): each rank left prints one line, ``error: rank R (HOST) lost rank P
+(host H) in step S (WHERE): REASON; the last complete checkpoint is ...``.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import socket
 import sys
+import warnings
+from pathlib import Path
 
 from gdpo_megatron.commands.console import EXIT_CTRL_C, ArgumentParser, console_entry, launch_rank, quiet_defaults
 from gdpo_megatron.commands.cpu_malloc import reexec_with_tcmalloc
 
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: "try again later"
+# EX_UNAVAILABLE. Not a reason to requeue by itself: a crashed peer would crash again; Slurm
+# requeues a job whose node failed (sbatch --requeue).
+EXIT_PEER_LOST = 69
+
+
+class PeerLostError(RuntimeError):
+    """A peer rank was lost; :func:`run` printed the message as one line."""
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -49,6 +62,8 @@ def main(argv: list[str]) -> int:
         else f"gdpo-train: a new run in {config.run_dir}, {config.steps} steps")
     try:
         outcome = run(config, inputs)
+    except PeerLostError:  # reported by run()
+        return EXIT_PEER_LOST
     except KeyboardInterrupt:
         say("gdpo-train: stopped at once by a second Ctrl-C; rerun the same command to resume from the last "
             "checkpoint")
@@ -65,23 +80,37 @@ def program() -> int:
 
 def run(config, inputs) -> str:
     """Join the launcher's process group (torchrun, srun, or a single process), check this
-    machine, train, clean up; what :meth:`Trainer.train` returned."""
+    machine, train, clean up; what :meth:`Trainer.train` returned. A lost peer raises
+    :class:`PeerLostError`."""
     import torch.distributed as dist
 
     from gdpo_megatron.distributed.launch import init_distributed
+    from gdpo_megatron.distributed.peers import Peers, is_lost_peer
     from gdpo_megatron.preflight.doctor import preflight
     from gdpo_megatron.trainer import Trainer
 
-    init_distributed()
-    # Libraries against the pins, GPU, precision, NCCL, memory plan: gdpo-doctor's checks, on
-    # every rank, with the device set and the model that base_model holds.
-    preflight(dataclasses.replace(config, policy=dataclasses.replace(config.policy, model=inputs.model)),
-              dist.get_world_size())
-    trainer = Trainer(config, inputs)
+    peers = trainer = None
     try:
+        init_distributed(timeout=config.distributed.timeout)
+        peers = Peers.gather()
+        # Libraries against the pins, GPU, precision, NCCL, memory plan: gdpo-doctor's checks, on
+        # every rank, with the device set and the model that base_model holds.
+        preflight(dataclasses.replace(config, policy=dataclasses.replace(config.policy, model=inputs.model)),
+                  dist.get_world_size())
+        trainer = Trainer(config, inputs)
         return trainer.train()
+    except Exception as e:
+        if not is_lost_peer(e):
+            raise
+        line = _lost_peer_line(e, peers, config)
+        # Now, on every rank left (rank 0 may be the lost one), before the clean-up below.
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        raise PeerLostError(line) from None
     finally:
-        trainer.close()
+        if trainer is not None:
+            trainer.close()
+
+
 
 
 def finish(config, outcome: str) -> int:
@@ -104,3 +133,44 @@ def say(line: str) -> None:
     """One line on rank 0 (every rank runs the same checks)."""
     if launch_rank() == 0:
         print(line, file=sys.stderr, flush=True)
+
+
+def _lost_peer_line(error: BaseException, peers, config) -> str:
+    """Who lost whom, where, why, and what a rerun resumes from."""
+    from gdpo_megatron.checkpoint.state import complete_steps
+    from gdpo_megatron.distributed.peers import LostPeer, describe, reason
+    from gdpo_megatron.run_dir import CHECKPOINT_DIR
+
+    lost = peers.lost(error) if peers else LostPeer((), (), reason(str(error)))
+    me = f"rank {peers.rank} ({socket.gethostname()})" if peers else socket.gethostname()
+    root = Path(config.run_dir) / CHECKPOINT_DIR
+    with warnings.catch_warnings():  # not about one this failure left half-written
+        warnings.simplefilter("ignore")
+        steps = complete_steps(root)
+    resume = f"the last complete checkpoint is step {steps[-1]} in {root}" if steps else f"no checkpoint yet in {root}"
+    return f"{me} lost {describe(lost)} {_where(error)}: {lost.reason}; {resume}"
+
+
+def _where(error: BaseException) -> str:
+    """``in step 4 (Trainer.step > fail_together)``: the trainer's innermost method in the
+    traceback, the function of the package it called, and the step."""
+    import gdpo_megatron
+    from gdpo_megatron import trainer
+
+    package = str(Path(gdpo_megatron.__file__).parent)
+    frames, tb = [], error.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    in_trainer = [i for i, f in enumerate(frames) if f.f_code.co_filename == trainer.__file__]
+    if not in_trainer:
+        return "at start-up"
+    innermost = in_trainer[-1]
+    path = [frames[innermost].f_code.co_qualname]
+    below = [f for f in frames[innermost + 1:] if f.f_code.co_filename.startswith(package)]
+    if below:
+        path.append(below[0].f_code.co_qualname)
+    steps = [f.f_locals["step"] for f in frames
+             if f.f_code.co_filename == trainer.__file__ and f.f_code.co_name == "train" and "step" in f.f_locals]
+    where = " > ".join(path)
+    return f"in step {steps[0] + 1} ({where})" if steps else f"in {where}"

@@ -8,6 +8,7 @@ from typing import Optional
 from gdpo_megatron.config.advantage import AdvantageConfig
 from gdpo_megatron.config.checkpoint import CheckpointConfig
 from gdpo_megatron.config.data import DataConfig
+from gdpo_megatron.config.distributed import DistributedConfig
 from gdpo_megatron.config.loader import ConfigError, require, require_path
 from gdpo_megatron.config.policy import PolicyConfig
 from gdpo_megatron.config.rewards import RewardsConfig
@@ -40,6 +41,7 @@ class TrainConfig:
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
 
     def __post_init__(self):

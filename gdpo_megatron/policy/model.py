@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from datetime import timedelta
 
 import torch
 import torch.nn.functional as F
@@ -39,11 +40,12 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234) -> None:
+def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234, timeout: timedelta | None = None) -> None:
     """Create megatron's TP/PP/DP groups over the default process group and seed its RNGs.
 
     Ranks in one tensor-parallel group get different model-parallel RNG streams, ranks in one
     data-parallel group the same; the default stream is seeded with ``seed`` everywhere.
+    ``timeout``: how long a collective of these groups waits for a peer (None: megatron's 30 minutes).
     """
     if not torch.distributed.is_initialized():
         raise RuntimeError("initialize_model_parallel: torch.distributed is not initialized "
@@ -57,6 +59,7 @@ def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234) -> Non
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
+        **({"distributed_timeout_minutes": timeout.total_seconds() / 60} if timeout else {}),
     )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import gc
+from datetime import timedelta
 from typing import Callable, Optional
 
 import torch
@@ -43,12 +44,13 @@ class PolicyWorker:
     and gives memory back to a colocated rollout engine with :meth:`release_memory`."""
 
     def __init__(self, config: PolicyConfig, *, seed: int = 1234, temperature: float = 1.0,
-                 init_weights: Optional[Callable[[GPTModel], None]] = None):
+                 init_weights: Optional[Callable[[GPTModel], None]] = None, timeout: Optional[timedelta] = None):
         """``config``'s machine-dependent settings are resolved for this machine. ``seed``
         seeds megatron's RNGs; logprobs are of the logits divided by ``temperature`` (the
         rollouts' sampling temperature). ``init_weights(model)``, when given, sets the freshly
         built (random) weights of this rank's model, e.g. from a checkpoint; the reference
-        model starts from the result."""
+        model starts from the result. ``timeout``: how long a collective of megatron's groups
+        waits for a peer (None: megatron's default)."""
         if not dist.is_initialized():
             raise RuntimeError("PolicyWorker: torch.distributed is not initialized")
         machine = this_machine()
@@ -57,7 +59,7 @@ class PolicyWorker:
         config.parallel.data_parallel_size(dist.get_world_size())
         self.config, self.temperature = config, temperature
         self.device = torch.device("cuda", torch.cuda.current_device()) if machine.cuda else torch.device("cpu")
-        initialize_model_parallel(config.parallel, seed)
+        initialize_model_parallel(config.parallel, seed, timeout)
         try:
             self._build(init_weights)
         except BaseException:

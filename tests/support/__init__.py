@@ -1,1 +1,1 @@
-"""Test support, not shipped with the package: local gloo worlds and tiny model checkpoints."""
+"""Test support, not shipped with the package: local gloo worlds, tiny model checkpoints, real Slurm clusters."""

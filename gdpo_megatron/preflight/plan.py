@@ -234,7 +234,6 @@ def plan_memory(config: TrainConfig, cluster: Cluster) -> MemoryPlan:
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     # With a fixed token budget a step has at most one micro-batch per row (every row alone);
     # "auto" fits at least micro_batch_size rows in each.
-    budget = policy.micro_batch_tokens is not None
     per_micro_batch = 1 if isinstance(policy.micro_batch_tokens, int) else policy.micro_batch_size
     micro_batches = math.ceil(rollouts_per_replica / per_micro_batch)
 

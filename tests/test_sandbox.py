@@ -467,6 +467,8 @@ def test_the_callers_session_keyring_is_out_of_reach(level):
     description = f"gdpo-test-{os.getpid()}"
     key = _libc.syscall(ctypes.c_long(add_key), b"user", description.encode(), b"secret",
                         ctypes.c_size_t(6), ctypes.c_int(-3))  # KEY_SPEC_SESSION_KEYRING
+    if key < 0 and ctypes.get_errno() == errno.ENOSYS:
+        pytest.skip("this kernel has no keyrings")
     assert key > 0, os.strerror(ctypes.get_errno())
     try:
         code = (

@@ -121,7 +121,7 @@ def isolation(level: str | None = None) -> Isolation:
         try:
             return probe(Setup("bwrap", bwrap))
         except SandboxError as e:
-            why = _bwrap_failure(str(e))
+            why = explain_bwrap_failure(str(e))
     if level == "bwrap":
         raise SandboxError(f"sandbox: the bwrap level cannot run here: {why}")
     return dataclasses.replace(_basic(), why_not_bwrap=why)
@@ -204,8 +204,9 @@ def _guarantees(setup: Setup, seen: dict, memory_charged: bool) -> dict[str, boo
     }
 
 
-def _bwrap_failure(message: str) -> str:
-    """Why bubblewrap failed, from the sandbox's error carrying bubblewrap's stderr."""
+def explain_bwrap_failure(message: str) -> str:
+    """Why bubblewrap failed, from an error carrying bubblewrap's stderr: the cause a user can act
+    on (when bubblewrap's message names one) and bubblewrap's own line."""
     said = re.findall(r"bwrap: [^\n]*", message)
     detail = said[-1].strip() if said else message.strip()[-500:]
     for pattern, why in _BWRAP_FAILURES:

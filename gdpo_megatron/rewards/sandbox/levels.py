@@ -115,6 +115,7 @@ def isolation(level: str | None = None) -> Isolation:
         raise ValueError(f"sandbox level: expected one of {ISOLATION_LEVELS}, got {level!r}")
     if level == "basic":
         return _basic()
+    # The strongest: bwrap, else the basic level with the reason.
     bwrap = shutil.which("bwrap")
     why = "bubblewrap (bwrap) is not installed" if bwrap is None else None
     if bwrap is not None:
@@ -124,7 +125,7 @@ def isolation(level: str | None = None) -> Isolation:
             why = explain_bwrap_failure(str(e))
     if level == "bwrap":
         raise SandboxError(f"sandbox: the bwrap level cannot run here: {why}")
-    return dataclasses.replace(_basic(), why_not_bwrap=why)
+    return dataclasses.replace(isolation("basic"), why_not_bwrap=why)
 
 
 @functools.cache

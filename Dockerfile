@@ -16,9 +16,10 @@
 #                   TE's whole repository); it includes cudnn.h (the base's cuDNN headers) and
 #                   compiles with ninja when it is installed.
 #   bubblewrap      the code reward's sandbox runs programs under /usr/bin/bwrap. bwrap creates
-#                   user and mount namespaces, which Docker's default seccomp and AppArmor
-#                   profiles refuse: run with the two --security-opt flags below, or the sandbox
-#                   falls back to its weaker `basic` level and logs why.
+#                   user and mount namespaces and a new /proc, which Docker's default seccomp
+#                   and AppArmor profiles and its masked /proc paths refuse: run with the three
+#                   --security-opt flags below, or a config with code rewards refuses to start
+#                   unless it sets rewards.allow_weaker_sandbox (docs/rewards.md).
 #
 # Not built yet: the machines this project is developed on have no Docker engine and no GPU.
 # tests/test_pins.py resolves the same pins with pip for this image's Python and platform.
@@ -27,6 +28,7 @@
 # Check:  docker run --gpus all gdpo-megatron:gpu gdpo-doctor --config configs/gdpo_7b.yaml
 # Run:    docker run --gpus all --ipc=host --ulimit memlock=-1 \
 #             --security-opt seccomp=unconfined --security-opt apparmor=unconfined \
+#             --security-opt systempaths=unconfined \
 #             -v $PWD/runs:/workspace/runs gdpo-megatron:gpu ...
 ARG BASE_IMAGE=nvidia/cuda:13.0.2-cudnn-devel-ubuntu24.04
 FROM ${BASE_IMAGE}

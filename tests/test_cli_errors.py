@@ -278,6 +278,35 @@ def test_train_reward_kwargs_of_other_rewards(base_model, tmp_path, capsys, noth
                       "rewards.rewards.0.kwargs: code_pass: limits: unknown key 'cpu'")
 
 
+@pytest.fixture
+def no_bwrap(monkeypatch, tmp_path_factory):
+    """A machine without bubblewrap: none on PATH, and the sandbox probed again (and after)."""
+    from gdpo_megatron.rewards import sandbox
+
+    monkeypatch.setenv("PATH", str(tmp_path_factory.mktemp("bin")))
+    sandbox.isolation.cache_clear()
+    yield
+    sandbox.isolation.cache_clear()
+
+
+CODE = ["data.family=code", "data.train_path=examples/data/code.jsonl", "advantage.conditions=[]",
+        "rewards.rewards=[{name: code_pass}, {name: length, kwargs: {max_tokens: 50}}]"]
+NO_SANDBOX = ("run model-written code, and the strong sandbox cannot run here: bubblewrap (bwrap) is not installed; "
+              "install or allow bubblewrap (docs/rewards.md), or ")
+
+
+def test_train_code_rewards_without_bubblewrap_need_the_opt_in(base_model, tmp_path, capsys, nothing_heavy, no_bwrap):
+    expect_user_error(capsys, tmp_path, train(base_model, tmp_path / "run", *CODE),
+                      "rewards.rewards: code_pass runs model-written code, and the strong sandbox cannot run here: "
+                      "bubblewrap (bwrap) is not installed; install or allow bubblewrap (docs/rewards.md), or set "
+                      "rewards.allow_weaker_sandbox=true to accept the weaker 'basic' level")
+    # Opted in, the sandbox stops nothing: the next check does.
+    expect_user_error(capsys, tmp_path, train(base_model, tmp_path / "run", *CODE, "rewards.allow_weaker_sandbox=true",
+                                              "data.max_prompt_tokens=5"),
+                      "data.max_prompt_tokens: 5 prompt(s) of examples/data/code.jsonl are longer than 5 tokens")
+    assert not (tmp_path / "run").exists()
+
+
 def test_train_config_file_with_a_duplicate_key(base_model, tmp_path, capsys, nothing_heavy):
     config = tmp_path / "config.yaml"
     config.write_text(Path(CONFIG).read_text() + "\nsteps: 2\n")
@@ -512,6 +541,16 @@ def test_eval_checks_prompts_and_tokenizer_before_the_engine(base_model, tmp_pat
                                                            "--max-new-tokens", "290", "--limit", "4"]),
                       "--max-model-len: none of the 4 prompts fits in 300 tokens with --max-new-tokens=290 "
                       "(the shortest has")
+
+
+def test_eval_code_rewards_without_bubblewrap_need_the_opt_in(base_model, tmp_path, capsys, nothing_heavy, no_bwrap):
+    code = ["--model", str(base_model), "--data", "examples/data/code.jsonl", "--family", "code",
+            "--rewards", "code_pass,code_no_bug", "--max-model-len", "300", "--max-new-tokens", "299"]
+    expect_user_error(capsys, tmp_path, lambda: eval_main(code),
+                      f"--rewards: code_pass, code_no_bug {NO_SANDBOX}pass --allow-weaker-sandbox to accept the weaker "
+                      "'basic' level")
+    expect_user_error(capsys, tmp_path, lambda: eval_main([*code, "--allow-weaker-sandbox"]),
+                      "--max-model-len: none of the 5 prompts fits in 300 tokens with --max-new-tokens=299")
 
 
 @pytest.mark.parametrize("option", [["--family", "math"], ["--prompt-key", "question"], ["--system-key", "s"],

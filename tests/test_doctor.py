@@ -94,7 +94,8 @@ def test_on_a_cpu_machine_it_says_which_checks_could_not_run(capsys):
     assert row("GPU") == row("NCCL")[:1] + ("no CUDA device on this machine",)
     assert row("precision") == row("memory plan") == (NOT_RUN, "no --config")
     assert row("vLLM reload_weights")[0] == row("megatron-core")[0] == OK
-    assert "could not run here: torch CUDA build, driver, GPU, precision, NCCL, memory plan" in out
+    sandbox_row = "" if row("sandbox")[0] == OK else ", sandbox"  # not run where bubblewrap cannot (no --config)
+    assert f"could not run here: torch CUDA build, driver, GPU, precision, NCCL, memory plan{sandbox_row}" in out
     assert out.rstrip().endswith("gdpo-doctor: no mismatch")
 
 
@@ -146,6 +147,31 @@ def test_a_skipped_check_says_so_and_does_not_stop_the_preflight(monkeypatch, ca
         preflight(config, 1)
     assert main([]) == 2
     assert capsys.readouterr().err.startswith(f"error: {SKIP_ENV}: unknown check(s) memroy;")
+
+
+CODE_REWARDS = ["rewards.rewards=[{name: code_pass}, {name: length, kwargs: {max_tokens: 50}}]", "advantage.conditions=[]"]
+
+
+def test_the_sandbox_row_says_the_level_a_config_gets_and_why(monkeypatch, tmp_path, capsys):
+    from gdpo_megatron.rewards import sandbox
+
+    if sandbox.bwrap_missing() is None:
+        assert main(["--config", CONFIG, "--only", "sandbox", *CODE_REWARDS]) == 0
+        assert table_row(capsys.readouterr().out, "sandbox") == (OK, "bwrap  bwrap, for code_pass")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bubblewrap on it
+    sandbox.isolation.cache_clear()
+    try:
+        basic = sandbox.isolation().describe()
+        assert basic.startswith("basic, in ") and basic.endswith("no bwrap: bubblewrap (bwrap) is not installed)")
+        assert main(["--config", CONFIG, "--only", "sandbox", *CODE_REWARDS]) == 1
+        assert table_row(capsys.readouterr().out, "sandbox") == (
+            MISMATCH, f"{basic}  bwrap, for code_pass (or rewards.allow_weaker_sandbox=true)")
+        assert main(["--config", CONFIG, "--only", "sandbox", *CODE_REWARDS, "rewards.allow_weaker_sandbox=true"]) == 0
+        assert table_row(capsys.readouterr().out, "sandbox") == (OK, f"{basic}  basic, chosen by rewards.allow_weaker_sandbox")
+        assert main(["--config", CONFIG, "--only", "sandbox"]) == 0  # the demo's rewards run no code
+        assert table_row(capsys.readouterr().out, "sandbox") == (NOT_RUN, "no reward of the config runs code")
+    finally:
+        sandbox.isolation.cache_clear()
 
 
 def test_the_memory_plan_is_gdpo_plans_verdict_with_its_override_named():

@@ -83,10 +83,10 @@ def level(request, monkeypatch, tmp_path):
     if request.param == "basic":
         monkeypatch.setenv("PATH", str(tmp_path))
     sandbox.isolation.cache_clear()
-    sandbox._bwrap_failure.cache_clear()
+    sandbox.default_setup.cache_clear()
     yield sandbox.isolation()
     sandbox.isolation.cache_clear()  # probed again with the PATH restored
-    sandbox._bwrap_failure.cache_clear()
+    sandbox.default_setup.cache_clear()
 
 
 # Looks for the judge's test among the working directories of every process it may read, and

@@ -233,8 +233,7 @@ def test_zombies_a_program_leaves_do_not_fail_later_programs():
     truth = {"tests": [{"input": "1 2\n", "output": "3\n"}]}
     with RewardStage([spec], num_workers=1) as stage:
         rewards, metrics = stage.score([forker] + [correct] * 3, [1] * 4, [truth] * 4)
-    expected = 1.0 if sandbox.isolation().level == "bwrap" else 0.0  # the basic level blocks subprocess
-    assert rewards.tolist() == [[1.0]] + [[expected]] * 3
+    assert rewards.tolist() == [[1.0]] * 4
     assert metrics["reward/code_pass/failures"] == 0
 
 

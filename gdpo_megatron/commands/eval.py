@@ -41,6 +41,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=positive_int, default=None,
                         help="context of the engine (default: the model's max_position_embeddings)")
     parser.add_argument("--out", default=None, help="also write the metrics to this JSON file")
+    parser.add_argument("--allow-weaker-sandbox", action="store_true",
+                        help="run rewards that execute model-written code (code_pass, code_no_bug) at the sandbox's "
+                             "weaker 'basic' level where bubblewrap cannot run (see docs/rewards.md)")
     args = parser.parse_args(argv)
     if args.data is not None and args.family is None:
         parser.error("--data needs --family")
@@ -57,8 +60,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse(argv)
 
-    from gdpo_megatron.preflight.validation import (about, check_output_file, check_reward_specs, check_weights,
-                                                    load_prompts, prompt_lengths, read_model_config)
+    from gdpo_megatron.preflight.validation import (about, check_code_sandbox, check_output_file, check_reward_specs,
+                                                    check_weights, load_prompts, prompt_lengths, read_model_config)
     from gdpo_megatron.rollout.vllm_engine import check_vllm_can_load
 
     quiet_defaults()
@@ -71,6 +74,7 @@ def main(argv: list[str]) -> int:
     names = args.rewards.split(",") if args.rewards is not None else FAMILY_REWARDS.get(args.family, ())
     rewards = [RewardSpec(name) for name in names if name]
     check_reward_specs(rewards, "--rewards", in_config=False)
+    check_code_sandbox(rewards, "--rewards", args.allow_weaker_sandbox, "pass --allow-weaker-sandbox")
     if args.out:
         check_output_file(args.out, "--out")
     if args.bfcl:

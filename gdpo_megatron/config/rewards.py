@@ -38,6 +38,10 @@ class RewardsConfig:
     num_workers: int = 2
     timeout_s: float = 30.0
     reward_files: list[str] = dataclasses.field(default_factory=list)  # Python files registering rewards
+    # Rewards that run model-written code may run it in the sandbox's weaker "basic" level where
+    # bubblewrap cannot run (docs/rewards.md says what that level does not hold); by default such
+    # a config is refused there.
+    allow_weaker_sandbox: bool = False
 
     def __post_init__(self):
         require(len(self.rewards) > 0, "rewards.rewards", "at least one reward", self.rewards)

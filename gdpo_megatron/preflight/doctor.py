@@ -22,6 +22,9 @@ e.g. no CUDA device here). The checks, by name:
   ``rollout.kv_cache_gib`` where set), which vLLM wants free at start-up. It is an estimate
   (``gdpo-plan`` prints its assumptions): where it is wrong for a config,
   ``GDPO_DOCTOR_SKIP=memory`` runs anyway.
+* ``sandbox``: the code sandbox's level here and, when it is not bubblewrap's, why; a mismatch
+  for a config whose rewards run model-written code unless it sets
+  ``rewards.allow_weaker_sandbox``.
 
 ``GDPO_DOCTOR_SKIP=CHECK[,CHECK...]`` skips the named checks, here and in the trainer's
 preflight; their rows say so. Exit status: 0 when nothing mismatches (checks that cannot run here
@@ -267,6 +270,33 @@ def memory_row(config: TrainConfig, world_size: int, memory_gib: float) -> Check
     return Check("memory plan", OK if fits else MISMATCH, found, expected)
 
 
+def check_sandbox(target: Target) -> list[Check]:
+    """The code sandbox's level here (probed), against what the config's rewards need."""
+    from gdpo_megatron.preflight.validation import load_reward_files
+    from gdpo_megatron.rewards import sandbox
+    from gdpo_megatron.rewards.registry import runs_code
+
+    names = []
+    if target.config is not None:
+        load_reward_files(target.config.rewards.reward_files, "rewards.reward_files")
+        names = [spec.name for spec in target.config.rewards.rewards if runs_code(spec.name)]
+        if not names:
+            return [Check("sandbox", NOT_RUN, "", "no reward of the config runs code")]
+    needed = f"bwrap, for {', '.join(names)}" if names else "bwrap, for rewards that run code"
+    try:
+        level = sandbox.isolation()
+    except sandbox.SandboxError as e:
+        return [Check("sandbox", MISMATCH if names else NOT_RUN, str(e), needed)]
+    if level.level == "bwrap":
+        return [Check("sandbox", OK, "bwrap", needed)]
+    found = level.describe()
+    if not names:
+        return [Check("sandbox", NOT_RUN, found, f"no --config ({needed}, or rewards.allow_weaker_sandbox)")]
+    if target.config.rewards.allow_weaker_sandbox:
+        return [Check("sandbox", OK, found, "basic, chosen by rewards.allow_weaker_sandbox")]
+    return [Check("sandbox", MISMATCH, found, f"{needed} (or rewards.allow_weaker_sandbox=true)")]
+
+
 CHECKS: dict[str, Callable[[Target], list[Check]]] = {
     "versions": check_versions,
     "driver": check_driver,
@@ -274,6 +304,7 @@ CHECKS: dict[str, Callable[[Target], list[Check]]] = {
     "vllm": check_vllm_reload,
     "nccl": check_nccl,
     "memory": check_memory,
+    "sandbox": check_sandbox,
 }
 
 

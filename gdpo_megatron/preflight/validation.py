@@ -2,7 +2,7 @@
 
 Paths (readable inputs, writable or empty outputs), prompt files (encoding, every line's
 schema, prompt lengths under the base model's tokenizer and chat template), reward files
-(import, registration) and names, a Hugging Face directory (``config.json``, architecture,
+(import, registration) and names, the code sandbox rewards that run code get, a Hugging Face directory (``config.json``, architecture,
 every safetensors file's header and tensor names), the parallel layout against the model's
 shape, and what a run directory already holds. Every check raises a
 :class:`~gdpo_megatron.errors.UserError` whose message starts with the config key or argument
@@ -34,7 +34,8 @@ from gdpo_megatron.device import check_precision, this_machine
 from gdpo_megatron.inputs import TrainingInputs
 from gdpo_megatron.config.policy import SHAPE_FIELDS, ModelConfig, ParallelConfig, check_model_parallel
 from gdpo_megatron.config.rewards import RewardSpec
-from gdpo_megatron.rewards.registry import load_reward_file, registered_rewards, validate_specs
+from gdpo_megatron.rewards import sandbox
+from gdpo_megatron.rewards.registry import load_reward_file, registered_rewards, runs_code, validate_specs
 from gdpo_megatron.rollout.vllm_engine import check_vllm_can_load
 from gdpo_megatron.run_dir import CHECKPOINT_DIR
 
@@ -188,6 +189,24 @@ def check_reward_specs(specs: Sequence[RewardSpec], key: str, *, in_config: bool
             raise ConfigError(f"{kwargs_key}: {e}") from e
 
 
+def check_code_sandbox(specs: Sequence[RewardSpec], key: str, allow_weaker: bool, allow_with: str) -> None:
+    """Rewards that run model-written code get the strong sandbox (bubblewrap) here, or the weaker
+    basic level where ``allow_weaker`` chooses it (``allow_with`` says how, e.g. "pass
+    --allow-weaker-sandbox"). Refused in one line: why the strong level is missing, and the two
+    ways out."""
+    names = [spec.name for spec in specs if runs_code(spec.name)]
+    if not names:
+        return
+    what = f"{key}: {', '.join(names)} run{'s' if len(names) == 1 else ''} model-written code"
+    try:
+        missing = sandbox.bwrap_missing()
+    except sandbox.SandboxError as e:
+        raise InputError(f"{what}, and no sandbox level can run it here: {e}") from e
+    if missing is not None and not allow_weaker:
+        raise ConfigError(f"{what}, and the strong sandbox cannot run here: {missing}; install or allow bubblewrap "
+                          f"(docs/rewards.md), or {allow_with} to accept the weaker 'basic' level")
+
+
 # ---- a Hugging Face model directory -------------------------------------------------------------
 
 
@@ -262,6 +281,8 @@ def check_settings(config: TrainConfig, world_size: int) -> list[Condition]:
     rewards = config.rewards
     load_reward_files(rewards.reward_files, "rewards.reward_files")
     check_reward_specs(rewards.rewards, "rewards.rewards")
+    check_code_sandbox(rewards.rewards, "rewards.rewards", rewards.allow_weaker_sandbox,
+                       "set rewards.allow_weaker_sandbox=true")
     return conditions_by_column(config.advantage.conditions, rewards.names)
 
 

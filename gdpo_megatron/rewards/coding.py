@@ -17,8 +17,11 @@ does (exiting early, patching builtins, objects equal to everything) can pass it
 program runs as module ``solution``, so its ``if __name__ == "__main__":`` block does not
 run, as in HumanEval's harness. A failed assertion of the test is a wrong answer; the
 program raising, dying or timing out is a bug.
-The sandbox limits come from the reward's ``limits`` kwarg (see ``SandboxLimits``); a
-failure of the sandbox itself raises, so the reward stage counts it as a failure.
+The sandbox limits come from the reward's ``limits`` kwarg (see ``SandboxLimits``); going past
+one is the program's bug. A failure of the sandbox itself raises, and so does a program the
+sandbox killed for what it may not do (:class:`ProgramRefused`), so the reward stage counts them
+in the reward's failure metrics with the reason, never as a score. Both rewards register with
+``runs_code``: a config using them needs the strong sandbox or ``rewards.allow_weaker_sandbox``.
 """
 from __future__ import annotations
 
@@ -34,10 +37,15 @@ from pathlib import Path
 
 from gdpo_megatron.rewards import judge
 from gdpo_megatron.rewards.registry import register_reward
-from gdpo_megatron.rewards.sandbox import SandboxLimits, run_python, start_python
+from gdpo_megatron.rewards.sandbox import RunResult, SandboxLimits, run_python, start_python
 
 _FENCED = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL)
 _JUDGE_SOURCE = Path(judge.__file__).read_text(encoding="utf-8")
+
+
+class ProgramRefused(RuntimeError):
+    """The sandbox killed the program for something it may not do (e.g. a system call of another
+    architecture): a failure of the reward call, with the reason, not a score."""
 
 
 def extract_program(completion: str) -> str | None:
@@ -61,13 +69,13 @@ def _check_kwargs(limits: dict | None = None) -> None:
         raise ValueError(f"limits: {e}") from None
 
 
-@register_reward("code_pass", bounds=(0.0, 1.0), check=_check_kwargs)
+@register_reward("code_pass", bounds=(0.0, 1.0), check=_check_kwargs, runs_code=True)
 def code_pass(completion: str, num_tokens: int, ground_truth: dict, limits: dict | None = None) -> float:
     outcomes = _outcomes(completion, ground_truth, limits)
     return sum(passed for passed, _ in outcomes) / len(outcomes) if outcomes else 0.0
 
 
-@register_reward("code_no_bug", bounds=(0.0, 1.0), check=_check_kwargs)
+@register_reward("code_no_bug", bounds=(0.0, 1.0), check=_check_kwargs, runs_code=True)
 def code_no_bug(completion: str, num_tokens: int, ground_truth: dict, limits: dict | None = None) -> float:
     outcomes = _outcomes(completion, ground_truth, limits)
     return 1.0 if outcomes and all(ran for _, ran in outcomes) else 0.0
@@ -96,7 +104,7 @@ def _run_tests(program: str, tests_json: str, limits: SandboxLimits) -> tuple[tu
             verdict = run_assert_test(program, test["assert"], limits)
             outcomes.append((verdict == "passed", verdict != "error"))
         elif isinstance(test, dict) and "input" in test and "output" in test:
-            result = run_python(program, test["input"], limits)
+            result = _not_refused(run_python(program, test["input"], limits))
             outcomes.append((result.ok and same_output(result.stdout, test["output"]), result.ok))
         else:
             raise ValueError(f"ground_truth: tests[{i}] must have 'input' and 'output', or 'assert'; got {test!r}")
@@ -125,9 +133,11 @@ def run_assert_test(program: str, test: str, limits: SandboxLimits) -> str:
             os.close(fd)
         requests_r = requests_w = responses_r = responses_w = verdict_w = None
         try:
-            judging.finish(deadline)
+            judged = judging.finish(deadline)
         finally:
-            serving.finish(time.monotonic())  # the judge is done: the program has no more calls to serve
+            served = serving.finish(time.monotonic())  # the judge is done: the program has no more calls to serve
+        _not_refused(served)
+        _not_refused(judged)
         with os.fdopen(verdict_r, "rb") as f:
             verdict_r, text = None, f.read()
     finally:
@@ -138,6 +148,12 @@ def run_assert_test(program: str, test: str, limits: SandboxLimits) -> str:
         return json.loads(text)["verdict"]
     except (ValueError, KeyError, TypeError):
         return "error"  # the judge was stopped at the wall limit: the program kept it waiting
+
+
+def _not_refused(result: RunResult) -> RunResult:
+    if result.refused:
+        raise ProgramRefused(result.refused)
+    return result
 
 
 def same_output(output: str, expected: str) -> bool:

@@ -13,7 +13,9 @@ honest answer. A reward declared without bounds fails to 0.
 
 A reward whose kwargs need more than its signature says registers a ``check(**kwargs)`` that
 raises ValueError for kwargs it would refuse, so that a config is refused before training
-instead of scoring every rollout as a failure.
+instead of scoring every rollout as a failure. A reward that runs model-written code in the
+sandbox registers with ``runs_code=True``: preflight then requires the strong sandbox, or the
+config's explicit ``rewards.allow_weaker_sandbox``.
 """
 from __future__ import annotations
 
@@ -38,15 +40,17 @@ class _Registered:
     fn: RewardFn
     bounds: tuple[float, float] | None  # the (low, high) its values lie in, when declared
     check: Callable[..., None] | None  # raises ValueError for kwargs ``fn`` would refuse
+    runs_code: bool = False  # runs model-written code in the sandbox
 
 
 _REGISTRY: dict[str, _Registered] = {}
 
 
 def register_reward(name: str, bounds: tuple[float, float] | None = None,
-                    check: Callable[..., None] | None = None) -> Callable[[RewardFn], RewardFn]:
+                    check: Callable[..., None] | None = None, runs_code: bool = False) -> Callable[[RewardFn], RewardFn]:
     """Decorator: make ``fn`` available as reward ``name``, returning values in ``bounds`` (low, high);
-    ``check(**kwargs)`` (optional) raises ValueError for kwargs ``fn`` would refuse."""
+    ``check(**kwargs)`` (optional) raises ValueError for kwargs ``fn`` would refuse; ``runs_code``:
+    ``fn`` runs model-written code in the sandbox."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"reward name: expected a non-empty string, got {name!r}")
     if bounds is not None and not (
@@ -62,7 +66,8 @@ def register_reward(name: str, bounds: tuple[float, float] | None = None,
         known = _REGISTRY.get(name)
         if known is not None and _qualname(known.fn) != _qualname(fn):
             raise ValueError(f"reward {name!r} is already registered by {_qualname(known.fn)}")
-        _REGISTRY[name] = _Registered(fn, None if bounds is None else (float(bounds[0]), float(bounds[1])), check)
+        _REGISTRY[name] = _Registered(fn, None if bounds is None else (float(bounds[0]), float(bounds[1])), check,
+                                      runs_code)
         return fn
 
     return add
@@ -86,6 +91,11 @@ def registered_rewards() -> list[str]:
 def reward_bounds(name: str) -> tuple[float, float] | None:
     """The (low, high) values reward ``name`` declared at registration, or ``None``."""
     return _registered(name).bounds
+
+
+def runs_code(name: str) -> bool:
+    """Whether reward ``name`` runs model-written code in the sandbox."""
+    return _registered(name).runs_code
 
 
 def load_reward_file(path: str | Path) -> None:

@@ -15,8 +15,9 @@ from gdpo_megatron.config.rewards import RewardSpec
 
 def evaluate(model_dir: str | Path, samples: Sequence[Sample], rewards: Sequence[RewardSpec] = (), *,
              bfcl: bool = False, max_new_tokens: int = 256, max_model_len: int = 2048,
-             num_workers: int = 2) -> tuple[dict[str, float], list[str]]:
-    """Metrics (``eval/...``) and the completions of the samples that fit (in order)."""
+             num_workers: int = 2, allow_weaker_sandbox: bool = False) -> tuple[dict[str, float], list[str]]:
+    """Metrics (``eval/...``) and the completions of the samples that fit (in order);
+    ``allow_weaker_sandbox`` as the reward stage takes it."""
     from gdpo_megatron.data.bfcl import bfcl_accuracy
     from gdpo_megatron.rewards.stage import RewardStage
     from gdpo_megatron.rollout.engine import SamplingConfig
@@ -40,7 +41,7 @@ def evaluate(model_dir: str | Path, samples: Sequence[Sample], rewards: Sequence
     if bfcl:
         metrics.update(bfcl_accuracy(kept_samples, texts))
     if rewards:
-        with RewardStage(rewards, num_workers=num_workers) as stage:
+        with RewardStage(rewards, num_workers=num_workers, allow_weaker_sandbox=allow_weaker_sandbox) as stage:
             values, stage_metrics = stage.score(texts, [len(c.token_ids) for c in completions],
                                                 [s.reward_truth() for s in kept_samples])
         for k, spec in enumerate(rewards):

@@ -215,6 +215,7 @@ def test_code_rewards_run_in_the_sandbox_with_timeouts(tmp_path, tokenizer_dir, 
     fast = {"limits": {"wall_s": 3.0, "cpu_s": 1}}
     env = RewardStageEnvironment({
         "tokenizer": tokenizer_dir, "num_workers": 2, "timeout_s": 30.0, "reward_files": [str(reward_file)],
+        "allow_weaker_sandbox": True,  # whatever sandbox level runs here: scoring and timeouts are the point
         "rewards": [{"name": "code_pass", "kwargs": fast}, {"name": "code_no_bug", "kwargs": fast},
                     {"name": "nemo_env_hangs_on_request", "timeout_s": 1.0, "failure_value": -1.0}],
     })

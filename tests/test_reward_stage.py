@@ -1,7 +1,10 @@
 """The sharded reward stage: values in config order, and misbehaving rewards that hang,
 raise, return garbage or kill their worker are scored as failures, counted, and survived."""
+import json
 import math
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -127,7 +130,7 @@ def test_sandboxed_program_of_a_killed_worker_is_killed_too():
     word = f"gdpo-stage-test-{os.getpid()}"
     code = f"```python\nimport os, sys\nos.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(600)', {word!r}])\n```"
     spec = RewardSpec("code_pass", timeout_s=1.0, failure_value=-1.0, kwargs={"limits": {"wall_s": 600, "cpu_s": 600}})
-    with RewardStage([spec], num_workers=1) as stage:
+    with RewardStage([spec], num_workers=1, allow_weaker_sandbox=True) as stage:  # whatever level runs here
         killed = stage._workers[0].process.pid
         rewards, metrics = stage.score([code], [1], [{"tests": [{"input": "", "output": ""}]}])
     assert rewards.tolist() == [[-1.0]] and metrics["reward/code_pass/timeouts"] == 1
@@ -231,7 +234,7 @@ def test_zombies_a_program_leaves_do_not_fail_later_programs():
     correct = "```python\nimport subprocess\na, b = map(int, input().split())\nsubprocess.run(['true'], check=True)\nprint(a + b)\n```"
     spec = RewardSpec("code_pass", kwargs={"limits": {"processes": 32, "wall_s": 20.0}})
     truth = {"tests": [{"input": "1 2\n", "output": "3\n"}]}
-    with RewardStage([spec], num_workers=1) as stage:
+    with RewardStage([spec], num_workers=1, allow_weaker_sandbox=True) as stage:  # whatever level runs here
         rewards, metrics = stage.score([forker] + [correct] * 3, [1] * 4, [truth] * 4)
     assert rewards.tolist() == [[1.0]] * 4
     assert metrics["reward/code_pass/failures"] == 0
@@ -323,3 +326,34 @@ def test_a_failure_scores_the_declared_low_bound_and_a_value_outside_the_bounds_
     # Failing pays the bound's low end (not 0, above an honest -3); undeclared bounds fail to 0.
     assert rewards.tolist() == [[1.0, 0.0, -7.0], [-3.0, 0.5, 0.0]]
     assert [metrics[f"reward/{spec.name}/failures"] for spec in specs] == [1, 1, 1]
+
+
+
+SCORE_ONE_PROGRAM = """
+import json, sys
+from gdpo_megatron.config.rewards import RewardSpec
+from gdpo_megatron.rewards import RewardStage
+
+if __name__ == "__main__":
+    correct = "```python\\na, b = map(int, input().split())\\nprint(a + b)\\n```"
+    truth = {"tests": [{"input": "1 2\\n", "output": "3\\n"}]}
+    with RewardStage([RewardSpec("code_pass", failure_value=-1.0)], num_workers=1,
+                     allow_weaker_sandbox=sys.argv[1] == "allow") as stage:
+        rewards, metrics = stage.score([correct], [1], [truth])
+    print(json.dumps([rewards.tolist(), metrics["reward/code_pass/failures"]]))
+"""
+
+
+@pytest.mark.parametrize("choice, expected", [("refuse", [[[-1.0]], 1.0]), ("allow", [[[1.0]], 0.0])])
+def test_code_rewards_fail_below_the_strong_sandbox_unless_it_was_chosen(tmp_path, choice, expected):
+    """Preflight refuses such a config; if the strong level still fails in a worker (here: no
+    bubblewrap on the PATH of a fresh process, whose reward workers inherit it), the call fails
+    with the reason, counted, instead of running the program at the basic level."""
+    script = tmp_path / "score.py"
+    script.write_text(SCORE_ONE_PROGRAM)
+    env = {**os.environ, "PATH": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script), choice], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == expected
+    if choice == "refuse":
+        assert "the strong sandbox cannot run here" in done.stderr

@@ -48,11 +48,14 @@ _MAX_START_FAILURES = 3  # consecutive workers dying before they are ready: give
 _START_TIMEOUT_S = 300.0
 
 
-def _worker_main(conn: Connection, specs: Sequence[RewardSpec], reward_files: Sequence[str]) -> None:
+def _worker_main(conn: Connection, specs: Sequence[RewardSpec], reward_files: Sequence[str],
+                 allow_weaker_sandbox: bool) -> None:
     """Worker loop: receive (rollout, completion, num_tokens, metadata, reward indices),
     send one message per reward."""
     try:
         import gdpo_megatron.rewards  # noqa: F401  (registers the built-in rewards)
+
+        sandbox.allow_weaker(allow_weaker_sandbox)
 
         for path in reward_files:
             load_reward_file(path)
@@ -128,7 +131,11 @@ class RewardStage:
         num_workers: int = 2,
         timeout_s: float = 30.0,
         reward_files: Sequence[str | Path] = (),
+        allow_weaker_sandbox: bool = False,
     ):
+        """``allow_weaker_sandbox``: code rewards may run at the sandbox's basic level where
+        bubblewrap cannot run (else such a call fails with the reason)."""
+        self.allow_weaker_sandbox = allow_weaker_sandbox
         self.reward_files = [str(Path(p).resolve()) for p in reward_files]
         for path in self.reward_files:
             load_reward_file(path)
@@ -287,7 +294,8 @@ class RewardStage:
 
     def _start_worker(self) -> _Worker:
         parent, child = self._ctx.Pipe()
-        process = self._ctx.Process(target=_worker_main, args=(child, self.specs, self.reward_files), daemon=True)
+        process = self._ctx.Process(target=_worker_main, args=(child, self.specs, self.reward_files,
+                                                               self.allow_weaker_sandbox), daemon=True)
         process.start()
         child.close()  # so that the worker's death reads as EOF here
         return _Worker(process, parent)

@@ -32,14 +32,15 @@ from __future__ import annotations
 import time
 
 from gdpo_megatron.rewards.sandbox.levels import (
-    GUARANTEES, ISOLATION_LEVELS, Isolation, bwrap_missing, default_setup, isolation, probe,
+    GUARANTEES, ISOLATION_LEVELS, Isolation, allow_weaker, allowed_setup, bwrap_missing, default_setup, isolation,
+    probe,
 )
 from gdpo_megatron.rewards.sandbox.limits import RunResult, SandboxError, SandboxLimits
 from gdpo_megatron.rewards.sandbox.processes import SANDBOX_USERS, damage, kill_sandbox_processes, sandbox_uid
 from gdpo_megatron.rewards.sandbox.run import SandboxedRun, Setup, clean_up_after
 
 __all__ = [
-    "GUARANTEES", "ISOLATION_LEVELS", "Isolation", "RunResult", "SANDBOX_USERS", "SandboxError", "SandboxLimits",
+    "GUARANTEES", "ISOLATION_LEVELS", "Isolation", "RunResult", "allow_weaker", "SANDBOX_USERS", "SandboxError", "SandboxLimits",
     "SandboxedRun", "Setup", "bwrap_missing", "clean_up_after", "damage", "isolation", "kill_sandbox_processes",
     "probe", "run_python", "sandbox_uid", "start_python",
 ]
@@ -69,5 +70,5 @@ def start_python(files: dict[str, str], stdin: str = "", limits: SandboxLimits =
         raise ValueError(f"sandbox: files must include 'main.py', got {sorted(files)}")
     if user not in range(SANDBOX_USERS):
         raise ValueError(f"sandbox: user must be one of {list(range(SANDBOX_USERS))}, got {user!r}")
-    return SandboxedRun(files, stdin, limits, default_setup() if level is None else isolation(level).setup, pass_fds,
+    return SandboxedRun(files, stdin, limits, allowed_setup() if level is None else isolation(level).setup, pass_fds,
                         user)

@@ -128,14 +128,35 @@ def isolation(level: str | None = None) -> Isolation:
     return dataclasses.replace(isolation("basic"), why_not_bwrap=why)
 
 
+_allow_weaker = True  # whether runs that name no level may fall back to basic (allow_weaker)
+
+
+def allow_weaker(allowed: bool) -> None:
+    """Whether runs that name no level may run at the basic level where bubblewrap cannot run;
+    when not, they raise :class:`SandboxError` there instead (a reward stage sets this from
+    ``rewards.allow_weaker_sandbox``)."""
+    global _allow_weaker
+    _allow_weaker = allowed
+
+
 @functools.cache
 def default_setup() -> Setup:
     """How runs that name no level are isolated: the strongest level here; below bwrap, logged
-    once per process with the reason."""
+    once per process with the reason (:func:`allowed_setup` refuses it where not allowed)."""
     chosen = isolation()
     if chosen.level != "bwrap":
         log.warning("code sandbox: weaker isolation, level %s (see sandbox.isolation())", chosen.describe())
     return chosen.setup
+
+
+def allowed_setup() -> Setup:
+    """:func:`default_setup`, refused with :class:`SandboxError` below bwrap unless
+    :func:`allow_weaker` allows it."""
+    setup = default_setup()
+    if setup.level != "bwrap" and not _allow_weaker:
+        raise SandboxError(f"sandbox: the strong sandbox cannot run here ({bwrap_missing()}) and the weaker "
+                           "basic level was not chosen (rewards.allow_weaker_sandbox)")
+    return setup
 
 
 def bwrap_missing() -> str | None:

@@ -40,7 +40,7 @@ from gdpo_megatron.rewards.sandbox.processes import SANDBOX_USERS, damage, kill_
 from gdpo_megatron.rewards.sandbox.run import SandboxedRun, Setup, clean_up_after
 
 __all__ = [
-    "GUARANTEES", "ISOLATION_LEVELS", "Isolation", "RunResult", "allow_weaker", "SANDBOX_USERS", "SandboxError", "SandboxLimits",
+    "GUARANTEES", "ISOLATION_LEVELS", "Isolation", "RunResult", "allow_weaker", "allowed_setup", "default_setup", "SANDBOX_USERS", "SandboxError", "SandboxLimits",
     "SandboxedRun", "Setup", "bwrap_missing", "clean_up_after", "damage", "isolation", "kill_sandbox_processes",
     "probe", "run_python", "sandbox_uid", "start_python",
 ]

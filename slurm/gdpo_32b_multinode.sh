@@ -33,12 +33,6 @@ set -uo pipefail
 # name it in the cluster's environment, e.g.
 #   export NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0    (or ^lo,docker: any but these)
 #   export NCCL_IB_HCA=mlx5                                  (InfiniBand adapters for NCCL)
-export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-export TORCH_NCCL_ASYNC_ERROR_HANDLING=1  # a failed collective ends the rank instead of hanging
-export TORCH_NCCL_AVOID_RECORD_STREAMS=1  # megatron-core: frees communication buffers sooner
-export CUDA_DEVICE_MAX_CONNECTIONS=1      # megatron-core: TP communication overlaps in launch order
-export OMP_NUM_THREADS=1
-export HF_HUB_OFFLINE=1                   # base_model is a local directory; nothing is downloaded
-
 source slurm/launch.sh
+use_gpu_environment
 launch_training configs/gdpo_32b_multinode.yaml "$@"

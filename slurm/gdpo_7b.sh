@@ -24,14 +24,8 @@
 
 set -uo pipefail
 
-# NCCL and torch.distributed. Site-specific choices (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, ...)
-# belong to the cluster's own environment.
-export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-export TORCH_NCCL_ASYNC_ERROR_HANDLING=1  # a failed collective ends the rank instead of hanging
-export TORCH_NCCL_AVOID_RECORD_STREAMS=1  # megatron-core: frees communication buffers sooner
-export CUDA_DEVICE_MAX_CONNECTIONS=1      # megatron-core: TP communication overlaps in launch order
-export OMP_NUM_THREADS=1
-export HF_HUB_OFFLINE=1                   # base_model is a local directory; nothing is downloaded
-
+# Site-specific network choices (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, ...) belong to the cluster's
+# own environment (docs/cluster.md).
 source slurm/launch.sh
+use_gpu_environment
 launch_training configs/gdpo_7b.yaml "$@"

@@ -23,6 +23,16 @@ EXIT_PEER_LOST=69
 export PYTHONUNBUFFERED=1                     # log lines reach the job's output file as written
 export WANDB_MODE=${WANDB_MODE:-offline}      # compute nodes are often offline; wandb sync later
 
+# NCCL and torch.distributed on GPU nodes (the GPU scripts call it before launch_training).
+use_gpu_environment() {
+    export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+    export TORCH_NCCL_ASYNC_ERROR_HANDLING=1  # a failed collective ends the rank instead of hanging
+    export TORCH_NCCL_AVOID_RECORD_STREAMS=1  # megatron-core: frees communication buffers sooner
+    export CUDA_DEVICE_MAX_CONNECTIONS=1      # megatron-core: TP communication overlaps in launch order
+    export OMP_NUM_THREADS=1
+    export HF_HUB_OFFLINE=1                   # base_model is a local directory; nothing is downloaded
+}
+
 # After the first task ends the others get this long to end too (a crashed rank would otherwise
 # leave the rest blocked in a collective until its timeout).
 TASK_EXIT_GRACE_S=${TASK_EXIT_GRACE_S:-180}

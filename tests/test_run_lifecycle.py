@@ -120,8 +120,10 @@ def test_ctrl_c_saves_after_the_step_and_a_resume_logs_each_step_once(base, tmp_
     checkpoint = max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
 
     # The rerun resumes from that checkpoint; Ctrl-C then ends it after a step, with a checkpoint.
+    # Until the rerun has logged a step of its own, metrics.jsonl still holds the crashed run's.
+    rerun_logged = max(checkpoint + 2, len(crashed) + 1)
     process = train(base, run_dir, *long_run, wait=False)
-    while len(steps_logged(run_dir)) < checkpoint + 2 and process.poll() is None:
+    while len(steps_logged(run_dir)) < rerun_logged and process.poll() is None:
         time.sleep(0.2)
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=300)

@@ -41,10 +41,10 @@ bench: install
 	$(BIN)/python benchmarks/policy_step.py
 	$(BIN)/python benchmarks/rollout.py
 
-# A lent GPU machine has its own Python 3.12 and torch but no megatron-core, and reaches no
+# An offline GPU machine with its own Python 3.12 and torch but no megatron-core, reaching no
 # registry: `make gpu-wheels` here puts the pinned megatron-core's cp312 wheel in $(GPU_WHEELS)
-# (git-ignored; the device call carries it), `make gpu-check OUT=DIR` there installs it beside
-# the source tree and runs benchmarks/gpu_check.py (docs/gpu.md: the whole device command).
+# (git-ignored; copy it there with the tree), `make gpu-check OUT=DIR` there installs it beside
+# the source tree and runs benchmarks/gpu_check.py (docs/gpu.md: the whole command).
 GPU_WHEELS ?= .gpu-wheels
 GPU_PYTHON ?= python3
 GPU_SITE ?= /tmp/gdpo-gpu-site

@@ -1,9 +1,9 @@
-"""One prepared command for a lent GPU: what of the GPU path runs without vLLM and Transformer Engine.
+"""One prepared command for an offline GPU machine: what of the GPU path runs without vLLM and Transformer Engine.
 
 On a machine with one CUDA GPU, its own torch and megatron-core from a carried wheel, run from
 the source tree (docs/gpu.md: what travels, what has never run). Here, once,
 ``make gpu-wheels`` puts megatron-core's cp312 wheel into ``.gpu-wheels/``; there, from the
-repository root with ``.gpu-wheels`` carried, ``make gpu-check OUT=$OUT`` or what it runs:
+repository root with ``.gpu-wheels`` copied there, ``make gpu-check OUT=$OUT`` or what it runs:
 
     set -o pipefail; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
       --target /tmp/gdpo-gpu-site .gpu-wheels/*.whl && \

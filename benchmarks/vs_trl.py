@@ -1,6 +1,6 @@
 """End-to-end GDPO training throughput and memory: this trainer vs Hugging Face TRL's GRPOTrainer.
 
-    python benchmarks/vs_trl.py --trl-python /work/envs/trl/bin/python [--runs 3] [--threads 2]
+    python benchmarks/vs_trl.py --trl-python trl-env/bin/python [--runs 3] [--threads 2]
         [--workloads tool math toy]
     GDPO_TRL_PYTHON=/path/to/python python benchmarks/vs_trl.py
 

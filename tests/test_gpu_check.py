@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py's dry run: the code path a lent GPU runs, on the CPU with a tiny model.
+"""benchmarks/gpu_check.py's dry run: the code path a GPU machine runs, on the CPU with a tiny model.
 
 The GPU figures come only from a run on a GPU; here the report must be complete and its numbers
 consistent with each other and with what is computed independently below.

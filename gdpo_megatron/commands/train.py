@@ -111,22 +111,22 @@ def run(config, inputs) -> str:
             trainer.close()
 
 
-
-
 def finish(config, outcome: str) -> int:
     """Rank 0 plots the run and prints how it ended and where its outputs are; the exit status."""
-    from gdpo_megatron.trainer import DONE, PREEMPTED
+    from gdpo_megatron.trainer import DONE, PREEMPTED, STOPPED
 
+    how, status = {
+        DONE: ("finished", 0),
+        PREEMPTED: ("stopped by the scheduler; requeue the job or rerun the same command to resume", EXIT_REQUEUE),
+        STOPPED: ("stopped by Ctrl-C; rerun the same command to resume", EXIT_CTRL_C),
+    }[outcome]
     if launch_rank() == 0:
         from gdpo_megatron.plot import plot_runs
         from gdpo_megatron.run_dir import summary
 
         plots = plot_runs([config.run_dir], config.run_dir)
-        how = {DONE: "finished", PREEMPTED: "stopped by the scheduler; requeue the job or rerun the same command "
-                                            "to resume"}.get(outcome, "stopped by Ctrl-C; rerun the same command to "
-                                                                      "resume")
         print(f"gdpo-train: {how}\n{summary(config.run_dir, config.rewards.names, plots)}", flush=True)
-    return {DONE: 0, PREEMPTED: EXIT_REQUEUE}.get(outcome, EXIT_CTRL_C)
+    return status
 
 
 def say(line: str) -> None:

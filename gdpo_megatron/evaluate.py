@@ -13,6 +13,11 @@ from gdpo_megatron.data.samples import Sample
 from gdpo_megatron.config.rewards import RewardSpec
 
 
+def fits(prompt_tokens: int, max_new_tokens: int, max_model_len: int) -> bool:
+    """Whether a prompt of ``prompt_tokens`` leaves room for a full answer: those that do not are skipped."""
+    return prompt_tokens + max_new_tokens <= max_model_len
+
+
 def evaluate(model_dir: str | Path, samples: Sequence[Sample], rewards: Sequence[RewardSpec] = (), *,
              bfcl: bool = False, max_new_tokens: int = 256, max_model_len: int = 2048,
              num_workers: int = 2, allow_weaker_sandbox: bool = False) -> tuple[dict[str, float], list[str]]:
@@ -27,7 +32,7 @@ def evaluate(model_dir: str | Path, samples: Sequence[Sample], rewards: Sequence
     try:
         tokenizer = engine.tokenizer
         encoded = [(s, encode_prompt(tokenizer, s.messages)) for s in samples]
-        kept = [(s, ids) for s, ids in encoded if len(ids) + max_new_tokens <= max_model_len]
+        kept = [(s, ids) for s, ids in encoded if fits(len(ids), max_new_tokens, max_model_len)]
         metrics = {"eval/prompts": float(len(kept)), "eval/skipped_too_long": float(len(samples) - len(kept))}
         if not kept:
             return metrics, []

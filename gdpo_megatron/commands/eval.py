@@ -102,8 +102,9 @@ def main(argv: list[str]) -> int:
 def tell_what_does_not_fit(samples: list, lengths: list[int], max_model_len: int, max_new_tokens: int) -> None:
     """A line saying which prompts leave no room for ``max_new_tokens`` in the context and are
     left out of the scores (BFCL categories left with none named); an error if none is left."""
-    fits = [n + max_new_tokens <= max_model_len for n in lengths]
-    kept = [s for s, ok in zip(samples, fits) if ok]
+    from gdpo_megatron.evaluate import fits
+
+    kept = [s for s, n in zip(samples, lengths) if fits(n, max_new_tokens, max_model_len)]
     if not kept:
         raise UsageError(f"--max-model-len: none of the {len(samples)} prompts fits in {max_model_len} tokens with "
                          f"--max-new-tokens={max_new_tokens} (the shortest has {min(lengths)}); nothing to evaluate")

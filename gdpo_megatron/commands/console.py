@@ -84,8 +84,7 @@ def console_entry(main: Callable[[list[str]], Optional[int]]) -> Callable[[Optio
             report(e, debug=DEBUG_FLAG in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0"))
             return EXIT_USER_ERROR
         except KeyboardInterrupt:
-            if launch_rank() == 0:
-                print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+            say("interrupted (Ctrl-C)")
             return EXIT_CTRL_C
 
     return entry
@@ -111,6 +110,12 @@ def report(error: UserError, debug: bool = False) -> None:
                 json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": stamp}}}, f)
         except OSError:
             pass  # the report then points to torch's docs instead; the line above was printed
+
+
+def say(line: str) -> None:
+    """One line on stderr, from rank 0 only (every rank of a job runs the same code)."""
+    if launch_rank() == 0:
+        print(line, file=sys.stderr, flush=True)
 
 
 def launch_rank() -> int:

@@ -20,10 +20,12 @@ import argparse
 import dataclasses
 import socket
 import sys
+import traceback
 import warnings
 from pathlib import Path
 
-from gdpo_megatron.commands.console import EXIT_CTRL_C, ArgumentParser, console_entry, launch_rank, quiet_defaults
+from gdpo_megatron.commands.console import (EXIT_CTRL_C, ArgumentParser, console_entry, launch_rank,
+                                            quiet_defaults, say)
 from gdpo_megatron.commands.cpu_malloc import reexec_with_tcmalloc
 
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: "try again later"
@@ -129,12 +131,6 @@ def finish(config, outcome: str) -> int:
     return status
 
 
-def say(line: str) -> None:
-    """One line on rank 0 (every rank runs the same checks)."""
-    if launch_rank() == 0:
-        print(line, file=sys.stderr, flush=True)
-
-
 def _lost_peer_line(error: BaseException, peers, config) -> str:
     """Who lost whom, where, why, and what a rerun resumes from."""
     from gdpo_megatron.checkpoint.state import complete_steps
@@ -158,10 +154,7 @@ def _where(error: BaseException) -> str:
     from gdpo_megatron import trainer
 
     package = str(Path(gdpo_megatron.__file__).parent)
-    frames, tb = [], error.__traceback__
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
+    frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
     in_trainer = [i for i, f in enumerate(frames) if f.f_code.co_filename == trainer.__file__]
     if not in_trainer:
         return "at start-up"
@@ -170,7 +163,7 @@ def _where(error: BaseException) -> str:
     below = [f for f in frames[innermost + 1:] if f.f_code.co_filename.startswith(package)]
     if below:
         path.append(below[0].f_code.co_qualname)
-    steps = [f.f_locals["step"] for f in frames
-             if f.f_code.co_filename == trainer.__file__ and f.f_code.co_name == "train" and "step" in f.f_locals]
+    steps = [frames[i].f_locals["step"] for i in in_trainer
+             if frames[i].f_code.co_name == "train" and "step" in frames[i].f_locals]
     where = " > ".join(path)
     return f"in step {steps[0] + 1} ({where})" if steps else f"in {where}"

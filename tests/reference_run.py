@@ -15,20 +15,25 @@ import sys
 import tempfile
 from pathlib import Path
 
+from support.metrics_file import computed, records
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "tests" / "data" / "reference_run.yaml"
-VARYING = ("time", "time/", "throughput/")  # wall-clock figures
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
+def make_base(path: Path) -> Path:
+    """The reference run's base model: the tiny random Llama of seed 0, with a chat template."""
+    from support.tiny_model import TinyLlamaSpec, save_tiny_llama
+
+    save_tiny_llama(path, TinyLlamaSpec(seed=0))
+    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return path
 
 
 def run(workdir: Path) -> dict:
     """Build the tiny model, train with the reference config, summarize what the run left."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from support.tiny_model import TinyLlamaSpec, save_tiny_llama
-
-    base, run_dir = workdir / "base", workdir / "run"
-    save_tiny_llama(base, TinyLlamaSpec(seed=0))
-    (base / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    base, run_dir = make_base(workdir / "base"), workdir / "run"
     command = [str(Path(sys.executable).parent / "gdpo-train"), "--config", str(CONFIG),
                f"base_model={base}", f"run_dir={run_dir}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GDPO_MALLOC": "system"}
@@ -40,8 +45,7 @@ def summarize(run_dir: Path) -> dict:
     import torch
     from safetensors.torch import load_file
 
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    metrics = [{k: v for k, v in row.items() if not k.startswith(VARYING)} for row in rows]
+    metrics = [computed(row) for row in records(run_dir)]
     tensors = {}
     for file in sorted((run_dir / "hf").glob("*.safetensors")):
         for name, t in sorted(load_file(file).items()):

@@ -18,7 +18,6 @@ Without Slurm or network namespaces only the first test runs (a lost peer on loo
 """
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import re
 import shutil
@@ -31,6 +30,7 @@ from safetensors.torch import load_file
 
 from gdpo_megatron.checkpoint.state import check_files, complete_steps, step_dir
 from gdpo_megatron.commands.train import EXIT_PEER_LOST
+from support.metrics_file import computed, records
 from support.slurm_cluster import TwoHostSlurm, cluster, missing, sweep_stale_hosts
 
 SCRIPT = "slurm/gdpo_tiny_cpu.sh"
@@ -42,8 +42,6 @@ TINY = ("data.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_toke
 TWO_HOSTS = ("--nodes=2", "--ntasks-per-node=1")
 ONE_HOST = ("--nodes=1", "--ntasks-per-node=2", "--nodelist=h1")
 FIRST_STEPS_TIMEOUT_S = 240
-# Metrics that measure time, not what was computed.
-TIMING = re.compile(r"^(time|throughput)(/|$)")
 
 
 # --- a lost peer on loopback: what the rank left reports ---------------------------------------
@@ -134,14 +132,6 @@ def _finished(hosts, job: str) -> str:
     return log
 
 
-def _records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _computed(record: dict) -> dict:
-    return {k: v for k, v in record.items() if not TIMING.match(k)}
-
-
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(run_dir / "hf" / "model.safetensors")
 
@@ -172,12 +162,12 @@ def test_two_hosts_train_exactly_as_one_host(two_hosts, base_model, tmp_path, la
     assert f"job {jobs['two hosts']} (restart 0): 2 tasks on h[1-2]" in logs["two hosts"]
     assert f"job {jobs['one host']} (restart 0): 2 tasks on h1" in logs["one host"]
 
-    two, one = (_records(runs[name]) for name in ("two hosts", "one host"))
+    two, one = (records(runs[name]) for name in ("two hosts", "one host"))
     assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(1, steps + 1))
     for a, b in zip(two, one):
         # Rewards, advantages, losses, gradient norms, tokens: the same numbers, bit for bit.
         # Every reduction runs in the same order over the same ranks; only the wire differs.
-        assert _computed(a) == _computed(b)
+        assert computed(a) == computed(b)
     assert all(r["advantage/abs_mean"] > 0 for r in two)  # the weights move: the comparison below means something
     weights = {name: _weights(run) for name, run in runs.items()}
     assert _max_difference(weights["two hosts"], weights["one host"]) == 0.0
@@ -239,7 +229,7 @@ def _assert_intact(run_dir: Path, step: int) -> None:
         check_files(step_dir(root, saved))
     assert not list(root.glob(".tmp-*"))
     assert (run_dir / "metrics.jsonl").read_text().endswith("\n")
-    assert [r["step"] for r in _records(run_dir)] == list(range(1, len(_records(run_dir)) + 1))
+    assert [r["step"] for r in records(run_dir)] == list(range(1, len(records(run_dir)) + 1))
 
 
 def _resumed(log: str, job: str, step: int, run_dir: Path) -> None:
@@ -289,10 +279,10 @@ def test_killed_host_ends_the_job_which_slurm_requeues_and_resumes_on_the_host_l
         resume_s = time.monotonic() - resume_at
         _resumed(log, job, 2, run_dir)
         assert f"job {job} (restart 1): 1 tasks on h1" in log
-        assert [r["step"] for r in _records(run_dir)][-2:] == [3, 4]
+        assert [r["step"] for r in records(run_dir)][-2:] == [3, 4]
         _resumed(_finished(hosts, check), check, 2, reference)
     assert _max_difference(_weights(run_dir), _weights(reference)) == 0.0
-    assert [_computed(r) for r in _records(run_dir)][-2:] == [_computed(r) for r in _records(reference)]
+    assert [computed(r) for r in records(run_dir)][-2:] == [computed(r) for r in records(reference)]
     assert exit_s < TIMEOUT_S
     print(f"\nkilled h2: the rank on h1 reported after {report_s:.1f} s and exited after {exit_s:.1f} s; "
           f"Slurm requeued the job after {requeued_s:.1f} s; the resumed job ran {resume_s:.1f} s")
@@ -328,7 +318,7 @@ def test_cut_off_host_ends_the_job_within_the_timeout_and_a_resubmitted_job_resu
         log = _finished(hosts, resubmitted)
         resume_s = time.monotonic() - resume_at
         _resumed(log, resubmitted, 2, run_dir)
-    assert [r["step"] for r in _records(run_dir)][-2:] == [3, 4]
+    assert [r["step"] for r in records(run_dir)][-2:] == [3, 4]
     assert TIMEOUT_S <= report_s <= exit_s < 2 * TIMEOUT_S
     print(f"\ncut off h2: the rank on h1 reported after {report_s:.1f} s; both ranks had exited after {exit_s:.1f} s "
           f"(distributed.timeout_s={TIMEOUT_S}); the resubmitted job ran {resume_s:.1f} s")

@@ -10,23 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from reference_run import CHAT_TEMPLATE
+from reference_run import CONFIG, ROOT, make_base
+from support.metrics_file import records, steps_so_far
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "tests" / "data" / "reference_run.yaml"
 GDPO_TRAIN = str(Path(sys.executable).parent / "gdpo-train")
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    from support.tiny_model import TinyLlamaSpec, save_tiny_llama
-
-    path = tmp_path_factory.mktemp("base") / "model"
-    save_tiny_llama(path, TinyLlamaSpec(seed=0))
-    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-    return path
+    return make_base(tmp_path_factory.mktemp("base") / "model")
 
 
 def clean_env() -> dict:
@@ -43,8 +37,7 @@ def train(base, run_dir, *overrides, wait=True):
 
 
 def steps_logged(run_dir) -> list[int]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+    return [r["step"] for r in records(run_dir)]
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +55,8 @@ def test_a_new_run_says_so_and_ends_with_where_its_outputs_are(finished):
     assert "Traceback" not in err and "RotaryEmbedding" not in err + out  # known vLLM noise is filtered
     out = out[out.index("gdpo-train: finished\n"):]  # vLLM's own log lines go to stdout too
     assert out.startswith("gdpo-train: finished\nreward means, first 3 steps -> last 3 steps (of 3):")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for name in ("distinct_chars", "vowel_share"):
-        means = [r[f"reward/{name}/mean"] for r in records]
+        means = [r[f"reward/{name}/mean"] for r in records(run_dir)]
         assert f"  {name:<20} {sum(means) / 3:8.3f} -> {sum(means) / 3:8.3f}" in out  # 3 steps: both windows
     for line in (f"checkpoint: {run_dir}/checkpoints/step_3", f"Hugging Face export: {run_dir}/hf",
                  f"metrics: {run_dir}/metrics.jsonl", f"plot: {run_dir}/rewards.png", f"plot: {run_dir}/diagnostics.png"):
@@ -111,11 +103,11 @@ def test_ctrl_c_saves_after_the_step_and_a_resume_logs_each_step_once(base, tmp_
     long_run = ("steps=1000", "checkpoint.save_every=2")
     # A crash (SIGKILL) after step 3: the newest checkpoint is step 2, metrics.jsonl has step 3 too.
     process = train(base, run_dir, *long_run, wait=False)
-    while len(steps_logged(run_dir)) < 3 and process.poll() is None:
+    while len(steps_so_far(run_dir)) < 3 and process.poll() is None:
         time.sleep(0.2)
     process.kill()
     process.communicate()
-    crashed = steps_logged(run_dir)
+    crashed = steps_so_far(run_dir)
     assert len(crashed) >= 3 and crashed == list(range(1, len(crashed) + 1))
     checkpoint = max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
 
@@ -123,7 +115,7 @@ def test_ctrl_c_saves_after_the_step_and_a_resume_logs_each_step_once(base, tmp_
     # Until the rerun has logged a step of its own, metrics.jsonl still holds the crashed run's.
     rerun_logged = max(checkpoint + 2, len(crashed) + 1)
     process = train(base, run_dir, *long_run, wait=False)
-    while len(steps_logged(run_dir)) < rerun_logged and process.poll() is None:
+    while len(steps_so_far(run_dir)) < rerun_logged and process.poll() is None:
         time.sleep(0.2)
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=300)
@@ -151,7 +143,7 @@ def test_the_papers_tool_prompts_train_on_the_cpu(tmp_path):
                "policy.precision.dtype=fp32", "steps=2", "logging.progress_bar=false", "rewards.num_workers=1"]
     done = subprocess.run(command, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2]
-    assert all(r["rollout/logprob_mismatch"] < 1e-3 and r["train/num_tokens"] > 0 for r in records)
+    logged = records(tmp_path / "run")
+    assert [r["step"] for r in logged] == [1, 2]
+    assert all(r["rollout/logprob_mismatch"] < 1e-3 and r["train/num_tokens"] > 0 for r in logged)
     assert "ERROR" not in done.stderr and "Generator does not use offset" not in done.stderr

@@ -21,6 +21,7 @@ from gdpo_megatron.commands import plan
 from gdpo_megatron.commands.train import EXIT_PEER_LOST, EXIT_REQUEUE
 from gdpo_megatron.config import ModelConfig
 from gdpo_megatron.preflight.plan import total_params
+from support.metrics_file import records, steps_so_far
 from support.slurm_cluster import LocalSlurm, cluster, missing
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,15 +46,6 @@ def base_model(tmp_path_factory):
     return make_base_model(tmp_path_factory.mktemp("base") / "model", steps=0)
 
 
-def _logged_steps(run_dir: Path) -> list[int]:
-    """Steps of the complete metrics records, in the order written (a restart would repeat some)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    *complete, _being_written = path.read_text().split("\n")
-    return [json.loads(line)["step"] for line in complete]
-
-
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_tiny_cpu_job_trains_requeues_on_usr1_and_resumes(slurm, base_model, tmp_path):
@@ -63,7 +55,7 @@ def test_tiny_cpu_job_trains_requeues_on_usr1_and_resumes(slurm, base_model, tmp
     job = slurm.sbatch("slurm/gdpo_tiny_cpu.sh", f"base_model={base_model}", f"run_dir={run_dir}",
                        f"steps={steps}", "rollout.max_new_tokens=32", "checkpoint.save_every=0", "checkpoint.keep_last=3",
                        "checkpoint.export_hf=false")
-    slurm.wait_for(lambda: _logged_steps(run_dir) or slurm.state(job) not in ("PENDING", "RUNNING"),
+    slurm.wait_for(lambda: steps_so_far(run_dir) or slurm.state(job) not in ("PENDING", "RUNNING"),
                    "the first training step", FIRST_STEP_TIMEOUT_S)
     slurm.run("scancel", "--signal=USR1", job)  # to the tasks, not the batch shell, like --signal=USR1@T
     info = slurm.wait_job(job)
@@ -75,8 +67,8 @@ def test_tiny_cpu_job_trains_requeues_on_usr1_and_resumes(slurm, base_model, tmp
     assert f"requeueing job {job}" in log
 
     # Every step exactly once, in order: the rerun continued from the saved step.
-    assert _logged_steps(run_dir) == list(range(1, steps + 1)), log
-    for record in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()):
+    assert steps_so_far(run_dir) == list(range(1, steps + 1)), log
+    for record in records(run_dir):
         # 8 prompts x group size 8 over both data-parallel ranks, every reward scored
         assert record["rollout/tokens_generated"] / record["rollout/completion_tokens_mean"] == pytest.approx(64)
         for name in ("tool_format", "tool_correctness", "length"):

@@ -128,11 +128,11 @@ class VLLMEngine:
         self._shapes = safetensors_index(config.model_path)[1]  # what update_weights may load
         dtype = config.dtype or machine.vllm_dtype
         utilization = config.gpu_memory_utilization
+        kv_cache = None if config.kv_cache_gib is None else int(config.kv_cache_gib * _GIB)
         if on_gpu:
             free, total = torch.cuda.mem_get_info()
             weights = vllm_weight_bytes(*layer_and_other_params(self._shapes), _dtype_bytes(dtype),
                                         config.quantization, config.tensor_parallel_size)
-            kv_cache = None if config.kv_cache_gib is None else int(config.kv_cache_gib * _GIB)
             utilization = gpu_memory_utilization(weights, kv_cache, utilization, free, total)
         self._llm = LLM(
             model=config.model_path,
@@ -141,7 +141,7 @@ class VLLMEngine:
             dtype=dtype,
             max_model_len=config.max_model_len,
             gpu_memory_utilization=utilization,
-            kv_cache_memory_bytes=None if config.kv_cache_gib is None else int(config.kv_cache_gib * _GIB),
+            kv_cache_memory_bytes=kv_cache,
             enable_sleep_mode=sleep_mode,
             enforce_eager=(not on_gpu) if config.enforce_eager is None else config.enforce_eager,
             quantization=config.quantization,

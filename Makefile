@@ -50,7 +50,7 @@ GPU_PYTHON ?= python3
 GPU_SITE ?= /tmp/gdpo-gpu-site
 OUT ?= gpu-check-out
 GPU_CHECK_ARGS ?=
-MEGATRON_PIN := $(shell grep '^megatron-core==' gdpo_megatron/preflight/pins.txt)
+MEGATRON_PIN = $(shell grep '^megatron-core==' gdpo_megatron/preflight/pins.txt)
 
 gpu-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -23,7 +23,7 @@ import os
 import re
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gdpo_megatron.rewards.sandbox import seccomp
 from gdpo_megatron.rewards.sandbox.namespaces import DEVICES
@@ -85,11 +85,14 @@ _BWRAP_FAILURES = (
 class Isolation:
     """A level as probed here: per attack class of :data:`GUARANTEES`, whether it is contained."""
 
-    level: str
-    guarantees: dict[str, bool] = field(default_factory=dict)
-    setup: Setup | None = None
+    setup: Setup
+    guarantees: dict[str, bool]
     why_not_bwrap: str | None = None  # at the basic level: why bubblewrap cannot run here
     why_host_namespaces: str | None = None  # at the basic level as root: why it has no namespaces of its own
+
+    @property
+    def level(self) -> str:
+        return self.setup.level
 
     def describe(self) -> str:
         """The level and, below bwrap, why: one line."""
@@ -115,17 +118,25 @@ def isolation(level: str | None = None) -> Isolation:
         raise ValueError(f"sandbox level: expected one of {ISOLATION_LEVELS}, got {level!r}")
     if level == "basic":
         return _basic()
-    # The strongest: bwrap, else the basic level with the reason.
-    bwrap = shutil.which("bwrap")
-    why = "bubblewrap (bwrap) is not installed" if bwrap is None else None
-    if bwrap is not None:
+    if level == "bwrap":
+        bwrap = shutil.which("bwrap")
+        if bwrap is None:
+            raise _BwrapCannotRun("bubblewrap (bwrap) is not installed")
         try:
             return probe(Setup("bwrap", bwrap))
         except SandboxError as e:
-            why = explain_bwrap_failure(str(e))
-    if level == "bwrap":
-        raise SandboxError(f"sandbox: the bwrap level cannot run here: {why}")
-    return dataclasses.replace(isolation("basic"), why_not_bwrap=why)
+            raise _BwrapCannotRun(explain_bwrap_failure(str(e))) from None
+    # The strongest: bwrap (probed once, whichever way it is asked for), else the basic level with the reason.
+    try:
+        return isolation("bwrap")
+    except _BwrapCannotRun as e:
+        return dataclasses.replace(isolation("basic"), why_not_bwrap=e.why)
+
+
+class _BwrapCannotRun(SandboxError):
+    def __init__(self, why: str):
+        super().__init__(f"sandbox: the bwrap level cannot run here: {why}")
+        self.why = why
 
 
 _allow_weaker = True  # whether runs that name no level may fall back to basic (allow_weaker)
@@ -178,9 +189,9 @@ def _basic() -> Isolation:
 def probe(setup: Setup) -> Isolation:
     """Run the probe under ``setup`` and derive its guarantees; raise :class:`SandboxError` when
     it cannot run there, or what every level must hold (the filter, no_new_privs) does not."""
-    calls = {name: seccomp.syscall_number(name) for name in _CALLS}
-    run = SandboxedRun({"main.py": _PROBE.format(families=_FAMILIES, calls={n: (calls[n], a) for n, a in _CALLS.items()},
-                                                 sandbox_dir=SANDBOX_DIR)},
+    calls = {name: (seccomp.syscall_number(name), args) for name, args in _CALLS.items()}
+    run = SandboxedRun({"main.py": _PROBE.format(families=_FAMILIES, calls=calls, sandbox_dir=SANDBOX_DIR,
+                                                 namespaces=_NAMESPACES)},
                        "", _PROBE_LIMITS, setup)
     result = run.finish(time.monotonic() + _PROBE_LIMITS.wall_s)
     try:
@@ -195,10 +206,10 @@ def probe(setup: Setup) -> Isolation:
     broken += [] if seen["no_new_privs"] else ["no_new_privs is not set"]
     if broken:
         raise SandboxError(f"sandbox ({setup.level}): the system call filter does not hold: {', '.join(broken)}")
-    return Isolation(setup.level, _guarantees(setup, seen, run.memory_charged), setup)
+    return Isolation(setup, _guarantees(seen, run.memory_charged))
 
 
-def _guarantees(setup: Setup, seen: dict, memory_charged: bool) -> dict[str, bool]:
+def _guarantees(seen: dict, memory_charged: bool) -> dict[str, bool]:
     """Each guarantee, from what the probe saw (the filter and no_new_privs already checked)."""
     ours = {name: os.readlink(f"/proc/self/ns/{name}") for name in _NAMESPACES}
     private = {name: seen["namespaces"][name] != ours[name] for name in _NAMESPACES}
@@ -275,7 +286,7 @@ for path in ({sandbox_dir!r}, "/dev/shm", "."):
 print(json.dumps({{
     "no_new_privs": status["NoNewPrivs"].strip() == "1",
     "uid": os.getuid(),
-    "namespaces": {{name: os.readlink(f"/proc/self/ns/{{name}}") for name in ("pid", "ipc", "net", "mnt", "uts")}},
+    "namespaces": {{name: os.readlink(f"/proc/self/ns/{{name}}") for name in {namespaces!r}}},
     "sockets": [name for name, (family, kind) in {families!r}.items() if created(family, kind)]
                + (["AF_UNIX"] if created(1, 1) else []),
     "calls": {{name: answer(number, args) for name, (number, args) in {calls!r}.items()}},

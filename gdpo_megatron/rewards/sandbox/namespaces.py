@@ -27,6 +27,8 @@ import json
 import os
 import re
 import socket
+import stat
+from pathlib import Path
 
 from gdpo_megatron.rewards.sandbox import seccomp
 
@@ -81,11 +83,7 @@ def _new_root(root: str, binds: list[str], symlinks: list[tuple[str, str]], file
     _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     os.mkdir(root + "/tmp")
     _mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0700,uid={uid},gid={uid},size={disk_bytes}")
-    for name, text in files.items():
-        path = f"{root}/tmp/{name}"
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chown(path, uid, uid)
+    write_files(Path(root, "tmp"), files, uid)
     os.chdir(root)
     _check(_libc.syscall(ctypes.c_long(seccomp.syscall_number("pivot_root")), b".", b"."), "pivot_root")
     _check(_libc.umount2(b".", MNT_DETACH), "detach the host's root")  # it was stacked on the new one
@@ -94,6 +92,16 @@ def _new_root(root: str, binds: list[str], symlinks: list[tuple[str, str]], file
     _mount(None, "/dev", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
     socket.sethostname("sandbox")
     os.chdir("/tmp")
+
+
+def write_files(directory: Path, files: dict[str, str], uid: int | None) -> None:
+    """``files`` in ``directory``, which becomes private to ``uid`` (when given)."""
+    for name, text in files.items():
+        (directory / name).write_text(text, encoding="utf-8")
+    if uid is not None:
+        for path in (directory, *directory.iterdir()):
+            os.chown(path, uid, uid)
+        os.chmod(directory, stat.S_IRWXU)
 
 
 def _bind_read_only(source: str, target: str) -> None:

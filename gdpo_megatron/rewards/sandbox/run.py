@@ -106,7 +106,7 @@ class SandboxedRun:
                 if setup.namespaces:  # the new root is mounted on the (empty) working directory
                     cwd, env = "/", _scrubbed_env(SANDBOX_DIR)
                 else:
-                    _write_files(self._workdir, files, self._uid)
+                    namespaces.write_files(self._workdir, files, self._uid)
                     cwd, env = self._workdir, _scrubbed_env(str(self._workdir))
                 args, fds = runner, (started_w, *pass_fds)
             adopt_orphans()
@@ -288,16 +288,6 @@ def _runner(started_fd: int) -> str:
         "sys.argv = ['main.py']\n"
         "exec(compile(open('main.py', encoding='utf-8').read(), 'main.py', 'exec'), {'__name__': '__main__'})\n"
     )
-
-
-def _write_files(directory: Path, files: dict[str, str], uid: int | None) -> None:
-    """``files`` in ``directory``, which becomes private to ``uid`` (when given)."""
-    for name, text in files.items():
-        (directory / name).write_text(text, encoding="utf-8")
-    if uid is not None:
-        for path in (directory, *directory.iterdir()):
-            os.chown(path, uid, uid)
-        os.chmod(directory, stat.S_IRWXU)
 
 
 def _memfd(name: str, data: bytes) -> int:

@@ -171,23 +171,20 @@ def write_model(path: Path, model: Model) -> int:
     return sum(p.numel() for p in llama.parameters())
 
 
+def workload_samples(work: Workload) -> list:
+    """The workload's prompts, as the trainer reads them."""
+    from gdpo_megatron.data.samples import load_samples
+
+    return load_samples(work.data, work.family, system_prompt=work.system_prompt)
+
+
 def step_samples(work: Workload, steps: int) -> list[list]:
     """Each step's samples, as this trainer's prompt schedule picks them."""
-    from gdpo_megatron.data.samples import load_samples
     from gdpo_megatron.experience import PromptSchedule
 
-    samples = load_samples(work.data, work.family, system_prompt=work.system_prompt)
+    samples = workload_samples(work)
     schedule = PromptSchedule(len(samples), work.prompts, SEED)
     return [[samples[i] for i in schedule.indices(step)] for step in range(steps)]
-
-
-def longest_prompt(work: Workload, tokenizer) -> int:
-    """Tokens of the data's longest prompt, chat template applied."""
-    from gdpo_megatron.data.chat import encode_prompt
-    from gdpo_megatron.data.samples import load_samples
-
-    return max(len(encode_prompt(tokenizer, s.messages))
-               for s in load_samples(work.data, work.family, system_prompt=work.system_prompt))
 
 
 # ---- one run of each side (in its own process) -------------------------------------------------
@@ -197,14 +194,13 @@ def project_trainer(work: Workload, model: str, steps: int, out: Path):
     """This trainer as gdpo-train builds it for the comparison's work, and the RSS that
     importing vLLM added on top of torch, megatron-core and transformers."""
     import yaml
-    from transformers import AutoTokenizer
 
     from gdpo_megatron.config import TrainConfig, load_config
     from gdpo_megatron.distributed.launch import init_distributed
-    from gdpo_megatron.preflight.validation import check_training
+    from gdpo_megatron.preflight.validation import check_training, prompt_lengths
     from gdpo_megatron.trainer import Trainer
 
-    longest = longest_prompt(work, AutoTokenizer.from_pretrained(model))
+    longest = max(prompt_lengths(workload_samples(work), model, "model"))
     data = {"train_path": str(work.data), "family": work.family, "prompts_per_step": work.prompts,
             "max_prompt_tokens": longest, "shuffle_seed": SEED}
     if work.system_prompt is not None:
@@ -531,11 +527,13 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
+        written: dict[Model, tuple[Path, int]] = {}  # workloads of one model share it
         for name in args.workloads:
             work = WORKLOADS[name]
             steps = args.steps or work.steps
-            model = tmp / name
-            params = write_model(model, work.model)
+            if work.model not in written:
+                written[work.model] = (tmp / name, write_model(tmp / name, work.model))
+            model, params = written[work.model]
             runs = {side: [] for side in SIDES}
             for i in range(args.runs):
                 for side in SIDES if i % 2 == 0 else SIDES[::-1]:

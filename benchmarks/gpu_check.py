@@ -305,13 +305,16 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
+def target_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``[B, T - 1]`` logprobs of each next token of ``ids`` under ``logits``, log-softmax in fp32, on the CPU."""
+    return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1).cpu()
+
+
 def transformers_logprobs(hf_model, batch: PolicyBatch) -> torch.Tensor:
-    """``[B, T - 1]`` target logprobs from a transformers model, log-softmax in fp32."""
-    device = next(hf_model.parameters()).device
-    ids = batch.input_ids.to(device)
+    """:func:`target_logprobs` of a transformers model on ``batch``."""
+    ids = batch.input_ids.to(next(hf_model.parameters()).device)
     with torch.no_grad():
-        logits = hf_model(ids).logits[:, :-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1).cpu()
+        return target_logprobs(hf_model(ids).logits, ids)
 
 
 def gap(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> dict:
@@ -365,20 +368,19 @@ def agreement(size: Sizes, work: Path) -> dict:
                 streamed += 1
         updated = worker.compute_logprobs(batch).cpu()
         save_hf_checkpoint(worker.gpt_model, model, work / "updated")
-    streamed_logprobs = transformers_logprobs(hf, batch)
-    device = next(hf.parameters()).device
+    ids = batch.input_ids.to(next(hf.parameters()).device)
     with torch.no_grad():
-        logits = hf(batch.input_ids.to(device)).logits
+        logits = hf(ids).logits
+    policy_gap = gap(updated, target_logprobs(logits, ids), targets)
     del hf
     _free()
     reference = load_transformers(work / "updated", torch.bfloat16)
     with torch.no_grad():
-        exported_logits = reference(batch.input_ids.to(device)).logits
+        exported_logits = reference(ids).logits
     result["weight_stream"] = {
         "tensors": streamed, "logits_equal": bool(torch.equal(logits, exported_logits)),
         "logits_max_abs": (logits.float() - exported_logits.float()).abs().max().item(),
-        "policy_max_abs": gap(updated, streamed_logprobs, targets)["max_abs"],
-        "policy_mean_abs": gap(updated, streamed_logprobs, targets)["mean_abs"]}
+        "policy_max_abs": policy_gap["max_abs"], "policy_mean_abs": policy_gap["mean_abs"]}
     del reference, logits, exported_logits
     _free()
     return result

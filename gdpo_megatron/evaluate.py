@@ -1,6 +1,7 @@
 """Evaluate a Hugging Face checkpoint: greedy completions scored by rewards or by BFCL's checker.
 
-Completions come from the same vLLM engine the trainer uses. Prompts longer than the context
+Completions come from the rollout engine the trainer uses (``rollout.engine``'s default,
+laid out as a default rollout section: one rank, the engine's own memory sizing). Prompts longer than the context
 left for the answer are skipped and counted, never cut.
 """
 from __future__ import annotations
@@ -25,10 +26,11 @@ def evaluate(model_dir: str | Path, samples: Sequence[Sample], rewards: Sequence
     ``allow_weaker_sandbox`` as the reward stage takes it."""
     from gdpo_megatron.data.bfcl import bfcl_accuracy
     from gdpo_megatron.rewards.stage import RewardStage
+    from gdpo_megatron.config.rollout import RolloutConfig
     from gdpo_megatron.rollout.engine import SamplingConfig
-    from gdpo_megatron.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+    from gdpo_megatron.rollout.factory import build_engine
 
-    engine = VLLMEngine(VLLMEngineConfig(model_path=str(model_dir), max_model_len=max_model_len))
+    engine = build_engine(RolloutConfig(max_new_tokens=max_new_tokens, max_model_len=max_model_len), str(model_dir))
     try:
         tokenizer = engine.tokenizer
         encoded = [(s, encode_prompt(tokenizer, s.messages)) for s in samples]

@@ -53,9 +53,8 @@ from gdpo_megatron.config.policy import SHAPE_FIELDS
 from gdpo_megatron.device import this_machine
 from gdpo_megatron.policy.worker import PolicyWorker
 from gdpo_megatron.rewards.stage import RewardStage
-from gdpo_megatron.rollout.engine import SamplingConfig, derive_seed
-from gdpo_megatron.rollout.vllm_engine import (CPU_KV_ELEMENT_BYTES, VLLMEngine, VLLMEngineConfig, kv_cache_bytes_per_token,
-                                               kv_cache_gib)
+from gdpo_megatron.rollout.engine import RolloutEngine, SamplingConfig, derive_seed
+from gdpo_megatron.rollout.factory import build_engine, engine_class
 from gdpo_megatron.run_dir import CHECKPOINT_DIR, HF_EXPORT_DIR
 
 # Signals that stop a run after the step in progress, with a checkpoint: Slurm's time-limit
@@ -122,19 +121,13 @@ class Trainer:
             state = self.checkpoints.load(self.worker.model, self.worker.optimizer, self.worker.scheduler)
             self.start_step = state.step
 
-        self.worker.release_memory()  # before vLLM sizes itself from the free memory, and the first rollout
-        self.engine = VLLMEngine(VLLMEngineConfig(
-            model_path=config.base_model,
-            tensor_parallel_size=config.rollout.tensor_parallel_size,
-            max_model_len=config.rollout.max_model_len,
-            gpu_memory_utilization=config.rollout.gpu_memory_utilization,
-            kv_cache_gib=self._kv_cache_gib(rollouts_per_replica, inputs.longest_prompt),
-            enforce_eager=config.rollout.enforce_eager,
-            sleep_level=config.rollout.sleep_level,
-            quantization=config.rollout.quantization,
-            max_num_batched_tokens=config.rollout.max_num_batched_tokens,
-            seed=config.seed,
-        ))
+        self.worker.release_memory()  # before the engine sizes itself from the free memory, and the first rollout
+        rollout = config.rollout  # its KV cache: one step's rollouts, the data's longest prompt + max_new_tokens each
+        kv_cache = engine_class(rollout.engine).kv_cache_gib(rollout, self.policy_config.model, this_machine(),
+                                                             rollouts_per_replica,
+                                                             inputs.longest_prompt + rollout.max_new_tokens)
+        self.engine: RolloutEngine = build_engine(dataclasses.replace(rollout, kv_cache_gib=kv_cache),
+                                                  config.base_model, seed=config.seed)
         self.tokenizer = self.engine.tokenizer
         if self.start_step:
             self._sync_weights()  # the engine started from base_model
@@ -247,18 +240,6 @@ class Trainer:
         """The step's advantages over every data-parallel replica's rollouts, after the group filter."""
         return compute_advantages(rewards, group_ids, config=self.config.advantage, weights=self.config.rewards.weights,
                                   conditions=self.conditions, reduction=AllReduce(self.dp_group))
-
-    def _kv_cache_gib(self, rollouts_per_replica: int, longest_prompt: int) -> float | None:
-        """``rollout.kv_cache_gib``, or on CPU (where vLLM would take half of the host's memory)
-        the cache that one step's rollouts fill at most: the data's longest prompt plus
-        ``rollout.max_new_tokens`` each."""
-        rollout = self.config.rollout
-        if rollout.kv_cache_gib is not None or this_machine().cuda:
-            return rollout.kv_cache_gib
-        per_token = kv_cache_bytes_per_token(self.policy_config.model, rollout.tensor_parallel_size,
-                                             CPU_KV_ELEMENT_BYTES)
-        return kv_cache_gib(per_token, rollouts_per_replica, longest_prompt + rollout.max_new_tokens,
-                            rollout.max_model_len)
 
     def _sync_weights(self) -> None:
         self.engine.update_weights(iter_hf_weights(self.worker.gpt_model, self.policy_config.model))

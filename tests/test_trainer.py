@@ -163,7 +163,7 @@ def _kv_cache_gib_of_the_engine(overrides):
 def test_the_cpu_kv_cache_holds_one_step_of_the_datas_longest_prompts(base_model, tmp_path):
     from transformers import AutoTokenizer
 
-    from gdpo_megatron.rollout.vllm_engine import CPU_BLOCK_SIZE, kv_cache_gib
+    from gdpo_megatron.rollout.vllm_engine import CPU_BLOCK_SIZE, sequences_kv_cache_gib
     from gdpo_megatron.preflight.validation import training_prompts
 
     config = load_config(TrainConfig, CONFIG, _overrides(base_model, tmp_path / "kv", 1))
@@ -180,8 +180,8 @@ def test_the_cpu_kv_cache_holds_one_step_of_the_datas_longest_prompts(base_model
     hf = json.loads((Path(base_model) / "config.json").read_text())
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     per_token = 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * head_dim * 4  # K and V, fp32
-    expected = kv_cache_gib(per_token, 4 * 4, longest + new_tokens, config.rollout.max_model_len)
-    assert expected > kv_cache_gib(per_token, 4 * 4, longest - 1 + new_tokens, config.rollout.max_model_len)
+    expected = sequences_kv_cache_gib(per_token, 4 * 4, longest + new_tokens, config.rollout.max_model_len)
+    assert expected > sequences_kv_cache_gib(per_token, 4 * 4, longest - 1 + new_tokens, config.rollout.max_model_len)
     assert run_local(_kv_cache_gib_of_the_engine, 1, overrides) == [expected]  # 4 prompts x 4 rollouts
 
 

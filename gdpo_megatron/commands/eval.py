@@ -63,13 +63,13 @@ def main(argv: list[str]) -> int:
 
     from gdpo_megatron.preflight.validation import (about, check_code_sandbox, check_output_file, check_reward_specs,
                                                     check_weights, load_prompts, prompt_lengths, read_model_config)
-    from gdpo_megatron.rollout.vllm_engine import check_vllm_can_load
+    from gdpo_megatron.rollout.factory import DEFAULT_ENGINE, engine_class
 
     quiet_defaults()
     # Every check before the engine starts.
     hf_config = read_model_config(args.model, "--model")
     with about("--model"):
-        check_vllm_can_load(hf_config)
+        engine_class(DEFAULT_ENGINE).check_model(hf_config)
     max_model_len = _max_model_len(hf_config, args.max_model_len, args.max_new_tokens)
     check_weights(args.model, "--model")
     if args.rewards is not None:

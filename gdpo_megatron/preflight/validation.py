@@ -36,7 +36,7 @@ from gdpo_megatron.config.policy import SHAPE_FIELDS, ModelConfig, ParallelConfi
 from gdpo_megatron.config.rewards import RewardSpec
 from gdpo_megatron.rewards import sandbox
 from gdpo_megatron.rewards.registry import load_reward_file, registered_rewards, runs_code, validate_specs
-from gdpo_megatron.rollout.vllm_engine import check_vllm_can_load
+from gdpo_megatron.rollout.factory import engine_class
 from gdpo_megatron.run_dir import CHECKPOINT_DIR
 from gdpo_megatron.tasks import get_task
 
@@ -324,7 +324,7 @@ def check_base_model(config: TrainConfig, hf_config: dict, world_size: int) -> M
     model = model_shape(hf_config, "base_model",
                         make_vocab_size_divisible_by=config.policy.model.make_vocab_size_divisible_by)
     with about("base_model"):
-        check_vllm_can_load(hf_config)
+        engine_class(config.rollout.engine).check_model(hf_config)
     check_model_split(model, config.policy.parallel, world_size, "policy.parallel (base_model's shape)")
     if config.rollout.max_model_len > model.max_position_embeddings:
         raise ConfigError(f"rollout.max_model_len: expected <= {model.max_position_embeddings}, the "

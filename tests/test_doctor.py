@@ -185,6 +185,15 @@ def test_the_memory_plan_is_gdpo_plans_verdict_with_its_override_named():
         assert (f"{SKIP_ENV}=memory runs anyway" in row.expected) == (status == MISMATCH)
 
 
+def test_the_memory_row_counts_the_log_prob_steps_bytes():
+    """toolrl_qwen2.5_1.5b on 8 H100s: micro-batches of up to 12,288 tokens x 151,936 vocabulary
+    rows (TP 1) x 14 bytes (bf16 logits, the step's three fp32 buffers) = 24.3 GiB."""
+    config = load_config(TrainConfig, "configs/toolrl_qwen2.5_1.5b.yaml", [])
+    row = memory_row(config, 8, 79.2)
+    assert f"(logits and log-prob step {12_288 * 151_936 * 14 / GIB:.1f}); " in row.found
+    assert "(logits and log-prob step 24.3); " in row.found
+
+
 def test_the_memory_row_names_the_utilization_the_engine_gives_vllm():
     """With rollout.kv_cache_gib the engine derives vLLM's share from weights + KV cache + its
     runtime allowance; the row shows the plan's figure for it, computed the same way."""

@@ -17,7 +17,8 @@ e.g. no CUDA device here). The checks, by name:
   calls, and the reload module the engine imports exists.
 * ``nccl``: NCCL is available to torch, at least in the version torch was released with (a
   newer NCCL, e.g. a cluster's own on ``LD_LIBRARY_PATH``, is fine).
-* ``memory``: ``gdpo-plan``'s estimate of the config against this GPU's memory, with the
+* ``memory``: ``gdpo-plan``'s estimate of the config against this GPU's memory (naming its
+  share for the logits and the log-prob step, the bytes per logit element that step holds), with the
   ``gpu_memory_utilization`` the rollout engine will give vLLM (derived from
   ``rollout.kv_cache_gib`` where set), which vLLM wants free at start-up. It is an estimate
   (``gdpo-plan`` prints its assumptions): where it is wrong for a config,
@@ -261,7 +262,8 @@ def memory_row(config: TrainConfig, world_size: int, memory_gib: float) -> Check
         return Check("memory plan", MISMATCH, str(e), "a layout that splits")
     distributed = plan.distributed_optimizer
     fits = plan.fits(distributed)
-    found = (f"peak {plan.peak(distributed) / GIB:.1f} GiB of {memory_gib:.1f}; vLLM gets "
+    found = (f"peak {plan.peak(distributed) / GIB:.1f} GiB of {memory_gib:.1f} (logits and log-prob step "
+             f"{plan.stage.logits / GIB:.1f}); vLLM gets "
              f"gpu_memory_utilization {plan.gpu_memory_utilization:.3f}; KV cache {plan.kv_cache_tokens:,} tokens")
     expected = (f"fits (vLLM's share free next to the policy at start-up), KV cache >= rollout.max_model_len "
                 f"{config.rollout.max_model_len} tokens")

@@ -178,7 +178,8 @@ def test_the_engine_counts_vllm_as_the_plan_does(tmp_path, overrides):
     while generating passes the GPU."""
     from gdpo_megatron.checkpoint.layout import hf_shapes
     from gdpo_megatron.errors import InputError
-    from gdpo_megatron.rollout.vllm_engine import layer_and_other_params, gpu_memory_utilization, vllm_weight_bytes
+    from gdpo_megatron.rollout.vllm_engine import (gpu_memory_utilization, layer_and_other_params, startup_margin,
+                                                   vllm_weight_bytes)
 
     kv = 256 * 1024
     config = load_config(TrainConfig, write(tmp_path, SMALL), [*overrides, f"rollout.kv_cache_gib={kv / GIB}"])
@@ -190,16 +191,17 @@ def test_the_engine_counts_vllm_as_the_plan_does(tmp_path, overrides):
         weights = vllm_weight_bytes(*layer_and_other_params(hf_shapes(config.policy.model)), 2,
                                     rollout.quantization, rollout.tensor_parallel_size)
         assert weights == plan.vllm_weights
-        free = gpu_memory - (plan.peak_generating(True) - plan.vllm_total)  # next to the policy
+        # next to the policy; the plan's fixed overhead holds what vLLM's communicators take
+        free = gpu_memory - (plan.peak_generating(True) - plan.vllm_total) + startup_margin(rollout.tensor_parallel_size)
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr("gdpo_megatron.rollout.vllm_engine.VLLM_RUNTIME_GIB", RUNTIME / GIB)
             verdicts.add(plan.peak_generating(True) <= gpu_memory)
             if plan.peak_generating(True) <= gpu_memory:
-                assert gpu_memory_utilization(weights, kv, 0.5, free, gpu_memory) == pytest.approx(
+                assert gpu_memory_utilization(weights, kv, 0.5, free, gpu_memory, rollout.tensor_parallel_size) == pytest.approx(
                     plan.gpu_memory_utilization)
             else:
                 with pytest.raises(InputError, match="rollout.kv_cache_gib"):
-                    gpu_memory_utilization(weights, kv, 0.5, free, gpu_memory)
+                    gpu_memory_utilization(weights, kv, 0.5, free, gpu_memory, rollout.tensor_parallel_size)
     assert verdicts == {True, False}
 
 

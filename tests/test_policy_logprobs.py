@@ -3,11 +3,11 @@ bit for bit the plain out-of-place computation, within the memory gdpo-plan coun
 import pytest
 import torch
 import torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile
 
 from gdpo_megatron.config import TrainConfig, load_config
 from gdpo_megatron.policy.logprobs import vocab_parallel_logprobs
 from gdpo_megatron.preflight.plan import Cluster, plan_memory
+from support.memory import logprob_step_bytes_per_logit
 
 VOCAB, PADDED = 61, 64  # the last 3 rows are padding (as when the embedding is padded for TP)
 
@@ -112,19 +112,6 @@ def test_in_place_steps_change_no_bit(dtype, temperature):
     assert not leaf.grad[:, -1].any()
 
 
-def peak_live_bytes(fn) -> int:
-    """The most CPU tensor bytes alive at once while ``fn`` runs, beyond those alive before:
-    the running sum of the allocator's allocations and frees that the profiler records."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
-
-
 def test_measured_peak_per_logit_is_what_the_plan_counts():
     """One update's log-prob step on bf16 logits made by an output-layer matmul: forward,
     backward, the worker's slice. Its peak of live bytes per logit element is within 10% of
@@ -133,19 +120,5 @@ def test_measured_peak_per_logit_is_what_the_plan_counts():
     model = plan.config.policy.model
     assert plan.config.policy.precision.dtype == "bf16"  # planned as on a GPU
     planned = plan.stage.logits / (plan.micro_batch_tokens * model.padded_vocab_size(1))
-
-    rows, positions, hidden_size, padded, vocab = 2, 65, 32, 50_048, 50_000
-    g = torch.Generator().manual_seed(0)
-    hidden = torch.randn(rows, positions, hidden_size, generator=g).to(torch.bfloat16).requires_grad_(True)
-    output_layer = (torch.randn(padded, hidden_size, generator=g) / 4).to(torch.bfloat16)
-    targets = torch.randint(0, vocab, (rows, positions - 1), generator=g)
-    weights = torch.randn(rows, positions - 1, generator=g)
-
-    def update():
-        logits = hidden @ output_layer.T
-        logprobs, _ = vocab_parallel_logprobs(logits[:, :-1], targets, vocab, temperature=0.7)
-        (logprobs * weights).sum().backward()
-
-    measured = peak_live_bytes(update) / (rows * positions * padded)
-    assert hidden.grad is not None
+    measured = logprob_step_bytes_per_logit(positions=130, hidden_size=32, vocab_rows=50_048, vocab_size=50_000)
     assert abs(measured - planned) <= 0.1 * planned, (measured, planned)

@@ -55,9 +55,9 @@ CPU_BLOCK_SIZE = 32
 
 # What vLLM holds on a GPU besides its weights and KV cache: the profile run's activations at
 # its token budget, the sampler, the CUDA-graph pool, cuBLAS and NCCL buffers. An allowance, not a
-# measurement (vLLM logs its own figures at start-up). Sleep frees neither the CUDA-graph pool
-# nor NCCL buffers nor the model runner's input buffers, so gdpo-plan counts it next to the
-# policy's update too.
+# measurement (vLLM logs its own at INFO level; docs/gpu.md says how to see them). Sleep frees
+# neither the CUDA-graph pool nor NCCL buffers nor the model runner's input buffers, so gdpo-plan
+# counts it next to the policy's update too.
 VLLM_RUNTIME_GIB = 2.0
 # What vLLM allocates between the engine's free-memory check and its own: vLLM 0.32's
 # ``Worker.init_device`` (v1/worker/gpu_worker.py) builds its parallel groups

@@ -20,8 +20,12 @@ Parts, each reported under its name in ``DIR/gpu_check.json`` and ``DIR/gpu_chec
   subprocess; TE's skip themselves, vLLM's are not collected).
 * ``update``: the policy's train step in bf16 (local spec: torch SDPA, no TE) for random
   Qwen2-shaped models of 0.5B and 1.5B parameters, 16 rows of 2-4k tokens in token-budget
-  micro-batches: s/step, tokens/s, MFU (model FLOPs as in benchmarks/policy_step.py over the
-  GPU's dense bf16 peak), peak memory next to gdpo-plan's estimate of the same update.
+  micro-batches: s/step, tokens/s, MFU (model FLOPs as in benchmarks/policy_step.py, attention
+  counted causal, over the GPU's dense bf16 peak), peak memory next to gdpo-plan's estimate of
+  the same update.
+* ``logprob_peak``: the log-prob step of one micro-batch of the 1.5B update (bf16 logits from
+  the output layer, logprobs, backward): its peak bytes per logit element next to the bytes
+  per element gdpo-plan counts for it.
 * ``logprobs``: the policy's token logprobs against transformers' for the same weights on
   the same device, in fp32 and in bf16.
 * ``weight_stream``: after an update, the policy's weights streamed into a transformers model
@@ -60,6 +64,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from policy_step import BF16_PEAK, matmul_flops_per_token  # noqa: E402  (benchmarks/ is on sys.path)
+from support.memory import logprob_step_bytes_per_logit  # noqa: E402  (policy_step puts tests/ on sys.path)
 
 from gdpo_megatron.config import TrainConfig, from_dict  # noqa: E402
 from gdpo_megatron.config.policy import ModelConfig, OptimConfig, PolicyConfig, PrecisionConfig  # noqa: E402
@@ -75,7 +80,7 @@ PROMPT_TOKENS = 64  # every row's prompt; the rest is completion (the loss, and 
 class Sizes:
     """What one run measures: the real sizes on a GPU, a tiny model for the CPU dry run."""
 
-    update_models: dict[str, ModelConfig]
+    update_models: dict[str, ModelConfig]  # the last one's shape also measures the log-prob step
     rows: int
     shortest: int
     longest: int
@@ -92,8 +97,10 @@ def sizes(dry_run: bool) -> Sizes:
         tiny = ModelConfig.preset("tiny", tie_word_embeddings=True, add_qkv_bias=True)  # Qwen2-shaped
         return Sizes(update_models={"tiny": tiny}, rows=4, shortest=40, longest=80, micro_batch_tokens=160,
                      timed_steps=2, check_model=tiny, check_rows=2, check_length=48, copy_gib=0.0)
+    # A 6,144-token budget: the 1.5B update's plan is 50 GiB (8,192 tokens: 58), room on an
+    # 80 GB H100 (79.2 GiB) for what the local spec holds beyond the plan.
     return Sizes(update_models={name: ModelConfig.preset(name) for name in ("qwen2-0.5b", "qwen2-1.5b")},
-                 rows=16, shortest=2048, longest=4096, micro_batch_tokens=8192, timed_steps=3,
+                 rows=16, shortest=2048, longest=4096, micro_batch_tokens=6144, timed_steps=3,
                  check_model=ModelConfig.preset("qwen2-0.5b", num_layers=4), check_rows=4, check_length=1024,
                  copy_gib=4.0)
 
@@ -155,6 +162,12 @@ def markdown(report: dict) -> str:
                          f"{_pct(r['mfu'])} | {_num(r['peak_allocated_gib'])} | {r['plan_gib']:.2f} | "
                          f"{_num(r['peak_over_plan'])} |")
         lines.append("")
+    if "logprob_peak" in report:
+        p = report["logprob_peak"]
+        lines += ["## log-prob step memory", "", _error(p) or (
+            f"{p['model']}: {p['positions']} positions x {p['vocab_rows']} vocabulary rows, bf16 logits: peak "
+            f"{p['measured_bytes_per_logit']:.2f} bytes per logit element, gdpo-plan counts "
+            f"{p['plan_bytes_per_logit']:.2f} (measured/plan {p['measured_over_plan']:.3f})"), ""]
     checks = []
     for dtype, lp in report.get("logprobs", {}).items():
         checks.append(_error(report["logprobs"]) if dtype == "error" else
@@ -237,9 +250,8 @@ def rows_of(model: ModelConfig, count: int, shortest: int, longest: int, seed: i
     return PolicyBatch(ids, loss_mask, torch.randn(count, generator=g), lengths=lengths)
 
 
-def planned_update_bytes(model: ModelConfig, policy: PolicyConfig, rows: int, longest: int) -> int:
-    """gdpo-plan's per-GPU bytes of the same update on one GPU: weights, gradients, Adam state,
-    activations and logits (no allowances: what the measured peak holds)."""
+def update_plan(model: ModelConfig, policy: PolicyConfig, rows: int, longest: int):
+    """gdpo-plan's memory plan of the same update on one GPU."""
     from gdpo_megatron.preflight.plan import Cluster, plan_memory
 
     config = from_dict(TrainConfig, {
@@ -251,9 +263,36 @@ def planned_update_bytes(model: ModelConfig, policy: PolicyConfig, rows: int, lo
         "policy": {"model": dataclasses.asdict(model), "precision": {"dtype": policy.precision.dtype},
                    "micro_batch_tokens": policy.micro_batch_tokens},
     }, "")
-    plan = plan_memory(config, Cluster(1, 1, 80.0))
+    return plan_memory(config, Cluster(1, 1, 79.2))
+
+
+def planned_update_bytes(model: ModelConfig, policy: PolicyConfig, rows: int, longest: int) -> int:
+    """gdpo-plan's per-GPU bytes of the same update on one GPU: weights, gradients, Adam state,
+    activations and logits (no allowances: what the measured peak holds)."""
+    plan = update_plan(model, policy, rows, longest)
     s = plan.stage
     return s.static(plan.distributed_optimizer) + s.activations + s.logits
+
+
+def update_policy(model: ModelConfig, size: Sizes) -> PolicyConfig:
+    return PolicyConfig(model=model, precision=PrecisionConfig(dtype="bf16", transformer_engine=False),
+                        optim=OptimConfig(lr=1e-6), micro_batch_tokens=size.micro_batch_tokens)
+
+
+def logprob_peak(size: Sizes) -> dict:
+    """The log-prob step of one full micro-batch of the last update model (measured on this
+    device, support/memory.py) against the bytes per logit element the update's plan counts."""
+    name, model = list(size.update_models.items())[-1]
+    plan = update_plan(model, update_policy(model, size), size.rows, size.longest)
+    rows = model.padded_vocab_size(1)
+    planned = plan.stage.logits / (plan.micro_batch_tokens * rows)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    measured = logprob_step_bytes_per_logit(size.micro_batch_tokens, model.hidden_size, rows, model.vocab_size,
+                                            device)
+    _free()
+    return {"model": name, "positions": size.micro_batch_tokens, "vocab_rows": rows,
+            "measured_bytes_per_logit": measured, "plan_bytes_per_logit": planned,
+            "measured_over_plan": measured / planned}
 
 
 def update(name: str, size: Sizes) -> dict:
@@ -261,8 +300,7 @@ def update(name: str, size: Sizes) -> dict:
     from gdpo_megatron.policy.worker import PolicyWorker
 
     model, longest = size.update_models[name], size.longest
-    config = PolicyConfig(model=model, precision=PrecisionConfig(dtype="bf16", transformer_engine=False),
-                          optim=OptimConfig(lr=1e-6), micro_batch_tokens=size.micro_batch_tokens)
+    config = update_policy(model, size)
     batch = rows_of(model, size.rows, size.shortest, longest)
     cuda = torch.cuda.is_available()
     with PolicyWorker(config) as worker:
@@ -513,6 +551,9 @@ def main(argv: list[str] | None = None) -> int:
             for name in size.update_models:
                 report["update"].append({"model": name, **run_part(f"update {name}", update, name, size)})
                 save()
+        if "logprob_peak" not in skip:
+            report["logprob_peak"] = run_part("logprob_peak", logprob_peak, size)
+            save()
         if "agreement" not in skip:
             (work / "agreement").mkdir()
             value = run_part("agreement", agreement, size, work / "agreement")

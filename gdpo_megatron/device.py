@@ -4,8 +4,9 @@ Everything that differs between a CUDA machine and a CPU-only one asks here: the
 rank, the parameter dtype an ``"auto"`` setting stands for, the vLLM engine's dtype and memory
 mode, the collective backend, the distributed optimizer's default. :data:`CUDA` and
 :data:`CPU` describe the two kinds of machine; :func:`this_machine` says which one this is
-(``gdpo-plan`` plans for :data:`CUDA` from anywhere). Torch is imported only by the functions
-that need it, so a process can ask :func:`nvidia_driver` before torch is loaded.
+(``gdpo-plan`` plans for :data:`CUDA` from anywhere); :func:`compute_capability` reports the
+GPU's, :func:`runs_fp8_recipe` whether an FP8 recipe runs on it. Torch is imported only by the
+functions that need it, so a process can ask :func:`nvidia_driver` before torch is loaded.
 """
 from __future__ import annotations
 
@@ -27,6 +28,36 @@ FP8_RECIPE_SUPPORT = {
     "blockwise": "is_fp8_block_scaling_available",
     "mxfp8": "is_mxfp8_available",
 }
+
+# The compute capability each recipe needs, as Transformer Engine 2.11 checks it
+# (transformer_engine/pytorch/quantization.py, ``_compute_*_support``): FP8 GEMMs from Ada
+# (sm_89; Hopper is sm_90) on, FP8 block scaling from Hopper on, MXFP8 on Blackwell from sm_100
+# up to (not including) sm_120. (lowest, first refused or None)
+FP8_RECIPE_CAPABILITY: dict[str, tuple[tuple[int, int], tuple[int, int] | None]] = {
+    "delayed": ((8, 9), None),
+    "tensorwise": ((8, 9), None),
+    "blockwise": ((9, 0), None),
+    "mxfp8": ((10, 0), (12, 0)),
+}
+
+
+def fp8_capability_needed(recipe: str) -> str:
+    """The compute capabilities that run FP8 ``recipe``, in words ("8.9 or higher")."""
+    lowest, refused = FP8_RECIPE_CAPABILITY[recipe]
+    return f"{lowest[0]}.{lowest[1]} or higher" + (f", below {refused[0]}.{refused[1]}" if refused else "")
+
+
+def runs_fp8_recipe(recipe: str, capability: tuple[int, int]) -> bool:
+    """Whether a GPU of compute ``capability`` (major, minor) runs FP8 ``recipe``."""
+    lowest, refused = FP8_RECIPE_CAPABILITY[recipe]
+    return lowest <= tuple(capability) and (refused is None or tuple(capability) < refused)
+
+
+def compute_capability() -> tuple[int, int] | None:
+    """This process's CUDA device's compute capability (major, minor), or None without CUDA."""
+    import torch
+
+    return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
 
 
 def nvidia_driver() -> ctypes.CDLL | None:

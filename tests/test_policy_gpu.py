@@ -1,5 +1,5 @@
-"""The GPU path: Transformer Engine layer spec in bf16, FP8 train steps (with sequence parallelism),
-TE's own FP8 recipe checks, and sequence parallelism without Transformer Engine."""
+"""The GPU path: Transformer Engine layer spec in bf16 (with TE's fused RoPE), FP8 train steps (with
+sequence parallelism), TE's own FP8 recipe checks, and sequence parallelism without Transformer Engine."""
 import pytest
 import torch
 
@@ -55,6 +55,39 @@ def te_step(fp8, recipe):
 def gpu_world():
     with LocalWorld(1, backend="nccl") as world:
         yield world
+
+
+def rotations(fused_too: bool):
+    """RoPE on one bf16 query tensor through megatron's unfused path and, with the Transformer
+    Engine spec's config, through TE's fused kernel."""
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from gdpo_megatron.policy.model import destroy_model_parallel, initialize_model_parallel, transformer_config
+
+    model = ModelConfig.preset("tiny")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    initialize_model_parallel(ParallelConfig())
+    try:
+        configs = [transformer_config(model, ParallelConfig(), PrecisionConfig(dtype="bf16", transformer_engine=te))
+                   for te in ((False, True) if fused_too else (False,))]
+        freqs = RotaryEmbedding(kv_channels=model.head_dim, rotary_percent=1.0,
+                                rotary_base=int(model.rotary_base))(T).to(device)
+        t = torch.randn(T, MICRO, model.num_attention_heads, model.head_dim, generator=torch.Generator().manual_seed(0))
+        t = t.to(device, torch.bfloat16)
+        return [(config.apply_rope_fusion, apply_rotary_pos_emb(t, freqs, config).float().cpu()) for config in configs]
+    finally:
+        destroy_model_parallel()
+
+
+@needs_te
+def test_transformer_engine_spec_fuses_rope_as_megatron_rotates(gpu_world):
+    """With Transformer Engine the config turns on TE's fused RoPE; it rotates as megatron's
+    unfused torch path does, to bf16 rounding (the unfused path rounds cos, sin and both
+    products to bf16: a few units in the last place of inputs up to about 4.5, 2 ulp = 1/16)."""
+    (plain_flag, plain), (fused_flag, fused) = gpu_world.run(rotations, True)[0]
+    assert fused_flag and not plain_flag
+    torch.testing.assert_close(fused, plain, rtol=1.6e-2, atol=1 / 16)
 
 
 @needs_te

@@ -432,17 +432,53 @@ def test_the_utilization_given_to_vllm_passes_its_start_up_check():
 
     with pytest.raises(ValueError, match="less than desired GPU memory utilization"):
         vllm_start(0.5)
-    derived = gpu_memory_utilization(weights, kv_cache, 0.5, free, total)
+    derived = gpu_memory_utilization(weights, kv_cache, 0.5, free, total, 1)
     assert derived == (weights + kv_cache + VLLM_RUNTIME_GIB * gib) / total
     assert vllm_start(derived) <= free
     with pytest.raises(InputError, match=r"rollout.kv_cache_gib=20: vLLM needs 37.0 GiB free at start-up "
                                          r"\(weights 15.0 \+ KV cache 20.0 \+ runtime 2 GiB\) and 33.0 GiB of 80.0"):
-        gpu_memory_utilization(weights, 20 * gib, 0.5, free, total)
+        gpu_memory_utilization(weights, 20 * gib, 0.5, free, total, 1)
     # without a fixed KV cache the configured share stands, and is checked the same way
-    assert gpu_memory_utilization(weights, None, 0.4, free, total) == 0.4
+    assert gpu_memory_utilization(weights, None, 0.4, free, total, 1) == 0.4
     assert vllm_start(0.4) <= free
     with pytest.raises(InputError, match=r"rollout.gpu_memory_utilization=0.5: vLLM starts only with 40.0 GiB"):
-        gpu_memory_utilization(weights, None, 0.5, free, total)
+        gpu_memory_utilization(weights, None, 0.5, free, total, 1)
+
+
+@pytest.mark.parametrize("kv_cache_gib", [None, 10])
+@pytest.mark.parametrize("free_gib", [32.0, 33.0, 33.5, 34.0])
+def test_an_engine_of_several_ranks_keeps_room_for_vllms_communicators(free_gib, kv_cache_gib):
+    """At rollout TP 2 vLLM builds its communicators before it measures the free memory: the
+    engine accepts exactly where vLLM's own rule passes on what is left after them, and names
+    that share when it refuses; at TP 1 vLLM builds none and the rule is vLLM's."""
+    from vllm.utils.mem_utils import MemorySnapshot
+    from vllm.v1.worker.utils import request_memory
+
+    from gdpo_megatron.errors import InputError
+    from gdpo_megatron.rollout.vllm_engine import VLLM_COMMUNICATORS_GIB, gpu_memory_utilization
+
+    gib = 2**30
+    free, total, weights = int(free_gib * gib), 80 * gib, 20 * gib
+    kv_cache = None if kv_cache_gib is None else kv_cache_gib * gib  # 20 + 10 + runtime 2 = 32 GiB, as 0.4 x 80
+
+    def vllm_accepts(utilization, free_then):
+        snapshot = MemorySnapshot(free_memory=free_then, total_memory=total, device="cpu", auto_measure=False)
+        try:
+            request_memory(snapshot, type("CacheConfig", (), {"gpu_memory_utilization": utilization})())
+        except ValueError:
+            return False
+        return True
+
+    utilization = 0.4  # configured, or derived from weights + KV cache + runtime: 32 of 80 GiB either way
+    for tp, taken in ((1, 0), (2, int(VLLM_COMMUNICATORS_GIB * gib))):
+        try:
+            assert gpu_memory_utilization(weights, kv_cache, 0.4, free, total, tp) == pytest.approx(utilization)
+            accepted = True
+        except InputError as e:
+            assert ("for vLLM's communicators at rollout.tensor_parallel_size 2" in str(e)) == (tp == 2)
+            accepted = False
+        assert accepted == vllm_accepts(utilization, free - taken)  # what vLLM sees after its communicators
+        assert accepted == (free_gib >= (32 if tp == 1 else 33.5))
 
 
 @pytest.mark.parametrize("temperature, accepted", [(0.005, False), (0.01, True), (2.0, True), (2.5, False)])

@@ -108,7 +108,12 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: 
         # attention is TE's or SDPAttention.)
         bias_activation_fusion=True,
         bias_dropout_fusion=on_gpu,
-        apply_rope_fusion=False,
+        # Transformer Engine's fused RoPE kernel with its spec: megatron-core takes it for our
+        # inputs (bshd, no mRoPE, mscale 1); without TE it has none and rotates in torch.
+        apply_rope_fusion=precision.transformer_engine,
+        # Off: TE's linear layers would accumulate weight gradients into megatron's fp32 buffer
+        # in their GEMM, but GPTModel's output layer is megatron's own ColumnParallelLinear,
+        # which refuses the flag without Apex's fused_weight_gradient_mlp_cuda (not in the stack).
         gradient_accumulation_fusion=False,
         **fp8,
     )

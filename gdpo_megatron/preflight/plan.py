@@ -13,8 +13,9 @@ What is counted, per GPU (the assumptions are printed with the table):
 * a frozen reference copy of the weights when ``loss.kl_coef > 0``;
 * activations of the in-flight micro-batches (1F1B keeps ``PP - stage`` of them), no activation
   recompute, flash/fused attention (no ``s x s`` scores), no dropout; on the last stage also
-  the logits in the parameter dtype plus their fp32 copy and the fp32 softmax kept for the
-  backward pass. A row is ``data.max_prompt_tokens + rollout.max_new_tokens`` tokens padded to
+  the log-prob step's peak: the logits in the parameter dtype and three fp32 working buffers
+  per logit element (:func:`gdpo_megatron.policy.logprobs.peak_bytes_per_logit`, measured by a
+  CPU test). A row is ``data.max_prompt_tokens + rollout.max_new_tokens`` tokens padded to
   ``policy.sequence_multiple()``; a micro-batch holds ``micro_batch_size`` rows, or with
   ``policy.micro_batch_tokens`` up to that many tokens (one row alone when it is longer);
 * the rollout engine (vLLM), colocated: while generating, its weights (bf16, or FP8 linear
@@ -44,6 +45,7 @@ from gdpo_megatron.errors import UsageError
 from gdpo_megatron.config.policy import ModelConfig, ParallelConfig, check_model_parallel
 from gdpo_megatron.config.rollout import RolloutConfig
 from gdpo_megatron.rollout.factory import DEFAULT_ENGINE, engine_class
+from gdpo_megatron.policy.logprobs import peak_bytes_per_logit
 
 GIB = 2**30
 FP32_BYTES = 4
@@ -253,7 +255,7 @@ def plan_memory(config: TrainConfig, cluster: Cluster) -> MemoryPlan:
     for stage in range(pp):
         params = stage_params(model, parallel, stage)
         in_flight = min(pp - stage, micro_batches)
-        logits = (tokens * model.padded_vocab_size(tp) // tp * (param_bytes + 2 * FP32_BYTES)
+        logits = (tokens * model.padded_vocab_size(tp) // tp * peak_bytes_per_logit(param_bytes)
                   if stage == pp - 1 else 0)
         stages.append(StagePlan(
             stage=stage,
@@ -306,7 +308,7 @@ def format_plan(plan: MemoryPlan) -> str:
         ("reference model (kl_coef > 0)", s.reference, s.reference),
         (f"activations ({min(pp - s.stage, plan.micro_batches_per_step)} micro-batch(es) in flight)",
          s.activations, s.activations),
-        ("logits + fp32 softmax (last stage)", s.logits, s.logits),
+        ("logits + log-prob step (last stage)", s.logits, s.logits),
         (f"vLLM weights (TP {rollout.tensor_parallel_size})", plan.vllm_weights, plan.vllm_weights),
         ("vLLM KV cache", plan.kv_cache, plan.kv_cache),
         ("vLLM runtime (CUDA graphs, NCCL, activations)", plan.vllm_runtime, plan.vllm_runtime),

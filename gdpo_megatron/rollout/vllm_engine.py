@@ -28,7 +28,8 @@ in-process ``uni`` executor.
 * At start-up on GPU vLLM needs ``gpu_memory_utilization`` x the device's memory free, also
   when ``kv_cache_gib`` fixes the KV cache: the engine derives the utilization from weights +
   KV cache + :data:`VLLM_RUNTIME_GIB` then, and refuses with the config key named when the
-  memory free next to the policy is short (:func:`gpu_memory_utilization`).
+  memory free next to the policy is short, counting what vLLM's communicators take before
+  vLLM measures (:func:`gpu_memory_utilization`).
 * ``close()``: ends vLLM, whose teardown also destroys the default process group.
 * Before it is built: :meth:`VLLMEngine.kv_cache_gib` (on CPU, the cache one step's sequences
   fill), :meth:`VLLMEngine.check_model` (what vLLM's model classes cannot load).
@@ -63,10 +64,20 @@ CPU_BLOCK_SIZE = 32
 
 # What vLLM holds on a GPU besides its weights and KV cache: the profile run's activations at
 # its token budget, the sampler, the CUDA-graph pool, cuBLAS and NCCL buffers. An allowance, not a
-# measurement (vLLM logs its own figures at start-up). Sleep frees neither the CUDA-graph pool
-# nor NCCL buffers nor the model runner's input buffers, so gdpo-plan counts it next to the
-# policy's update too.
+# measurement (vLLM logs its own at INFO level; docs/gpu.md says how to see them). Sleep frees
+# neither the CUDA-graph pool nor NCCL buffers nor the model runner's input buffers, so gdpo-plan
+# counts it next to the policy's update too.
 VLLM_RUNTIME_GIB = 2.0
+# What vLLM allocates between the engine's free-memory check and its own: vLLM 0.32's
+# ``Worker.init_device`` (v1/worker/gpu_worker.py) builds its parallel groups
+# (``init_worker_distributed_environment``) before it measures the free memory for
+# ``request_memory``. For a dense model only a tensor-parallel group of more than one rank gets
+# device communicators there (``CudaCommunicator``): a PyNccl communicator, whose NCCL channel
+# buffers are about 1 GiB per rank on NVLink machines, the custom all-reduce buffers (64 MiB
+# at TP 2 on Hopper, ``CUSTOM_ALL_REDUCE_MAX_SIZES``), the symmetric-memory all-reduce buffer
+# (up to 128 MiB, ``SYMM_MEM_ALL_REDUCE_MAX_SIZES``) and FlashInfer's all-reduce workspace. At
+# TP 1 it allocates nothing there, and it empties torch's cache before it measures.
+VLLM_COMMUNICATORS_GIB = 1.5
 _DISCARDED = "the weights were discarded by a level-2 sleep and no complete update_weights has loaded them since"
 
 # vLLM's layer-wise in-place reload, imported by the workers (gdpo-doctor checks that the
@@ -208,7 +219,8 @@ class VLLMEngine(RolloutEngine):
             free, total = torch.cuda.mem_get_info()
             weights = vllm_weight_bytes(*layer_and_other_params(self._shapes), _dtype_bytes(dtype),
                                         config.quantization, config.tensor_parallel_size)
-            utilization = gpu_memory_utilization(weights, kv_cache, utilization, free, total)
+            utilization = gpu_memory_utilization(weights, kv_cache, utilization, free, total,
+                                                 config.tensor_parallel_size)
         self._llm = LLM(
             model=config.model_path,
             tensor_parallel_size=config.tensor_parallel_size,
@@ -436,34 +448,44 @@ def vllm_weight_bytes(layer_params: int, other_params: int, element_bytes: int, 
     return (other_params * element_bytes + layer_params * layer_bytes) // tensor_parallel_size
 
 
+def startup_margin(tensor_parallel_size: int) -> int:
+    """Bytes vLLM takes after the engine's check and before its own: its communicators
+    (:data:`VLLM_COMMUNICATORS_GIB`) when the engine spans more than one rank, else none."""
+    return int(VLLM_COMMUNICATORS_GIB * _GIB) if tensor_parallel_size > 1 else 0
+
+
 def gpu_memory_utilization(weight_bytes: int, kv_cache_bytes: int | None, utilization: float, free: int,
-                           total: int) -> float:
+                           total: int, tensor_parallel_size: int) -> float:
     """The ``gpu_memory_utilization`` to give vLLM, checked against its start-up rule.
 
     vLLM 0.32 refuses to start unless ``free >= ceil(utilization x total)``
     (``v1/worker/utils.py: request_memory``), also when ``kv_cache_memory_bytes`` fixes the KV
     cache, which then replaces only its sizing. With a fixed KV cache the utilization is
     therefore what the engine holds, weights + KV cache + :data:`VLLM_RUNTIME_GIB`, over
-    ``total``; without one it is ``utilization``. Raises an InputError naming the config key
-    when ``free`` (next to the policy) is short.
+    ``total``; without one it is ``utilization``. vLLM measures ``free`` after it has built its
+    communicators, so the engine asks for :func:`startup_margin` more. Raises an InputError
+    naming the config key when ``free`` (next to the policy) is short.
     """
+    margin = startup_margin(tensor_parallel_size)
+    communicators = (f" + {margin / _GIB:g} GiB for vLLM's communicators at rollout.tensor_parallel_size "
+                     f"{tensor_parallel_size}" if margin else "")
     if kv_cache_bytes is None:
         need = math.ceil(total * utilization)
-        if free < need:
+        if free < need + margin:
             raise InputError(
                 f"rollout.gpu_memory_utilization={utilization}: vLLM starts only with {need / _GIB:.1f} GiB of "
-                f"the GPU's {total / _GIB:.1f} GiB free and {free / _GIB:.1f} GiB is free next to the policy; "
-                "lower it, or set rollout.kv_cache_gib (gdpo-plan shows what fits)")
+                f"the GPU's {total / _GIB:.1f} GiB free{communicators} and {free / _GIB:.1f} GiB is free next to "
+                "the policy; lower it, or set rollout.kv_cache_gib (gdpo-plan shows what fits)")
         return utilization
     runtime = int(VLLM_RUNTIME_GIB * _GIB)
     derived = (weight_bytes + kv_cache_bytes + runtime) / total
     need = math.ceil(total * derived)
-    if free < need:
+    if free < need + margin:
         raise InputError(
             f"rollout.kv_cache_gib={kv_cache_bytes / _GIB:g}: vLLM needs {need / _GIB:.1f} GiB free at start-up "
             f"(weights {weight_bytes / _GIB:.1f} + KV cache {kv_cache_bytes / _GIB:.1f} + runtime "
-            f"{VLLM_RUNTIME_GIB:g} GiB) and {free / _GIB:.1f} GiB of {total / _GIB:.1f} is free next to the "
-            "policy; lower it (gdpo-plan shows what fits)")
+            f"{VLLM_RUNTIME_GIB:g} GiB){communicators} and {free / _GIB:.1f} GiB of {total / _GIB:.1f} is free "
+            "next to the policy; lower it (gdpo-plan shows what fits)")
     return derived
 
 

@@ -50,7 +50,7 @@ from gdpo_megatron.experience import PromptSchedule, Rollouts, reward_submitter,
 from gdpo_megatron.inputs import TrainingInputs
 from gdpo_megatron.metrics import MetricsLogger
 from gdpo_megatron.config.policy import SHAPE_FIELDS
-from gdpo_megatron.device import this_machine
+from gdpo_megatron.device import Placement
 from gdpo_megatron.policy.worker import PolicyWorker
 from gdpo_megatron.rewards.stage import RewardStage
 from gdpo_megatron.rollout.engine import SamplingConfig, derive_seed
@@ -70,14 +70,17 @@ class Trainer:
     """Builds the policy, the engine, the reward stage and the data order; runs the loop.
 
     ``inputs``: what preflight read and checked for ``config``
-    (:func:`~gdpo_megatron.preflight.validation.check_training`).
+    (:func:`~gdpo_megatron.preflight.validation.check_training`); ``placement``: this rank's
+    machine and device, as the launch decided them
+    (:func:`~gdpo_megatron.distributed.launch.init_distributed`).
     """
 
-    def __init__(self, config: TrainConfig, inputs: TrainingInputs):
+    def __init__(self, config: TrainConfig, inputs: TrainingInputs, placement: Placement):
         if not dist.is_initialized():
             raise RuntimeError("Trainer: torch.distributed is not initialized")
         self.config = config
         self.inputs = inputs
+        self.placement = placement
         self.run_dir = Path(config.run_dir)
         self.is_rank0 = dist.get_rank() == 0
         # From here on a stop request is remembered, also one that arrives during start-up.
@@ -106,7 +109,7 @@ class Trainer:
                                              optimizer_sharding=config.checkpoint.optimizer_sharding)
         latest = self.checkpoints.latest_step()  # resume and its data position are checked with the inputs
 
-        self.worker = PolicyWorker(self.policy_config, seed=config.seed, temperature=config.rollout.temperature,
+        self.worker = PolicyWorker(self.policy_config, self.placement, seed=config.seed, temperature=config.rollout.temperature,
                                    init_weights=lambda m: load_hf_weights(m, model, config.base_model),
                                    timeout=config.distributed.timeout)
         self.device = self.worker.device
@@ -134,7 +137,7 @@ class Trainer:
             quantization=config.rollout.quantization,
             max_num_batched_tokens=config.rollout.max_num_batched_tokens,
             seed=config.seed,
-        ))
+        ), self.placement.machine)
         self.tokenizer = self.engine.tokenizer
         if self.start_step:
             self._sync_weights()  # the engine started from base_model
@@ -266,7 +269,7 @@ class Trainer:
         the cache that one step's rollouts fill at most: the data's longest prompt plus
         ``rollout.max_new_tokens`` each."""
         rollout = self.config.rollout
-        if rollout.kv_cache_gib is not None or this_machine().cuda:
+        if rollout.kv_cache_gib is not None or self.placement.machine.cuda:
             return rollout.kv_cache_gib
         per_token = kv_cache_bytes_per_token(self.policy_config.model, rollout.tensor_parallel_size,
                                              CPU_KV_ELEMENT_BYTES)

@@ -87,9 +87,10 @@ def main(argv: list[str]) -> int:
                                split=args.split)[: args.limit]
     tell_what_does_not_fit(samples, prompt_lengths(samples, args.model, "--model"), max_model_len, args.max_new_tokens)
 
+    from gdpo_megatron.device import this_machine
     from gdpo_megatron.evaluate import evaluate
 
-    metrics, _ = evaluate(args.model, samples, rewards, bfcl=args.bfcl, max_new_tokens=args.max_new_tokens,
+    metrics, _ = evaluate(args.model, samples, rewards, machine=this_machine(), bfcl=args.bfcl, max_new_tokens=args.max_new_tokens,
                           max_model_len=max_model_len, allow_weaker_sandbox=args.allow_weaker_sandbox)
     text = json.dumps(metrics, indent=2, sort_keys=True)
     print(text)

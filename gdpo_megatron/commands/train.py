@@ -52,6 +52,7 @@ def main(argv: list[str]) -> int:
     quiet_defaults()
 
     from gdpo_megatron.config import TrainConfig, load_config
+    from gdpo_megatron.device import this_machine
     from gdpo_megatron.preflight.validation import check_training, launch_world_size
 
     config = load_config(TrainConfig, args.config, args.overrides)
@@ -63,7 +64,7 @@ def main(argv: list[str]) -> int:
     say(f"gdpo-train: resuming {config.run_dir} from step {inputs.resume_step} of {config.steps}" if inputs.resume_step
         else f"gdpo-train: a new run in {config.run_dir}, {config.steps} steps")
     try:
-        outcome = run(config, inputs)
+        outcome = run(config, inputs, this_machine())
     except PeerLostError:  # reported by run()
         return EXIT_PEER_LOST
     except KeyboardInterrupt:
@@ -80,26 +81,28 @@ def program() -> int:
     return main()
 
 
-def run(config, inputs) -> str:
-    """Join the launcher's process group (torchrun, srun, or a single process), check this
-    machine, train, clean up; what :meth:`Trainer.train` returned. A lost peer raises
-    :class:`PeerLostError`."""
+def run(config, inputs, machine) -> str:
+    """Place this rank on ``machine`` and join the launcher's process group (torchrun, srun, or a
+    single process), install the CPU shim there, check this machine, train, clean up; what
+    :meth:`Trainer.train` returned. A lost peer raises :class:`PeerLostError`."""
     import torch.distributed as dist
 
     from gdpo_megatron.distributed.launch import init_distributed
     from gdpo_megatron.distributed.peers import Peers, is_lost_peer
+    from gdpo_megatron.policy import cpu_compat
     from gdpo_megatron.preflight.doctor import preflight
     from gdpo_megatron.trainer import Trainer
 
     peers = trainer = None
     try:
-        init_distributed(timeout=config.distributed.timeout)
+        _, placement = init_distributed(machine, timeout=config.distributed.timeout)
+        cpu_compat.install(machine)
         peers = Peers.gather()
         # Libraries against the pins, GPU, precision, NCCL, memory plan: gdpo-doctor's checks, on
         # every rank, with the device set and the model that base_model holds.
         preflight(dataclasses.replace(config, policy=dataclasses.replace(config.policy, model=inputs.model)),
                   dist.get_world_size())
-        trainer = Trainer(config, inputs)
+        trainer = Trainer(config, inputs, placement)
         return trainer.train()
     except Exception as e:
         if not is_lost_peer(e):

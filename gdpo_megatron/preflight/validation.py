@@ -270,7 +270,7 @@ def check_machine(config: TrainConfig) -> None:
         raise ConfigError(f"rollout.max_num_batched_tokens: expected >= rollout.max_model_len={longest} on this "
                           f"machine, got {budget} (without CUDA a prompt's prefill is never split over engine "
                           "steps); raise it or leave it null")
-    check_precision(policy.precision)  # without CUDA it touches no device
+    check_precision(policy.precision, machine)
 
 
 def check_settings(config: TrainConfig, world_size: int) -> list[Condition]:

@@ -41,7 +41,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from gdpo_megatron.checkpoint.hf_files import IGNORED_SUFFIXES, safetensors_index
-from gdpo_megatron.device import this_machine
+from gdpo_megatron.device import Machine, gpu_memory
 from gdpo_megatron.errors import InputError
 from gdpo_megatron.rollout.engine import Completion, SamplingConfig, derive_seed
 
@@ -105,8 +105,8 @@ class VLLMEngineConfig:
 class VLLMEngine:
     """A vLLM ``LLM`` colocated with this rank of the policy (see the module docstring)."""
 
-    def __init__(self, config: VLLMEngineConfig):
-        machine = this_machine()
+    def __init__(self, config: VLLMEngineConfig, machine: Machine):
+        """An engine for ``config`` on ``machine`` (this one, as the launch decided it)."""
         on_gpu = machine.cuda
         sleep_mode = on_gpu if config.enable_sleep_mode is None else config.enable_sleep_mode
         if sleep_mode and not on_gpu:
@@ -130,7 +130,7 @@ class VLLMEngine:
         utilization = config.gpu_memory_utilization
         kv_cache = None if config.kv_cache_gib is None else int(config.kv_cache_gib * _GIB)
         if on_gpu:
-            free, total = torch.cuda.mem_get_info()
+            free, total = gpu_memory()
             weights = vllm_weight_bytes(*layer_and_other_params(self._shapes), _dtype_bytes(dtype),
                                         config.quantization, config.tensor_parallel_size)
             utilization = gpu_memory_utilization(weights, kv_cache, utilization, free, total)

@@ -81,6 +81,7 @@ class Trainer:
         self.config = config
         self.inputs = inputs
         self.placement = placement
+        self.step_started: int | None = None  # the last step train() started (0-based): where a failure happened
         self.run_dir = Path(config.run_dir)
         self.is_rank0 = dist.get_rank() == 0
         # From here on a stop request is remembered, also one that arrives during start-up.
@@ -160,6 +161,7 @@ class Trainer:
         outcome = DONE
         try:
             for step in bar:
+                self.step_started = step
                 metrics = self.step(step)
                 if self.logger:
                     self.logger.log(step + 1, metrics)

@@ -107,7 +107,7 @@ def run(config, inputs, machine) -> str:
     except Exception as e:
         if not is_lost_peer(e):
             raise
-        line = _lost_peer_line(e, peers, config)
+        line = _lost_peer_line(e, peers, config, trainer.step_started if trainer else None)
         # Now, on every rank left (rank 0 may be the lost one), before the clean-up below.
         print(f"error: {line}", file=sys.stderr, flush=True)
         raise PeerLostError(line) from None
@@ -134,8 +134,9 @@ def finish(config, outcome: str) -> int:
     return status
 
 
-def _lost_peer_line(error: BaseException, peers, config) -> str:
-    """Who lost whom, where, why, and what a rerun resumes from."""
+def _lost_peer_line(error: BaseException, peers, config, step: int | None) -> str:
+    """Who lost whom, where (``step``: the trainer's step in progress, 0-based), why, and what a
+    rerun resumes from."""
     from gdpo_megatron.checkpoint.state import complete_steps
     from gdpo_megatron.distributed.peers import LostPeer, describe, reason
     from gdpo_megatron.run_dir import CHECKPOINT_DIR
@@ -147,12 +148,13 @@ def _lost_peer_line(error: BaseException, peers, config) -> str:
         warnings.simplefilter("ignore")
         steps = complete_steps(root)
     resume = f"the last complete checkpoint is step {steps[-1]} in {root}" if steps else f"no checkpoint yet in {root}"
-    return f"{me} lost {describe(lost)} {_where(error)}: {lost.reason}; {resume}"
+    return f"{me} lost {describe(lost)} {_where(error, step)}: {lost.reason}; {resume}"
 
 
-def _where(error: BaseException) -> str:
-    """``in step 4 (Trainer.step > fail_together)``: the trainer's innermost method in the
-    traceback, the function of the package it called, and the step."""
+def _where(error: BaseException, step: int | None) -> str:
+    """``in step 4 (Trainer.step > fail_together)``: the step (``step`` + 1; None: the loop had
+    not started), the trainer's innermost method in the traceback and the function of the
+    package it called."""
     import gdpo_megatron
     from gdpo_megatron import trainer
 
@@ -166,7 +168,5 @@ def _where(error: BaseException) -> str:
     below = [f for f in frames[innermost + 1:] if f.f_code.co_filename.startswith(package)]
     if below:
         path.append(below[0].f_code.co_qualname)
-    steps = [frames[i].f_locals["step"] for i in in_trainer
-             if frames[i].f_code.co_name == "train" and "step" in frames[i].f_locals]
     where = " > ".join(path)
-    return f"in step {steps[0] + 1} ({where})" if steps else f"in {where}"
+    return f"in step {step + 1} ({where})" if step is not None else f"in {where}"

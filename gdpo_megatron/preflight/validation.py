@@ -27,7 +27,7 @@ from gdpo_megatron.checkpoint.layout import hf_shapes
 from gdpo_megatron.checkpoint.state import (
     LAYOUT_KEYS, check_files, check_reshardable, complete_steps, model_section, read_training_state, step_dir,
 )
-from gdpo_megatron.config import ConfigError, TrainConfig, to_dict
+from gdpo_megatron.config import ConfigError, DataConfig, TrainConfig, to_dict
 from gdpo_megatron.data.samples import Fields, Sample, load_samples
 from gdpo_megatron.errors import InputError, UserError
 from gdpo_megatron.device import check_precision, this_machine
@@ -288,8 +288,12 @@ def check_settings(config: TrainConfig, world_size: int) -> list[Condition]:
 
 def training_prompts(config: TrainConfig) -> list[Sample]:
     """The samples of ``data.train_path``, every row checked."""
-    data = config.data
-    return load_prompts(data.train_path, data.family, data.system_prompt, "data.train_path",
+    return data_prompts(config.data, "data.train_path")
+
+
+def data_prompts(data: DataConfig, key: str) -> list[Sample]:
+    """The samples a ``data`` section names, every row checked; errors name ``key``."""
+    return load_prompts(data.train_path, data.family, data.system_prompt, key,
                         fields=Fields(data.prompt_key, data.system_key, data.ground_truth_key), split=data.split)
 
 

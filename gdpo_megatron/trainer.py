@@ -110,7 +110,8 @@ class Trainer:
                                              optimizer_sharding=config.checkpoint.optimizer_sharding)
         latest = self.checkpoints.latest_step()  # resume and its data position are checked with the inputs
 
-        self.worker = PolicyWorker(self.policy_config, self.placement, seed=config.seed, temperature=config.rollout.temperature,
+        self.worker = PolicyWorker(self.policy_config, self.placement, seed=config.seed,
+                                   temperature=config.rollout.temperature,
                                    init_weights=lambda m: load_hf_weights(m, model, config.base_model),
                                    timeout=config.distributed.timeout)
         self.device = self.worker.device

@@ -129,7 +129,8 @@ WORKER = textwrap.dedent(
     launch, placement = init_distributed(CPU)
     t = torch.tensor([float(dist.get_rank() + 1)], device=placement.device)
     dist.all_reduce(t)
-    print(json.dumps({"launch": list(launch.__dict__.values()), "device": str(placement.device), "backend": dist.get_backend(),
+    print(json.dumps({"launch": list(launch.__dict__.values()), "device": str(placement.device),
+                      "backend": dist.get_backend(),
                       "world": dist.get_world_size(), "sum": t.item(), "MASTER_PORT": os.environ["MASTER_PORT"]}))
     dist.destroy_process_group()
     """

@@ -23,7 +23,8 @@ def models(tiny_llamas):
 
 @pytest.fixture(scope="module")
 def engine(models):
-    eng = VLLMEngine(VLLMEngineConfig(models["paths"]["base"], dtype="float32", max_model_len=512, kv_cache_gib=0.25), CPU)
+    eng = VLLMEngine(VLLMEngineConfig(models["paths"]["base"], dtype="float32", max_model_len=512, kv_cache_gib=0.25),
+                     CPU)
     yield eng
     eng.close()
 
@@ -303,7 +304,8 @@ def test_the_pinned_vllm_cannot_load_a_qwen2_head_dim_that_check_vllm_can_load_r
     # vLLM's Llama reads head_dim: the same shape as a Llama passes
     check_vllm_can_load({**config.to_dict(), "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
     start = ("from gdpo_megatron.device import CPU; from gdpo_megatron.rollout import VLLMEngine, VLLMEngineConfig; "
-             f"VLLMEngine(VLLMEngineConfig({str(tmp_path)!r}, dtype='float32', max_model_len=256, kv_cache_gib=0.01), CPU)")
+             f"VLLMEngine(VLLMEngineConfig({str(tmp_path)!r}, dtype='float32', max_model_len=256, kv_cache_gib=0.01), "
+             "CPU)")
     run = subprocess.run([sys.executable, "-c", start], capture_output=True, text=True, timeout=300)
     assert run.returncode != 0, "this vLLM loads a Qwen2 head_dim other than hidden / heads: drop the check"
     # its q_proj shard is sized hidden / heads = 128 rows; the checkpoint's has head_dim = 64

@@ -124,7 +124,8 @@ def update_from_perturbed_rollouts(base_path: str, old_logprobs: str, tis_cap):
     model = model_config_from_hf(read_hf_config(base_path))
     config = PolicyConfig(model=model, old_logprobs=old_logprobs, loss=LossConfig(tis_cap=tis_cap))
     engine = LogitScaledEngine(_ENGINE["engine"], scale=1.3)
-    with PolicyWorker(config, this_rank(), seed=5, init_weights=lambda m: load_hf_weights(m, model, base_path)) as worker:
+    with PolicyWorker(config, this_rank(), seed=5,
+                      init_weights=lambda m: load_hf_weights(m, model, base_path)) as worker:
         engine.update_weights(iter_hf_weights(worker.gpt_model, config.model))
         completions = [c for g in engine.generate(PROMPTS, 2, SamplingConfig(max_new_tokens=12, seed=3)) for c in g]
         n = len(completions)

@@ -105,8 +105,9 @@ def main(argv: list[str]) -> int:
     from gdpo_megatron.device import this_machine
     from gdpo_megatron.evaluate import evaluate
 
-    metrics, _ = evaluate(args.model, samples, rewards, machine=this_machine(), bfcl=args.bfcl, max_new_tokens=args.max_new_tokens,
-                          max_model_len=max_model_len, allow_weaker_sandbox=args.allow_weaker_sandbox)
+    metrics, _ = evaluate(args.model, samples, rewards, machine=this_machine(), bfcl=args.bfcl,
+                          max_new_tokens=args.max_new_tokens, max_model_len=max_model_len,
+                          allow_weaker_sandbox=args.allow_weaker_sandbox)
     text = json.dumps(metrics, indent=2, sort_keys=True)
     print(text)
     if args.out:

@@ -230,6 +230,13 @@ def test_the_table_names_every_unit():
                                   f"no longer in the package: {sorted(set(ALLOWED) - units)}"
 
 
+def test_the_core_is_layered():
+    """Each core unit's allowed imports are listed before it, so the table itself has no circle."""
+    order = list(_CORE)
+    later = {unit: sorted(allowed - set(order[:order.index(unit)])) for unit, allowed in _CORE.items()}
+    assert not {unit: names for unit, names in later.items() if names}
+
+
 def test_imports_follow_the_table():
     assert not table_violations(PACKAGE), "\n".join(table_violations(PACKAGE))
 

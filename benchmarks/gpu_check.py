@@ -68,6 +68,7 @@ from support.memory import logprob_step_bytes_per_logit  # noqa: E402  (policy_s
 
 from gdpo_megatron.config import TrainConfig, from_dict  # noqa: E402
 from gdpo_megatron.config.policy import ModelConfig, OptimConfig, PolicyConfig, PrecisionConfig  # noqa: E402
+from gdpo_megatron.device import CUDA, place_rank  # noqa: E402
 from gdpo_megatron.policy.batch import PolicyBatch  # noqa: E402
 
 GIB = 2**30
@@ -303,7 +304,7 @@ def update(name: str, size: Sizes) -> dict:
     config = update_policy(model, size)
     batch = rows_of(model, size.rows, size.shortest, longest)
     cuda = torch.cuda.is_available()
-    with PolicyWorker(config) as worker:
+    with PolicyWorker(config, place_rank(CUDA, 0)) as worker:
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -383,7 +384,7 @@ def agreement(size: Sizes, work: Path) -> dict:
                             optim=OptimConfig(lr=1e-4), micro_batch_size=batch.size)
 
     exported = work / "fp32"
-    with PolicyWorker(policy("fp32")) as worker:  # random weights, exported in fp32
+    with PolicyWorker(policy("fp32"), place_rank(CUDA, 0)) as worker:  # random weights, exported in fp32
         save_hf_checkpoint(worker.gpt_model, model, exported)
         ours = worker.compute_logprobs(batch).cpu()
     hf = load_transformers(exported, torch.float32)
@@ -392,7 +393,7 @@ def agreement(size: Sizes, work: Path) -> dict:
     _free()
 
     init = lambda m: load_hf_weights(m, model, exported)  # noqa: E731
-    with PolicyWorker(policy("bf16"), init_weights=init) as worker:
+    with PolicyWorker(policy("bf16"), place_rank(CUDA, 0), init_weights=init) as worker:
         ours = worker.compute_logprobs(batch).cpu()
         hf = load_transformers(exported, torch.bfloat16)
         result["logprobs"]["bf16"] = gap(ours, transformers_logprobs(hf, batch), targets)
@@ -454,14 +455,14 @@ def checkpoint_round_trip(size: Sizes, work: Path) -> dict:
         tensors.update({f"optimizer.{k}": v for k, v in _tensors(worker.optimizer.state_dict()).items()})
         return {k: v.detach().cpu().clone() for k, v in tensors.items()}
 
-    with PolicyWorker(config, seed=1) as worker:
+    with PolicyWorker(config, place_rank(CUDA, 0), seed=1) as worker:
         worker.train_step(batch)
         started = time.perf_counter()
         manager.save(1, worker.model, worker.optimizer, worker.scheduler)
         save_s = time.perf_counter() - started
         saved = state(worker)
     _free()
-    with PolicyWorker(config, seed=2) as worker:
+    with PolicyWorker(config, place_rank(CUDA, 0), seed=2) as worker:
         started = time.perf_counter()
         manager.load(worker.model, worker.optimizer, worker.scheduler)
         load_s = time.perf_counter() - started
@@ -539,11 +540,13 @@ def main(argv: list[str] | None = None) -> int:
         write_report(report, args.out)
 
     from gdpo_megatron.distributed.launch import init_distributed
+    from gdpo_megatron.policy import cpu_compat
 
     if "tests" not in skip:  # first, while this process holds no GPU memory
         report["tests"] = run_part("tests", gpu_tests, args.out, args.tests_timeout)
         save()
-    init_distributed()
+    cpu_compat.install(CUDA)
+    init_distributed(CUDA)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         work = Path(tmp)
         if "update" not in skip:

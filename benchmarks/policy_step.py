@@ -42,6 +42,7 @@ import torch
 from gdpo_megatron.policy.batch import PolicyBatch
 from gdpo_megatron.config.policy import ModelConfig, OptimConfig, ParallelConfig, PolicyConfig, PrecisionConfig
 from support.local_world import LocalWorld
+from support.placement import this_rank
 
 # Dense BF16 tensor-core peaks (FLOP/s) by device-name fragment.
 BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -62,7 +63,7 @@ def timed_steps(config: PolicyConfig, batch_size: int, seq_length: int, steps: i
     from gdpo_megatron.policy.worker import PolicyWorker
 
     batch = make_batch(config.model, batch_size, seq_length, prompt_share)
-    with PolicyWorker(config) as worker:
+    with PolicyWorker(config, this_rank()) as worker:
         worker.train_step(batch)  # warm-up
         times = []
         for _ in range(steps):

@@ -50,7 +50,7 @@ from gdpo_megatron.experience import PromptSchedule, Rollouts, reward_submitter,
 from gdpo_megatron.inputs import TrainingInputs
 from gdpo_megatron.metrics import MetricsLogger
 from gdpo_megatron.config.policy import SHAPE_FIELDS
-from gdpo_megatron.device import this_machine
+from gdpo_megatron.device import Placement
 from gdpo_megatron.policy.worker import PolicyWorker
 from gdpo_megatron.rewards.stage import RewardStage
 from gdpo_megatron.rollout.engine import RolloutEngine, SamplingConfig, derive_seed
@@ -69,14 +69,18 @@ class Trainer:
     """Builds the policy, the engine, the reward stage and the data order; runs the loop.
 
     ``inputs``: what preflight read and checked for ``config``
-    (:func:`~gdpo_megatron.preflight.validation.check_training`).
+    (:func:`~gdpo_megatron.preflight.validation.check_training`); ``placement``: this rank's
+    machine and device, as the launch decided them
+    (:func:`~gdpo_megatron.distributed.launch.init_distributed`).
     """
 
-    def __init__(self, config: TrainConfig, inputs: TrainingInputs):
+    def __init__(self, config: TrainConfig, inputs: TrainingInputs, placement: Placement):
         if not dist.is_initialized():
             raise RuntimeError("Trainer: torch.distributed is not initialized")
         self.config = config
         self.inputs = inputs
+        self.placement = placement
+        self.step_started: int | None = None  # the last step train() started (0-based): where a failure happened
         self.run_dir = Path(config.run_dir)
         self.is_rank0 = dist.get_rank() == 0
         # From here on a stop request is remembered, also one that arrives during start-up.
@@ -105,7 +109,8 @@ class Trainer:
                                              optimizer_sharding=config.checkpoint.optimizer_sharding)
         latest = self.checkpoints.latest_step()  # resume and its data position are checked with the inputs
 
-        self.worker = PolicyWorker(self.policy_config, seed=config.seed, temperature=config.rollout.temperature,
+        self.worker = PolicyWorker(self.policy_config, self.placement, seed=config.seed,
+                                   temperature=config.rollout.temperature,
                                    init_weights=lambda m: load_hf_weights(m, model, config.base_model),
                                    timeout=config.distributed.timeout)
         self.device = self.worker.device
@@ -123,11 +128,11 @@ class Trainer:
 
         self.worker.release_memory()  # before the engine sizes itself from the free memory, and the first rollout
         rollout = config.rollout  # its KV cache: one step's rollouts, the data's longest prompt + max_new_tokens each
-        kv_cache = engine_class(rollout.engine).kv_cache_gib(rollout, self.policy_config.model, this_machine(),
+        kv_cache = engine_class(rollout.engine).kv_cache_gib(rollout, self.policy_config.model, self.placement.machine,
                                                              rollouts_per_replica,
                                                              inputs.longest_prompt + rollout.max_new_tokens)
         self.engine: RolloutEngine = build_engine(dataclasses.replace(rollout, kv_cache_gib=kv_cache),
-                                                  config.base_model, seed=config.seed)
+                                                  config.base_model, self.placement.machine, seed=config.seed)
         self.tokenizer = self.engine.tokenizer
         if self.start_step:
             self._sync_weights()  # the engine started from base_model
@@ -149,6 +154,7 @@ class Trainer:
         outcome = DONE
         try:
             for step in bar:
+                self.step_started = step
                 metrics = self.step(step)
                 if self.logger:
                     self.logger.log(step + 1, metrics)

@@ -560,6 +560,20 @@ def test_eval_data_options_need_data(base_model, tmp_path, capsys, nothing_heavy
                       f"gdpo-eval: {option[0]} goes with --data, not --bfcl (see gdpo-eval --help)")
 
 
+@pytest.mark.parametrize("option, override", [(["--family", "nope"], "data.family=nope"),
+                                              (["--family", "tool", "--prompt-key", "a..b"], "data.prompt_key=a..b")])
+def test_eval_data_options_are_checked_as_the_configs_data_section(base_model, tmp_path, capsys, nothing_heavy,
+                                                                    option, override):
+    """--data and its options are the data section: a bad value gets the message gdpo-train gives for it."""
+    from gdpo_megatron.config import ConfigError, TrainConfig, load_config
+
+    with pytest.raises(ConfigError) as in_training:
+        load_config(TrainConfig, CONFIG, [override])
+    expect_user_error(capsys, tmp_path, lambda: eval_main(["--model", str(base_model), "--data",
+                                                           "examples/data/tool_demo.jsonl", *option]),
+                      str(in_training.value))
+
+
 def test_eval_split_of_a_file(base_model, tmp_path, capsys, nothing_heavy):
     expect_user_error(capsys, tmp_path, lambda: eval_main(["--model", str(base_model), "--data",
                                                            "examples/data/tool_demo.jsonl", "--family", "tool",

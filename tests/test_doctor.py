@@ -111,7 +111,7 @@ def test_the_configs_precision_goes_through_the_projects_check(capsys):
     out = capsys.readouterr().out
     precision = load_config(TrainConfig, CONFIG, ["policy.precision.fp8=hybrid"]).policy.precision
     with pytest.raises(ValueError) as refused:
-        check_precision(precision.resolved(this_machine()))
+        check_precision(precision.resolved(this_machine()), this_machine())
     assert table_row(out, "precision")[0] == MISMATCH and str(refused.value) in out
     assert "gdpo-doctor: 1 mismatch(es): precision" in out
 
@@ -252,11 +252,12 @@ def _build_only(overrides):
 
     from gdpo_megatron.preflight.validation import check_training
     from gdpo_megatron.trainer import Trainer
+    from support.placement import this_rank
 
     config = load_config(TrainConfig, CONFIG, overrides)
     inputs = check_training(config, dist.get_world_size())
     preflight(config, dist.get_world_size())
-    Trainer(config, inputs).close()
+    Trainer(config, inputs, this_rank()).close()
 
 
 @cpu_only

@@ -13,7 +13,7 @@ from gdpo_megatron.config.policy import (
     PrecisionConfig,
     check_model_parallel,
 )
-from gdpo_megatron.device import CPU, CUDA, check_precision, this_machine
+from gdpo_megatron.device import CPU, CUDA, check_precision
 from gdpo_megatron.policy.batch import PolicyBatch
 
 
@@ -85,10 +85,10 @@ def test_auto_settings_stay_in_the_config_and_resolve_per_machine():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only errors")
 def test_fp8_and_transformer_engine_on_cpu_are_clear_errors():
     with pytest.raises(ConfigError, match="policy.precision.fp8='e4m3': FP8 needs a CUDA GPU"):
-        check_precision(PrecisionConfig(fp8="e4m3").resolved(this_machine()))
+        check_precision(PrecisionConfig(fp8="e4m3").resolved(CPU), CPU)
     with pytest.raises(ConfigError, match="policy.precision.transformer_engine: the Transformer Engine spec needs CUDA"):
-        check_precision(PrecisionConfig(transformer_engine=True).resolved(this_machine()))
-    check_precision(PrecisionConfig().resolved(this_machine()))  # the defaults run here
+        check_precision(PrecisionConfig(transformer_engine=True).resolved(CPU), CPU)
+    check_precision(PrecisionConfig().resolved(CPU), CPU)  # the defaults run here
 
 
 def test_old_logprobs_come_from_the_rollout_only_where_numerics_are_the_same():

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from support.local_world import LocalWorld
+from support.placement import this_rank
 from gdpo_megatron.policy.batch import PolicyBatch
 from gdpo_megatron.config.policy import (
     FP8_RECIPES,
@@ -13,7 +14,7 @@ from gdpo_megatron.config.policy import (
     PolicyConfig,
     PrecisionConfig,
 )
-from gdpo_megatron.device import check_precision, transformer_engine_available
+from gdpo_megatron.device import CUDA, check_precision, transformer_engine_available
 
 pytestmark = pytest.mark.gpu
 needs_te = pytest.mark.skipif(not transformer_engine_available(), reason="needs Transformer Engine")
@@ -35,7 +36,7 @@ def te_step(fp8, recipe):
 
     config = PolicyConfig(model=ModelConfig.preset("tiny"), optim=OptimConfig(lr=1e-5), micro_batch_size=MICRO,
                           precision=PrecisionConfig(dtype="bf16", fp8=fp8, fp8_recipe=recipe))
-    with PolicyWorker(config) as worker:
+    with PolicyWorker(config, this_rank()) as worker:
         names = [name for name, _ in worker.gpt_model.named_parameters()]
         batch = make_batch()
         logprobs = worker.compute_logprobs(batch).cpu()
@@ -119,7 +120,7 @@ def one_row_fp8_step(recipe):
 
     config = PolicyConfig(model=ModelConfig.preset("tiny"), optim=OptimConfig(lr=1e-5), micro_batch_size=1,
                           precision=PrecisionConfig(dtype="bf16", fp8="e4m3", fp8_recipe=recipe))
-    with PolicyWorker(config) as worker:
+    with PolicyWorker(config, this_rank()) as worker:
         return config.sequence_multiple(), worker.train_step(make_batch(config.sequence_multiple()).slice(0, 1))
 
 
@@ -142,12 +143,12 @@ def recipe_verdicts(recipe):
 
     precision = PrecisionConfig(dtype="bf16", fp8="hybrid", fp8_recipe=recipe)
     try:
-        check_precision(precision)
+        check_precision(precision, CUDA)
         ours = True
     except ValueError:
         ours = False
     try:
-        config = transformer_config(ModelConfig.preset("tiny"), ParallelConfig(), precision)
+        config = transformer_config(ModelConfig.preset("tiny"), ParallelConfig(), precision, CUDA)
         check_recipe_support(get_fp8_recipe(config))
         return ours, True, ""
     except AssertionError as e:
@@ -175,7 +176,7 @@ def sequence_parallel_step(tp: int, fp8, transformer_engine: bool, seq_length: i
                           precision=PrecisionConfig(dtype="bf16", fp8=fp8, transformer_engine=transformer_engine),
                           optim=OptimConfig(lr=1e-5), micro_batch_size=micro_batch_size)
     assert seq_length % config.sequence_multiple() == 0
-    with PolicyWorker(config) as worker:
+    with PolicyWorker(config, this_rank()) as worker:
         norms = sorted({type(m).__name__ for name, m in worker.gpt_model.named_modules() if name.endswith("norm")})
         return norms, worker.train_step(make_batch(seq_length))
 

@@ -12,6 +12,7 @@ import torch
 from gdpo_megatron.config.rollout import RolloutConfig
 from gdpo_megatron.rollout import SamplingConfig, VLLMEngine, VLLMEngineConfig
 from gdpo_megatron.rollout.vllm_engine import CPU_BLOCK_SIZE, sequences_kv_cache_gib
+from gdpo_megatron.device import CPU
 
 # Longer than a KV-cache block, so a stale prefix cache after a weight update would be hit.
 LONG_PROMPT = [(7 * i) % 500 + 1 for i in range(300)]
@@ -25,7 +26,8 @@ def models(tiny_llamas):
 
 @pytest.fixture(scope="module")
 def engine(models):
-    eng = VLLMEngine(VLLMEngineConfig(models["paths"]["base"], dtype="float32", max_model_len=512, kv_cache_gib=0.25))
+    eng = VLLMEngine(VLLMEngineConfig(models["paths"]["base"], dtype="float32", max_model_len=512, kv_cache_gib=0.25),
+                     CPU)
     yield eng
     eng.close()
 
@@ -381,8 +383,9 @@ def test_the_pinned_vllm_cannot_load_a_qwen2_head_dim_that_check_model_refuses(t
         VLLMEngine.check_model(json.loads((tmp_path / "config.json").read_text()))
     # vLLM's Llama reads head_dim: the same shape as a Llama passes
     VLLMEngine.check_model({**config.to_dict(), "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
-    start = ("from gdpo_megatron.rollout import VLLMEngine, VLLMEngineConfig; "
-             f"VLLMEngine(VLLMEngineConfig({str(tmp_path)!r}, dtype='float32', max_model_len=256, kv_cache_gib=0.01))")
+    start = ("from gdpo_megatron.device import CPU; from gdpo_megatron.rollout import VLLMEngine, VLLMEngineConfig; "
+             f"VLLMEngine(VLLMEngineConfig({str(tmp_path)!r}, dtype='float32', max_model_len=256, kv_cache_gib=0.01), "
+             "CPU)")
     run = subprocess.run([sys.executable, "-c", start], capture_output=True, text=True, timeout=300)
     assert run.returncode != 0, "this vLLM loads a Qwen2 head_dim other than hidden / heads: drop the check"
     # its q_proj shard is sized hidden / heads = 128 rows; the checkpoint's has head_dim = 64

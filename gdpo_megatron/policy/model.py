@@ -29,7 +29,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from gdpo_megatron.policy import cpu_compat
 from gdpo_megatron.policy.attention import SDPAttention
 from gdpo_megatron.config.policy import ModelConfig, ParallelConfig, PrecisionConfig, check_model_parallel
-from gdpo_megatron.device import check_precision, this_machine
+from gdpo_megatron.device import Machine, Placement, check_precision
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -54,7 +54,6 @@ def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234, timeou
         raise RuntimeError("initialize_model_parallel: megatron's parallel state is already "
                            "initialized in this process (call destroy_model_parallel first)")
     parallel.data_parallel_size(torch.distributed.get_world_size())
-    cpu_compat.install()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
@@ -62,7 +61,8 @@ def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234, timeou
         **({"distributed_timeout_minutes": timeout.total_seconds() / 60} if timeout else {}),
     )
     torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    with cpu_compat.device_scope():  # on the CPU, the shim's tracker (installed at launch) takes the seeds
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def destroy_model_parallel() -> None:
@@ -70,9 +70,10 @@ def destroy_model_parallel() -> None:
     parallel_state.destroy_model_parallel()
 
 
-def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig) -> TransformerConfig:
+def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig,
+                       machine: Machine) -> TransformerConfig:
     """megatron-core's TransformerConfig for a Llama/Qwen2-style decoder under these (resolved) settings."""
-    on_gpu = this_machine().cuda
+    on_gpu = machine.cuda
     fp8 = {"fp8": precision.fp8, "fp8_recipe": precision.fp8_recipe} if precision.fp8 else {}
     return TransformerConfig(
         num_layers=model.num_layers,
@@ -159,20 +160,21 @@ def layer_spec(config: TransformerConfig, precision: PrecisionConfig) -> ModuleS
 
 def build_model(
     model: ModelConfig,
+    placement: Placement,
     parallel: ParallelConfig | None = None,
     precision: PrecisionConfig | None = None,
 ) -> GPTModel:
-    """This rank's pipeline stage of the model, TP-sharded, on this rank's device.
+    """This rank's pipeline stage of the model, TP-sharded, on ``placement``'s device.
 
     Needs :func:`initialize_model_parallel` with the same ``parallel`` settings. The embedding
     and output layers have ``model.padded_vocab_size(tp)`` rows. ``precision``'s "auto"
-    settings are resolved for this machine.
+    settings are resolved for the placement's machine.
     """
-    machine = this_machine()
+    machine = placement.machine
     parallel = parallel or ParallelConfig()
     precision = (precision or PrecisionConfig()).resolved(machine)
     check_model_parallel(model, parallel)
-    check_precision(precision)
+    check_precision(precision, machine)
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("build_model: call initialize_model_parallel first")
     for name, size in (("tensor_model_parallel_size", parallel_state.get_tensor_model_parallel_world_size()),
@@ -180,7 +182,7 @@ def build_model(
         if getattr(parallel, name) != size:
             raise ValueError(f"parallel.{name}={getattr(parallel, name)} but megatron's parallel state "
                              f"was initialized with {size}")
-    config = transformer_config(model, parallel, precision)
+    config = transformer_config(model, parallel, precision, machine)
     with cpu_compat.device_scope():
         gpt = GPTModel(
             config=config,
@@ -201,7 +203,7 @@ def build_model(
         if param.dtype != dtype:
             param.data = param.data.to(dtype)
     if machine.cuda:
-        gpt.cuda(torch.cuda.current_device())
+        gpt.cuda(placement.device)
     return gpt
 
 

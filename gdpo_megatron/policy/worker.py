@@ -27,7 +27,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from gdpo_megatron.policy import cpu_compat
 from gdpo_megatron.policy.batch import PolicyBatch, merge_rows
 from gdpo_megatron.config.policy import PolicyConfig, check_model_parallel
-from gdpo_megatron.device import this_machine
+from gdpo_megatron.device import Placement, release_cached_memory
 from gdpo_megatron.distributed.collectives import all_reduce_sums
 from gdpo_megatron.policy.logprobs import vocab_parallel_logprobs
 from gdpo_megatron.policy.loss import TOKEN_METRICS, policy_loss
@@ -43,9 +43,10 @@ class PolicyWorker:
     Adam optimizer and the LR schedule; runs :meth:`train_step` and :meth:`compute_logprobs`,
     and gives memory back to a colocated rollout engine with :meth:`release_memory`."""
 
-    def __init__(self, config: PolicyConfig, *, seed: int = 1234, temperature: float = 1.0,
+    def __init__(self, config: PolicyConfig, placement: Placement, *, seed: int = 1234, temperature: float = 1.0,
                  init_weights: Optional[Callable[[GPTModel], None]] = None, timeout: Optional[timedelta] = None):
-        """``config``'s machine-dependent settings are resolved for this machine. ``seed``
+        """The model lives on ``placement``'s device (the launch's, ``init_distributed``);
+        ``config``'s machine-dependent settings are resolved for its machine. ``seed``
         seeds megatron's RNGs; logprobs are of the logits divided by ``temperature`` (the
         rollouts' sampling temperature). ``init_weights(model)``, when given, sets the freshly
         built (random) weights of this rank's model, e.g. from a checkpoint; the reference
@@ -53,12 +54,11 @@ class PolicyWorker:
         waits for a peer (None: megatron's default)."""
         if not dist.is_initialized():
             raise RuntimeError("PolicyWorker: torch.distributed is not initialized")
-        machine = this_machine()
-        config = config.resolved(machine)
+        config = config.resolved(placement.machine)
         check_model_parallel(config.model, config.parallel)
         config.parallel.data_parallel_size(dist.get_world_size())
         self.config, self.temperature = config, temperature
-        self.device = torch.device("cuda", torch.cuda.current_device()) if machine.cuda else torch.device("cpu")
+        self.placement, self.device = placement, placement.device
         initialize_model_parallel(config.parallel, seed, timeout)
         try:
             self._build(init_weights)
@@ -72,12 +72,12 @@ class PolicyWorker:
     def _build(self, init_weights) -> None:
         """Model (and reference), DDP, optimizer and scheduler; hooks them into megatron's schedules."""
         config = self.config
-        model = build_model(config.model, config.parallel, config.precision)
+        model = build_model(config.model, self.placement, config.parallel, config.precision)
         if init_weights is not None:
             init_weights(model)
         self.reference: Optional[GPTModel] = None
         if config.loss.kl_coef > 0:
-            self.reference = build_model(config.model, config.parallel, config.precision)
+            self.reference = build_model(config.model, self.placement, config.parallel, config.precision)
             self.reference.load_state_dict(model.state_dict())
             self.reference.requires_grad_(False).eval()
 
@@ -182,9 +182,9 @@ class PolicyWorker:
                 self.model.offload_grad_buffers(synchronize=True, empty_cache=False)
                 self.optimizer.offload_to_cpu()
             self.offloaded = True
-        if self.device.type == "cuda":
+        if self.placement.machine.cuda:
             gc.collect()  # tensors held only by reference cycles hold their blocks too
-            torch.cuda.empty_cache()
+            release_cached_memory()
 
     # ---- internals ----------------------------------------------------------------------
 

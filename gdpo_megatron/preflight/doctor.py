@@ -52,7 +52,7 @@ from packaging.version import Version
 
 from gdpo_megatron.config import ConfigError, TrainConfig
 from gdpo_megatron.config.policy import PrecisionConfig
-from gdpo_megatron.device import (check_precision, compute_capability, fp8_capability_needed, nvidia_driver,
+from gdpo_megatron.device import (check_precision, current_gpu, fp8_capability_needed, nccl_version, nvidia_driver,
                                   runs_fp8_recipe, this_machine, transformer_engine_available)
 from gdpo_megatron.errors import UsageError, UserError
 from gdpo_megatron.preflight.pins import Pin, cuda_major, read_pins
@@ -182,10 +182,10 @@ def check_gpu(target: Target) -> list[Check]:
     """The device, the config's FP8 recipe against its compute capability, and the config's
     precision on it (the project's own runtime check)."""
     rows = []
-    capability = compute_capability()
-    if capability is not None:
-        rows.append(Check("GPU", OK, f"{torch.cuda.get_device_name()}, compute capability "
-                                     f"{capability[0]}.{capability[1]}", ""))
+    machine = this_machine()
+    gpu = current_gpu() if machine.cuda else None
+    if gpu is not None:
+        rows.append(Check("GPU", OK, f"{gpu.name}, compute capability {gpu.capability[0]}.{gpu.capability[1]}", ""))
         if transformer_engine_available():
             rows.append(transformer_engine_import_row())
     else:
@@ -193,14 +193,14 @@ def check_gpu(target: Target) -> list[Check]:
     if target.config is None:
         rows.append(Check("precision", NOT_RUN, "", "no --config"))
         return rows
-    precision = target.config.policy.precision.resolved(this_machine())
-    if capability is not None:
-        rows.append(fp8_capability_row(precision, capability))
+    precision = target.config.policy.precision.resolved(machine)
+    if gpu is not None:
+        rows.append(fp8_capability_row(precision, gpu.capability))
     found = (f"{precision.dtype}, fp8 {precision.fp8 or 'off'}"
              + (f" ({precision.fp8_recipe})" if precision.fp8 else "")
              + f", {'Transformer Engine' if precision.transformer_engine else 'local'} spec")
     try:
-        check_precision(precision)
+        check_precision(precision, machine)
     except (ValueError, RuntimeError) as e:
         rows.append(Check("precision", MISMATCH, found, str(e)))
     else:
@@ -244,7 +244,7 @@ def check_nccl(target: Target) -> list[Check]:
         return [Check("NCCL", MISMATCH, "not available to torch", "torch's NCCL")]
     wanted = next((spec.version for r in map(Requirement, importlib.metadata.requires("torch") or [])
                    if r.name.startswith("nvidia-nccl-") for spec in r.specifier if spec.operator == "=="), None)
-    return [nccl_row(torch.cuda.nccl.version()[:3], wanted)]
+    return [nccl_row(nccl_version(), wanted)]
 
 
 def nccl_row(found: tuple[int, int, int], wanted: Optional[str]) -> Check:
@@ -267,7 +267,7 @@ def check_memory(target: Target) -> list[Check]:
         return [Check("memory plan", NOT_RUN, "", f"{NO_CUDA} (gdpo-plan --gpu-memory plans for a named GPU)")]
     from gdpo_megatron.preflight.plan import GIB
 
-    memory_gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GIB
+    memory_gib = current_gpu().memory / GIB
     return [memory_row(target.config, target.world_size, memory_gib)]
 
 

@@ -27,7 +27,7 @@ from gdpo_megatron.checkpoint.layout import hf_shapes
 from gdpo_megatron.checkpoint.state import (
     LAYOUT_KEYS, check_files, check_reshardable, complete_steps, model_section, read_training_state, step_dir,
 )
-from gdpo_megatron.config import ConfigError, TrainConfig, to_dict
+from gdpo_megatron.config import ConfigError, DataConfig, TrainConfig, to_dict
 from gdpo_megatron.data.samples import Fields, Sample, load_samples
 from gdpo_megatron.errors import InputError, UserError
 from gdpo_megatron.device import check_precision, this_machine
@@ -271,7 +271,7 @@ def check_machine(config: TrainConfig) -> None:
         raise ConfigError(f"rollout.max_num_batched_tokens: expected >= rollout.max_model_len={longest} on this "
                           f"machine, got {budget} (without CUDA a prompt's prefill is never split over engine "
                           "steps); raise it or leave it null")
-    check_precision(policy.precision)  # without CUDA it touches no device
+    check_precision(policy.precision, machine)
 
 
 def check_settings(config: TrainConfig, world_size: int) -> list[Condition]:
@@ -288,10 +288,15 @@ def check_settings(config: TrainConfig, world_size: int) -> list[Condition]:
 
 
 def training_prompts(config: TrainConfig) -> list[Sample]:
-    """The samples of ``data.train_path``, every row checked (``data.family`` first)."""
-    data = config.data
+    """The samples of ``data.train_path``, every row checked."""
+    return data_prompts(config.data, "data.train_path")
+
+
+def data_prompts(data: DataConfig, key: str) -> list[Sample]:
+    """The samples a ``data`` section names, every row checked (``data.family`` first); errors
+    name ``key``."""
     get_task(data.family, "data.family")
-    return load_prompts(data.train_path, data.family, data.system_prompt, "data.train_path",
+    return load_prompts(data.train_path, data.family, data.system_prompt, key,
                         fields=Fields(data.prompt_key, data.system_key, data.ground_truth_key), split=data.split)
 
 

@@ -98,9 +98,10 @@ class RolloutEngine(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def build(cls, rollout: "RolloutConfig", model_path: str, seed: int = 0) -> "RolloutEngine":
+    def build(cls, rollout: "RolloutConfig", model_path: str, machine: "Machine", seed: int = 0) -> "RolloutEngine":
         """The engine for ``rollout`` (a section whose ``kv_cache_gib`` is the cache to build,
-        see :meth:`kv_cache_gib`), starting from the Hugging Face checkpoint ``model_path``."""
+        see :meth:`kv_cache_gib`) on ``machine`` (this one, as the launch decided it), starting
+        from the Hugging Face checkpoint ``model_path``."""
 
     @classmethod
     @abc.abstractmethod

@@ -8,6 +8,7 @@ and never names an engine itself.
 from __future__ import annotations
 
 from gdpo_megatron.config.rollout import RolloutConfig
+from gdpo_megatron.device import Machine
 from gdpo_megatron.rollout.engine import RolloutEngine
 from gdpo_megatron.rollout.vllm_engine import VLLMEngine
 
@@ -21,9 +22,9 @@ def engine_class(name: str) -> type[RolloutEngine]:
     return ENGINES[name]
 
 
-def build_engine(rollout: RolloutConfig, model_path: str, seed: int = 0) -> RolloutEngine:
-    """The engine ``rollout.engine`` names, laid out and sized as ``rollout`` says (its
-    ``kv_cache_gib`` is the cache to build: see ``RolloutEngine.kv_cache_gib``), loaded from
-    the Hugging Face checkpoint ``model_path``."""
-    return engine_class(rollout.engine).build(rollout, model_path, seed)
+def build_engine(rollout: RolloutConfig, model_path: str, machine: Machine, seed: int = 0) -> RolloutEngine:
+    """The engine ``rollout.engine`` names on ``machine``, laid out and sized as ``rollout`` says
+    (its ``kv_cache_gib`` is the cache to build: see ``RolloutEngine.kv_cache_gib``), loaded
+    from the Hugging Face checkpoint ``model_path``."""
+    return engine_class(rollout.engine).build(rollout, model_path, machine, seed)
 

@@ -51,7 +51,7 @@ import torch
 from gdpo_megatron.checkpoint.hf_files import IGNORED_SUFFIXES, safetensors_index
 from gdpo_megatron.config.policy import ModelConfig
 from gdpo_megatron.config.rollout import RolloutConfig
-from gdpo_megatron.device import Machine, this_machine
+from gdpo_megatron.device import Machine, gpu_memory
 from gdpo_megatron.errors import InputError
 from gdpo_megatron.rollout.engine import Completion, PrefixCacheCounts, RolloutEngine, SamplingConfig, derive_seed
 
@@ -137,7 +137,7 @@ class VLLMEngine(RolloutEngine):
     )
 
     @classmethod
-    def build(cls, rollout: RolloutConfig, model_path: str, seed: int = 0) -> "VLLMEngine":
+    def build(cls, rollout: RolloutConfig, model_path: str, machine: Machine, seed: int = 0) -> "VLLMEngine":
         return cls(VLLMEngineConfig(
             model_path=model_path,
             tensor_parallel_size=rollout.tensor_parallel_size,
@@ -149,7 +149,7 @@ class VLLMEngine(RolloutEngine):
             quantization=rollout.quantization,
             max_num_batched_tokens=rollout.max_num_batched_tokens,
             seed=seed,
-        ))
+        ), machine)
 
     @classmethod
     def check_model(cls, hf_config: dict) -> None:
@@ -191,8 +191,8 @@ class VLLMEngine(RolloutEngine):
         return vllm_weight_bytes(layer_params, other_params, element_bytes, rollout.quantization,
                                  rollout.tensor_parallel_size)
 
-    def __init__(self, config: VLLMEngineConfig):
-        machine = this_machine()
+    def __init__(self, config: VLLMEngineConfig, machine: Machine):
+        """An engine for ``config`` on ``machine`` (this one, as the launch decided it)."""
         on_gpu = machine.cuda
         sleep_mode = on_gpu if config.enable_sleep_mode is None else config.enable_sleep_mode
         if sleep_mode and not on_gpu:
@@ -216,7 +216,7 @@ class VLLMEngine(RolloutEngine):
         utilization = config.gpu_memory_utilization
         kv_cache = None if config.kv_cache_gib is None else int(config.kv_cache_gib * _GIB)
         if on_gpu:
-            free, total = torch.cuda.mem_get_info()
+            free, total = gpu_memory()
             weights = vllm_weight_bytes(*layer_and_other_params(self._shapes), _dtype_bytes(dtype),
                                         config.quantization, config.tensor_parallel_size)
             utilization = gpu_memory_utilization(weights, kv_cache, utilization, free, total,

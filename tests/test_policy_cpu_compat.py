@@ -7,7 +7,7 @@ import pytest
 import torch
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-from gdpo_megatron.device import CPU, CUDA
+from gdpo_megatron.device import CPU
 from gdpo_megatron.policy import cpu_compat
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the shim is off with CUDA")

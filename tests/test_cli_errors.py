@@ -566,9 +566,10 @@ def test_eval_data_options_are_checked_as_the_configs_data_section(base_model, t
                                                                     option, override):
     """--data and its options are the data section: a bad value gets the message gdpo-train gives for it."""
     from gdpo_megatron.config import ConfigError, TrainConfig, load_config
+    from gdpo_megatron.preflight.validation import training_prompts
 
     with pytest.raises(ConfigError) as in_training:
-        load_config(TrainConfig, CONFIG, [override])
+        training_prompts(load_config(TrainConfig, CONFIG, [override]))
     expect_user_error(capsys, tmp_path, lambda: eval_main(["--model", str(base_model), "--data",
                                                            "examples/data/tool_demo.jsonl", *option]),
                       str(in_training.value))

@@ -65,9 +65,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def data_section(args: argparse.Namespace) -> DataConfig:
     """``--data`` and its options as the config's ``data`` section, converted and checked by the
-    config loader (a ConfigError names the ``data.*`` key)."""
+    config loader and the task registry as gdpo-train's are (a ConfigError names the ``data.*`` key)."""
     values = {"train_path": args.data, **{key: getattr(args, key) for key, _ in DATA_OPTIONS.values()}}
-    return from_dict(DataConfig, {key: value for key, value in values.items() if value is not None}, "data")
+    data = from_dict(DataConfig, {key: value for key, value in values.items() if value is not None}, "data")
+    get_task(data.family, "data.family")
+    return data
 
 
 @console_entry
@@ -89,7 +91,7 @@ def main(argv: list[str]) -> int:
     if args.rewards is not None:
         names = args.rewards.split(",")
     else:
-        names = get_task(data.family, "--family").rewards if data is not None else ()
+        names = get_task(data.family).rewards if data is not None else ()
     rewards = [RewardSpec(name) for name in names if name]
     check_reward_specs(rewards, "--rewards", in_config=False)
     check_code_sandbox(rewards, "--rewards", args.allow_weaker_sandbox, "pass --allow-weaker-sandbox")

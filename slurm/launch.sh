@@ -85,11 +85,11 @@ lost_a_rank() {
 
 # wait_for_node_failure STATUS: after a lost peer, give Slurm the time to declare a failed node (see above).
 wait_for_node_failure() {
-    local status=$1 timeout_s how
+    local status=$1 timeout_s how name
     timeout_s=$(scontrol show config | awk '$1 == "SlurmdTimeout" {print $3}')
     local wait_s=${NODE_FAIL_WAIT_S:-$(( ${timeout_s:-300} * 3 / 2 + 10 ))}
     how="status ${status}"
-    (( status > 128 )) && how="signal SIG$(kill -l $(( status - 128 )))"
+    (( status > 128 )) && name=$(kill -l $(( status - 128 )) 2>/dev/null) && how="signal SIG${name}"
     echo "a rank lost a peer (${how}); waiting up to ${wait_s} s for Slurm to declare a failed node (it then requeues the job)"
     sleep "$wait_s"
 }
@@ -102,7 +102,7 @@ requeue_after_lost_peer() {
         echo "no node of job ${SLURM_JOB_ID} failed, and the job was requeued from checkpoint ${latest} before: not requeued"
         return 1
     fi
-    echo "$latest" > "$record"
+    mkdir -p "$run_dir" && echo "$latest" > "$record"
     echo "no node of job ${SLURM_JOB_ID} failed; requeueing it once from checkpoint ${latest}"
     scontrol requeue "${SLURM_JOB_ID}"
 }

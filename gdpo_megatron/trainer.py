@@ -337,6 +337,15 @@ class Trainer:
         for s, handler in self._previous_handlers.items():
             signal.signal(s, handler)
 
+    def abandon(self) -> None:
+        """After a lost peer, before the process exits: end what would outlive it (the reward
+        workers and their sandboxes) and close the metrics; vLLM and the process groups, whose
+        teardown waits on the peer, go with the process."""
+        if self.reward_stage is not None:
+            self.reward_stage.close(at_once=True)
+        if self.logger is not None:
+            self.logger.close()
+
 
 def _warn_on_shape_drift(planned, actual, base_model: str) -> None:
     """The config's policy.model (what gdpo-plan planned with) should be base_model's shape."""

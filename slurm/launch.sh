@@ -37,12 +37,19 @@ use_gpu_environment() {
 # leave the rest blocked in a collective until its timeout).
 TASK_EXIT_GRACE_S=${TASK_EXIT_GRACE_S:-180}
 
-# A lost host. Its peers end (distributed.timeout_s at most) with EXIT_PEER_LOST. Slurm requeues a
-# job with --requeue when it declares one of its nodes failed, which takes up to SlurmdTimeout
-# after the node's last answer; a job that has ended by then just FAILED. So after
-# EXIT_PEER_LOST this script waits that long (NODE_FAIL_WAIT_S, default 1.5 x SlurmdTimeout +
-# 10 s) for the verdict: a failed node ends this script and requeues the job; when no node
-# failed (a rank crashed, which a rerun would repeat), the job fails with the status.
+# A lost host. Its peers end (distributed.timeout_s at most): with gloo each with EXIT_PEER_LOST;
+# with NCCL torch's watchdog aborts them (SIGABRT), and srun returns 128 + the signal. Slurm
+# requeues a job with --requeue when it declares one of its nodes failed, which takes up to
+# SlurmdTimeout after the node's last answer; a job that has ended by then just FAILED. So after
+# EXIT_PEER_LOST, or a signal status of a step over several nodes, this script waits that long
+# (NODE_FAIL_WAIT_S, default 1.5 x SlurmdTimeout + 10 s) for the verdict: a failed node ends
+# this script and requeues the job.
+# When no node failed, the hosts are up but the step lost a rank: its processes died (the OOM
+# killer, a crash) or a link was too slow or down for distributed.timeout_s. The script requeues
+# the job once per checkpoint: when the run's last complete checkpoint is not the one it
+# resumed from after the previous such requeue (recorded in RUN_DIR/requeued-after-lost-peer).
+# A fault that comes back before the next checkpoint (a rank that crashes at the same step)
+# ends the job FAILED with the status.
 
 # run_tasks COMMAND [ARG ...]: one srun step running COMMAND in each of the job's tasks, with
 # SIGUSR1 / SIGTERM ignored (see above) and the job's CPUs per task.
@@ -70,14 +77,34 @@ shrunk_tasks() {
     fi
 }
 
-# wait_for_node_failure: after EXIT_PEER_LOST, give Slurm the time to declare a failed node (see above).
+# lost_a_rank STATUS: whether the step's STATUS says a rank lost a peer (see above).
+lost_a_rank() {
+    local status=$1
+    (( status == EXIT_PEER_LOST || (status > 128 && ${SLURM_JOB_NUM_NODES:-1} > 1) ))
+}
+
+# wait_for_node_failure STATUS: after a lost peer, give Slurm the time to declare a failed node (see above).
 wait_for_node_failure() {
-    local timeout_s
+    local status=$1 timeout_s how name
     timeout_s=$(scontrol show config | awk '$1 == "SlurmdTimeout" {print $3}')
     local wait_s=${NODE_FAIL_WAIT_S:-$(( ${timeout_s:-300} * 3 / 2 + 10 ))}
-    echo "a rank lost a peer; waiting up to ${wait_s} s for Slurm to declare a failed node (it then requeues the job)"
+    how="status ${status}"
+    (( status > 128 )) && name=$(kill -l $(( status - 128 )) 2>/dev/null) && how="signal SIG${name}"
+    echo "a rank lost a peer (${how}); waiting up to ${wait_s} s for Slurm to declare a failed node (it then requeues the job)"
     sleep "$wait_s"
-    echo "no node of job ${SLURM_JOB_ID} failed: not requeued"
+}
+
+# requeue_after_lost_peer RUN_DIR: no node failed; requeue the job once per checkpoint (see above).
+requeue_after_lost_peer() {
+    local run_dir=$1 latest="none" record="$1/requeued-after-lost-peer"
+    [[ -f $run_dir/checkpoints/latest ]] && latest=$(<"$run_dir/checkpoints/latest")
+    if [[ -f $record && $(<"$record") == "$latest" ]]; then
+        echo "no node of job ${SLURM_JOB_ID} failed, and the job was requeued from checkpoint ${latest} before: not requeued"
+        return 1
+    fi
+    mkdir -p "$run_dir" && echo "$latest" > "$record"
+    echo "no node of job ${SLURM_JOB_ID} failed; requeueing it once from checkpoint ${latest}"
+    scontrol requeue "${SLURM_JOB_ID}"
 }
 
 # launch_training CONFIG [key.sub=value ...]
@@ -106,8 +133,9 @@ launch_training() {
         scontrol requeue "${SLURM_JOB_ID}"
         return $?
     fi
-    if (( status == EXIT_PEER_LOST )); then
-        wait_for_node_failure
+    if lost_a_rank "$status"; then
+        wait_for_node_failure "$status"
+        requeue_after_lost_peer "$run_dir" && return 0
     fi
     echo "trainer exited with status ${status}, $(date -u +%FT%TZ)"
     return "$status"

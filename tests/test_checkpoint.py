@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from gdpo_megatron.checkpoint.manager import CheckpointError, CheckpointManager, read_training_state
+from gdpo_megatron.checkpoint.manager import WRITER_THREADS, CheckpointError, CheckpointManager, read_training_state
 from gdpo_megatron.distributed.launch import free_port
 from gdpo_megatron.policy.batch import PolicyBatch
 from gdpo_megatron.config.policy import ModelConfig, OptimConfig, ParallelConfig, PolicyConfig
@@ -140,6 +140,12 @@ def test_saved_at_tp2_loads_at_tp1_with_the_same_logits(gloo_world_2, saved_at_t
         assert loaded_lr == lr > 0
         assert state.step == 1 and state.data_position == {"next_step": 2} and state.world_size == 2
         assert state.config["policy"]["model"]["vocab_size"] == VOCAB
+
+
+def test_each_rank_writes_its_share_in_several_files_at_once(saved_at_tp2):
+    root, _, _ = saved_at_tp2
+    names = sorted(p.name for p in (root / "step_1" / "dist").glob("*.distcp"))
+    assert names == [f"__{rank}_{i}.distcp" for rank in range(2) for i in range(WRITER_THREADS)]
 
 
 @pytest.mark.slow

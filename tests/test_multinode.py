@@ -8,18 +8,26 @@ come from Slurm's environment, and gloo runs over the link between the hosts.
 * Exact: a run over the two hosts logs the same rewards, advantages and losses and ends with the
   same weights, bit for bit, as the same layout on one host: data-parallel over the hosts, and a
   tensor-parallel group that spans them.
-* A lost host, killed (its processes and slurmd die) or cut off (its link goes down): the rank
-  left prints one line naming the lost rank and host and exits within ``distributed.timeout_s``;
-  the last complete checkpoint is intact; Slurm requeues the job (killed host) or the user
-  resubmits it (cut-off host) on the host left, where it resumes at data-parallel size 1 from
-  exactly that checkpoint.
+* A lost host, killed (its processes and slurmd die, in a step or while a checkpoint is
+  written) or cut off (its link goes down): the rank left prints one line naming the lost rank
+  and host and exits within ``distributed.timeout_s``, or is aborted by SIGABRT as NCCL's
+  watchdog does; the last complete checkpoint is intact, byte for byte; Slurm requeues the job
+  (killed host) or the user resubmits it (cut-off host) on the host left, where it resumes at
+  data-parallel size 1 from exactly that checkpoint.
+* A host whose trainer process dies while the host lives (slurmd answers): ``launch.sh``
+  requeues the job once per checkpoint; it resumes on both hosts, and fails when the trainer
+  dies again before the next checkpoint.
 
 Without Slurm or network namespaces only the first test runs (a lost peer on loopback).
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import multiprocessing as mp
+import os
 import re
+import signal
 import shutil
 import time
 from pathlib import Path
@@ -28,9 +36,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gdpo_megatron.checkpoint.state import check_files, complete_steps, step_dir
+from gdpo_megatron.checkpoint.state import TMP_PREFIX, complete_steps, step_dir
 from gdpo_megatron.commands.train import EXIT_PEER_LOST
-from support.metrics_file import computed, records
+from support.metrics_file import computed, records, steps_so_far
 from support.slurm_cluster import TwoHostSlurm, cluster, missing, sweep_stale_hosts
 
 SCRIPT = "slurm/gdpo_tiny_cpu.sh"
@@ -42,6 +50,8 @@ TINY = ("data.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_toke
 TWO_HOSTS = ("--nodes=2", "--ntasks-per-node=1")
 ONE_HOST = ("--nodes=1", "--ntasks-per-node=2", "--nodelist=h1")
 FIRST_STEPS_TIMEOUT_S = 240
+# A rank that lost a peer exits right after its line: nothing of its clean-up waits on the peer.
+EXIT_AFTER_LINE_S = 5
 
 
 # --- a lost peer on loopback: what the rank left reports ---------------------------------------
@@ -180,6 +190,19 @@ def _trainer_pids(hosts, host: str) -> list[int]:
     return hosts.processes(host, r"^\S*python\S* -m gdpo_megatron train ")
 
 
+def _running_trainers(hosts) -> dict[str, list[int]]:
+    """The trainer process of each host, which must be there (a fault must hit a running job)."""
+    trainers = {host: _trainer_pids(hosts, host) for host in hosts.nodes}
+    assert all(trainers.values()), trainers
+    return trainers
+
+
+def _checksums(directory: Path) -> dict[str, str]:
+    """SHA-256 of every file under ``directory``, by path inside it."""
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
 def _run_to_checkpoint(hosts, base_model, run_dir: Path, step: int, steps: int, options=()) -> str:
     """A two-host job that saves every ``step`` steps, once it has saved step ``step``."""
     job = _submit(hosts, (*TWO_HOSTS, *options), base_model, run_dir, f"steps={steps}",
@@ -219,15 +242,16 @@ def _assert_one_clear_line(log: str, lost: str, checkpoint: int, run_dir: Path) 
     return lines[0]
 
 
-def _assert_intact(run_dir: Path, step: int) -> None:
-    """The checkpoint ``step`` is the newest complete one, every file at its size; nothing is
-    half-written: no checkpoint in the making, every metrics record whole."""
+def _assert_intact(run_dir: Path, step: int, checksums: dict[str, str], cut_short: tuple[str, ...] = ()) -> None:
+    """The checkpoint ``step`` is the newest complete one, every file as it was when it was
+    complete (``checksums``); the checkpoints the fault cut short are left under their temporary
+    names (``cut_short``), and every metrics record is whole."""
     root = run_dir / "checkpoints"
-    assert complete_steps(root)[-1] == step
+    with pytest.warns(UserWarning, match="ignoring incomplete checkpoint") if cut_short else contextlib.nullcontext():
+        assert complete_steps(root)[-1] == step
     assert (root / "latest").read_text().strip() == f"step_{step}"
-    for saved in complete_steps(root):
-        check_files(step_dir(root, saved))
-    assert not list(root.glob(".tmp-*"))
+    assert _checksums(step_dir(root, step)) == checksums
+    assert sorted(p.name for p in root.glob(f"{TMP_PREFIX}*")) == [f"{TMP_PREFIX}{name}" for name in cut_short]
     assert (run_dir / "metrics.jsonl").read_text().endswith("\n")
     assert [r["step"] for r in records(run_dir)] == list(range(1, len(records(run_dir)) + 1))
 
@@ -238,22 +262,49 @@ def _resumed(log: str, job: str, step: int, run_dir: Path) -> None:
     assert f"{run_dir}/checkpoints/step_{step}: RNG states not restored (saved by 2 ranks, loading on 1)" in log
 
 
+def _kill_h2(hosts, trainers: dict[str, list[int]], abort_h1: bool) -> float:
+    """Kill h2 (every process, slurmd included); with ``abort_h1`` the rank on h1 dies of SIGABRT
+    as NCCL's watchdog ends it when its collective fails. It is held still meanwhile, so that it
+    is aborted before it could meet the closed connection and exit on its own. When h2 died."""
+    if abort_h1:
+        for pid in trainers["h1"]:
+            os.kill(pid, signal.SIGSTOP)
+    hosts.kill_host("h2")
+    killed_at = time.monotonic()
+    if abort_h1:
+        for pid in trainers["h1"]:
+            os.kill(pid, signal.SIGABRT)
+            os.kill(pid, signal.SIGCONT)
+    return killed_at
+
+
 @pytest.mark.slurm
 @pytest.mark.slow
-def test_killed_host_ends_the_job_which_slurm_requeues_and_resumes_on_the_host_left(base_model, tmp_path):
-    """h2's processes and slurmd die in the middle of step 3. The rank on h1 meets the closed
-    connection, says so in one line and exits; Slurm declares h2 failed and requeues the job;
-    shrunk to one node it resumes at DP 1 from checkpoint 2, exactly: it ends with the weights
-    of a one-host run that resumes from a copy of that checkpoint."""
+@pytest.mark.parametrize("when, rank_left", [
+    ("in step 3", "exits"),  # gloo: the rank left reports the closed connection, exits with 69
+    ("while checkpoint 4 is written", "aborted"),  # NCCL: its watchdog aborts the rank left
+])
+def test_killed_host_ends_the_job_which_slurm_requeues_and_resumes_on_the_host_left(base_model, tmp_path, when,
+                                                                                 rank_left):
+    """h2's processes and slurmd die in the middle of step 3, or while checkpoint 4 is being
+    written. The rank on h1 meets the closed connection, says so in one line and exits, or
+    (NCCL) is aborted by SIGABRT; either way launch.sh waits for Slurm, which declares h2 failed
+    and requeues the job; shrunk to one node it resumes at DP 1 from checkpoint 2, exactly: it
+    ends with the weights of a one-host run that resumes from a copy of that checkpoint."""
     _skip_without_two_hosts()
     run_dir, reference = tmp_path / "run", tmp_path / "reference"
+    cut_short = ("step_4",) if "checkpoint 4" in when else ()
     with cluster(TwoHostSlurm, settings={"SlurmdTimeout": 10}) as hosts:
         # srun gives up the lost task 2 s after the rank left exits, long before Slurm declares h2
         # down: launch.sh's wait for that verdict is what keeps the job to be requeued.
         job = _run_to_checkpoint(hosts, base_model, run_dir, step=2, steps=4,
                                  options=("--export=ALL,TASK_EXIT_GRACE_S=2",))
-        hosts.kill_host("h2")
-        lost_at = time.monotonic()
+        checkpoint_2 = _checksums(step_dir(run_dir / "checkpoints", 2))
+        trainers = _running_trainers(hosts)
+        if cut_short:
+            writing = run_dir / "checkpoints" / f"{TMP_PREFIX}step_4"
+            hosts.wait_for(writing.exists, "checkpoint 4 to be begun", FIRST_STEPS_TIMEOUT_S, interval_s=0.01)
+        lost_at = _kill_h2(hosts, trainers, abort_h1=rank_left == "aborted")
         report_s, exit_s = _report_and_exit_times(hosts, job, lost_at, ("h1",))
         # The reference: the same resume from a copy of checkpoint 2, as its own one-host job
         # (it runs while Slurm makes up its mind about h2).
@@ -265,11 +316,16 @@ def test_killed_host_ends_the_job_which_slurm_requeues_and_resumes_on_the_host_l
                        "Slurm to requeue the job", 60)
         requeued_s = time.monotonic() - lost_at
         log = hosts.log(job)
-        _assert_one_clear_line(log, "rank 1 (host h2)", 2, run_dir)
-        assert "its connection closed" in log
+        if rank_left == "exits":
+            _assert_one_clear_line(log, "rank 1 (host h2)", 2, run_dir)
+            assert "its connection closed" in log
+            assert f"a rank lost a peer (status {EXIT_PEER_LOST}); waiting up to 25 s" in log, log
+        else:
+            assert "\nerror: rank" not in log, log  # aborted before it could say anything
+            assert "a rank lost a peer (signal SIGABRT); waiting up to 25 s" in log, log
         assert "waiting up to 25 s for Slurm to declare a failed node" in log, log
         assert "Node failure on h2" in log or "DUE TO NODE FAILURE" in log, log
-        _assert_intact(run_dir, 2)
+        _assert_intact(run_dir, 2, checkpoint_2, cut_short)
         assert hosts.node_states()["h2"].startswith("down")
 
         # Go on with the host left: the requeued job, shrunk to one node, keeps its id.
@@ -282,10 +338,52 @@ def test_killed_host_ends_the_job_which_slurm_requeues_and_resumes_on_the_host_l
         assert [r["step"] for r in records(run_dir)][-2:] == [3, 4]
         _resumed(_finished(hosts, check), check, 2, reference)
     assert _max_difference(_weights(run_dir), _weights(reference)) == 0.0
-    assert [computed(r) for r in records(run_dir)][-2:] == [computed(r) for r in records(reference)]
-    assert exit_s < TIMEOUT_S
-    print(f"\nkilled h2: the rank on h1 reported after {report_s:.1f} s and exited after {exit_s:.1f} s; "
-          f"Slurm requeued the job after {requeued_s:.1f} s; the resumed job ran {resume_s:.1f} s")
+    assert [computed(r) for r in records(run_dir)][-2:] == [computed(r) for r in records(reference)][-2:]
+    assert exit_s < TIMEOUT_S and exit_s - report_s < EXIT_AFTER_LINE_S
+    said = f"reported after {report_s:.1f} s" if rank_left == "exits" else "was aborted"
+    print(f"\nkilled h2 {when}: the rank on h1 {said} and exited after {exit_s:.1f} s; Slurm requeued the job "
+          f"after {requeued_s:.1f} s; the resumed job ran {resume_s:.1f} s")
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_dead_trainer_on_a_live_host_is_requeued_once_per_checkpoint(base_model, tmp_path):
+    """h2's trainer process dies of SIGABRT in step 3 (a crash, the OOM killer) while h2 and its
+    slurmd live: no node fails, so launch.sh requeues the job itself, and it resumes on both hosts
+    from checkpoint 2; h2's reward workers exit without a word. When the trainer dies again
+    before the next checkpoint, the job is not requeued a second time: it fails."""
+    _skip_without_two_hosts()
+    run_dir = tmp_path / "run"
+    with cluster(TwoHostSlurm, settings={"SlurmdTimeout": 3 * TIMEOUT_S}) as hosts:
+        job = _run_to_checkpoint(hosts, base_model, run_dir, step=2, steps=4,
+                                 options=("--export=ALL,TASK_EXIT_GRACE_S=2,NODE_FAIL_WAIT_S=2",))
+        checkpoint_2 = _checksums(step_dir(run_dir / "checkpoints", 2))
+        for pid in _running_trainers(hosts)["h2"]:
+            os.kill(pid, signal.SIGABRT)
+        lost_at = time.monotonic()
+        report_s, exit_s = _report_and_exit_times(hosts, job, lost_at, ("h1",))
+        hosts.wait_for(lambda: hosts.job_info(job).get("Restarts") == "1", "launch.sh to requeue the job", 60)
+        log = hosts.log(job)
+        _assert_one_clear_line(log, "rank 1 (host h2)", 2, run_dir)
+        assert "EOFError" not in log and "BrokenPipeError" not in log, log
+        assert f"no node of job {job} failed; requeueing it once from checkpoint step_2" in log, log
+        _assert_intact(run_dir, 2, checkpoint_2)
+
+        # The requeued job resumes on both hosts and finishes step 3; h2's trainer dies in step 4,
+        # before checkpoint 4.
+        finished = steps_so_far(run_dir).count(3)
+        hosts.wait_for(lambda: steps_so_far(run_dir).count(3) > finished or hosts.state(job) not in ("PENDING", "RUNNING"),
+                       "the requeued job to finish step 3", FIRST_STEPS_TIMEOUT_S, interval_s=0.2)
+        for pid in _running_trainers(hosts)["h2"]:
+            os.kill(pid, signal.SIGABRT)
+        info = hosts.wait_job(job, 120)
+        log = hosts.log(job)
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "1", f"{info}\n{log}"
+    assert f"job {job} (restart 1): 2 tasks on h[1-2]" in log and "resuming" in log, log
+    assert "the job was requeued from checkpoint step_2 before: not requeued" in log, log
+    assert (run_dir / "requeued-after-lost-peer").read_text().strip() == "step_2"
+    assert exit_s < TIMEOUT_S and exit_s - report_s < EXIT_AFTER_LINE_S
+    print(f"\nh2's trainer aborted: the rank on h1 reported after {report_s:.1f} s and exited after {exit_s:.1f} s")
 
 
 @pytest.mark.slurm
@@ -301,6 +399,8 @@ def test_cut_off_host_ends_the_job_within_the_timeout_and_a_resubmitted_job_resu
     # the rank's own report comes first.
     with cluster(TwoHostSlurm, settings={"SlurmdTimeout": 3 * TIMEOUT_S}) as hosts:
         job = _run_to_checkpoint(hosts, base_model, run_dir, step=2, steps=4)
+        checkpoint_2 = _checksums(step_dir(run_dir / "checkpoints", 2))
+        _running_trainers(hosts)
         hosts.link("h2", up=False)
         lost_at = time.monotonic()
         # Both ranks are alive; each gives the other up (h2's line cannot reach the job's log).
@@ -308,7 +408,7 @@ def test_cut_off_host_ends_the_job_within_the_timeout_and_a_resubmitted_job_resu
         hosts.wait_for(lambda: "Exited with exit code" in hosts.log(job), "srun to report the rank's exit", 30)
         line = _assert_one_clear_line(hosts.log(job), "rank 1 (host h2)", 2, run_dir)
         assert f": no answer within {TIMEOUT_S} s;" in line
-        _assert_intact(run_dir, 2)
+        _assert_intact(run_dir, 2, checkpoint_2)
 
         hosts.run("scancel", job)
         hosts.wait_job(job, 60)
@@ -319,6 +419,9 @@ def test_cut_off_host_ends_the_job_within_the_timeout_and_a_resubmitted_job_resu
         resume_s = time.monotonic() - resume_at
         _resumed(log, resubmitted, 2, run_dir)
     assert [r["step"] for r in records(run_dir)][-2:] == [3, 4]
-    assert TIMEOUT_S <= report_s <= exit_s < 2 * TIMEOUT_S
+    # The rank gives up a collective distributed.timeout_s after it began, which may be before or
+    # after the link went down: the line's "no answer within 10 s" tells the timeout, and the
+    # report comes within two timeouts of the cut. Then the rank exits at once.
+    assert report_s <= exit_s < 2 * TIMEOUT_S and exit_s - report_s < EXIT_AFTER_LINE_S
     print(f"\ncut off h2: the rank on h1 reported after {report_s:.1f} s; both ranks had exited after {exit_s:.1f} s "
           f"(distributed.timeout_s={TIMEOUT_S}); the resubmitted job ran {resume_s:.1f} s")

@@ -6,7 +6,7 @@ import yaml
 
 from gdpo_megatron.config import TrainConfig, load_config
 from gdpo_megatron.commands.plan import main
-from gdpo_megatron.preflight.plan import Cluster, plan_memory, total_params
+from gdpo_megatron.preflight.plan import Cluster, checkpoint_host_memory, plan_memory, total_params
 from gdpo_megatron.config.policy import ModelConfig
 
 MIB = 2**20
@@ -215,6 +215,35 @@ def test_cli_exit_status_and_table(tmp_path, capsys):
     assert main(["--config", path, *CLI, "policy.optim.use_distributed_optimizer=false"]) == 1
     # memory fits, but vLLM needs room for one max_model_len sequence (935 tokens of KV cache)
     assert main(["--config", path, *CLI, "rollout.max_model_len=2048"]) == 1
+
+
+def test_checkpoint_host_memory_per_node(tmp_path, capsys):
+    """fully_reshardable gathers each TP x PP shard's Adam state (12 B a parameter) on its
+    data-parallel rank 0 when saving and allocates it on every rank when loading; dp_reshardable
+    keeps each rank's share. Ranks fill the nodes in megatron-core's order: TP, then DP, then PP."""
+    path = write(tmp_path, SMALL)
+
+    def memory(nodes, gpus, *overrides):
+        return checkpoint_host_memory(load_config(TrainConfig, path, list(overrides)), Cluster(nodes, gpus, GPU_GIB))
+
+    # 2 nodes x 4 GPUs, TP 2 x PP 2 x DP 2: node 0 holds stage 0 (DP ranks 0, 0, 1, 1), node 1 stage 1.
+    two = memory(2, 4, "checkpoint.optimizer_sharding=fully_reshardable")
+    assert two.sharding == "fully_reshardable"
+    assert two.saving == (2 * 12 * STAGE0, 2 * 12 * STAGE1)
+    assert two.loading == (4 * 12 * STAGE0, 4 * 12 * STAGE1)
+    assert two.own_share == (4 * 12 * STAGE0 // 2, 4 * 12 * STAGE1 // 2)
+    # 4 nodes x 2 GPUs, TP 2 x PP 1 x DP 4: both data-parallel rank 0s (ranks 0 and 1) are on node 0.
+    whole = 4 * LAYER_TP2 + 64 + 2 * VOCAB_SHARD * 64  # 4 layers, final norm, embedding and output layer
+    four = memory(4, 2, "policy.parallel.pipeline_model_parallel_size=1")
+    assert (four.saving, four.loading, four.own_share) == (
+        (2 * 12 * whole, 0, 0, 0), (2 * 12 * whole,) * 4, (2 * 12 * whole // 4,) * 4)
+    assert memory(4, 2, "policy.optim.use_distributed_optimizer=false") is None
+
+    main(["--config", path, *CLI, "--nodes", "4", "--gpus-per-node", "2", "policy.parallel.pipeline_model_parallel_size=1"])
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("checkpoint host memory for the Adam state (checkpoint.optimizer_sharding=dp_reshardable): "
+                           "nothing is gathered"), line
+    assert "fully_reshardable: saving gathers 0.0 / 0 / 0 / 0 GiB on nodes 0-3" in line, line
 
 
 @pytest.mark.parametrize("args, message", [

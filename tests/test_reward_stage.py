@@ -382,3 +382,51 @@ def test_code_rewards_fail_below_the_strong_sandbox_unless_it_was_chosen(tmp_pat
     assert json.loads(done.stdout.strip().splitlines()[-1]) == expected
     if choice == "refuse":
         assert "the strong sandbox cannot run here" in done.stderr
+
+
+TRAINER_THAT_DIES = '''
+import os, signal, sys, time
+from pathlib import Path
+from gdpo_megatron.config.rewards import RewardSpec
+from gdpo_megatron.rewards.stage import RewardStage
+
+if __name__ == "__main__":
+    started = Path(sys.argv[2])
+    stage = RewardStage([RewardSpec("stage_sleeps")], num_workers=2, reward_files=[sys.argv[1]])
+    stage.score(["warm-up"], [1], [{}])  # both workers are up
+    print(" ".join(str(w.process.pid) for w in stage._workers), flush=True)
+    batch = stage.begin(1)
+    batch.submit(0, "busy", 1, {})  # one worker in a reward call, the other idle
+    while not started.exists():
+        time.sleep(0.02)
+    os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer ends a trainer
+'''
+
+
+def test_workers_of_a_trainer_that_died_exit_quietly(tmp_path):
+    """The trainer dies: its idle worker (its pipe closed) and its busy one (its reply has
+    nowhere to go) exit without a word; a job's log gets no tracebacks from them."""
+    started = tmp_path / "started"
+    rewards = tmp_path / "sleeping.py"
+    rewards.write_text(
+        "import time\n"
+        "from pathlib import Path\n"
+        "from gdpo_megatron.rewards import register_reward\n"
+        "@register_reward('stage_sleeps')\n"
+        "def sleeps(completion, num_tokens, ground_truth):\n"
+        "    if completion == 'busy':\n"
+        f"        Path({str(started)!r}).touch()\n"
+        "        time.sleep(1)\n"
+        "    return 1.0\n"
+    )
+    trainer = tmp_path / "trainer.py"
+    trainer.write_text(TRAINER_THAT_DIES)
+    # The workers inherit the trainer's stdout and stderr: the run ends when they have exited.
+    done = subprocess.run([sys.executable, str(trainer), str(rewards), str(started)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == -9, done.stderr
+    workers = [int(pid) for pid in done.stdout.split()]
+    assert len(workers) == 2 and started.exists()
+    assert done.stderr == ""
+    for pid in workers:
+        assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"

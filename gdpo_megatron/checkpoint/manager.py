@@ -136,8 +136,14 @@ def set_rng_state(state: dict, cuda: bool) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+# Files each rank writes at once: a data-parallel rank 0 writing a gathered fully_reshardable
+# state (tens of GB) streams it to a parallel filesystem in this many files.
+WRITER_THREADS = 4
+
+
 class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
-    """megatron-core's ``torch_dist`` format, written synchronously by the calling process.
+    """megatron-core's ``torch_dist`` format, written synchronously by the calling process, by
+    :data:`WRITER_THREADS` threads per rank (a file each).
 
     megatron-core's own writer starts a multiprocessing manager and forks a writer per save;
     those cannot start in daemonic processes and outlive a SIGKILLed trainer. The files are
@@ -152,7 +158,7 @@ class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
             sharded_state_dict, self.keep_only_main_replica)
         dcp.save(
             mcore_to_pyt_state_dict(sharded_state_dict, False),
-            storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1),
+            storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=WRITER_THREADS),
             planner=MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica, flatten_state_dict=False),
         )
 

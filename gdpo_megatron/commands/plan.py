@@ -1,7 +1,8 @@
 """``gdpo-plan --config FILE --gpus-per-node N --gpu-memory GIB [--nodes N] [key.sub=value ...]``.
 
 Prints the per-GPU memory of the fullest pipeline stage, with and without the distributed
-optimizer (:mod:`gdpo_megatron.preflight.plan`), and exits 0 when the configured layout fits
+optimizer (:mod:`gdpo_megatron.preflight.plan`), the host memory per node of its checkpoints,
+and exits 0 when the configured layout fits
 (1 when not, 2 on bad input).
 """
 from __future__ import annotations
@@ -10,7 +11,8 @@ import argparse
 
 from gdpo_megatron.commands.console import ArgumentParser, console_entry
 from gdpo_megatron.config import TrainConfig, load_config
-from gdpo_megatron.preflight.plan import DEFAULT_OVERHEAD_GIB, ENGINE_RUNTIME_GIB, Cluster, format_plan, plan_memory
+from gdpo_megatron.preflight.plan import (DEFAULT_OVERHEAD_GIB, ENGINE_RUNTIME_GIB, Cluster, checkpoint_host_memory,
+                                          format_checkpoint_memory, format_plan, plan_memory)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -35,6 +37,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse(argv)
     cluster = Cluster(args.nodes, args.gpus_per_node, args.gpu_memory, args.overhead, args.vllm_runtime)
-    plan = plan_memory(load_config(TrainConfig, args.config, args.overrides), cluster)
+    config = load_config(TrainConfig, args.config, args.overrides)
+    plan = plan_memory(config, cluster)
     print(format_plan(plan))
+    if (checkpoints := checkpoint_host_memory(config, cluster)) is not None:
+        print(format_checkpoint_memory(checkpoints))
     return 0 if plan.fits(plan.distributed_optimizer) else 1

@@ -12,12 +12,14 @@ Exit statuses beyond :mod:`.console`'s: :data:`EXIT_REQUEUE` after SIGUSR1/SIGTE
 checkpoint was saved; a Slurm script requeues the job on it), :data:`EXIT_CTRL_C` after Ctrl-C,
 :data:`EXIT_PEER_LOST` when a peer rank was lost (its host died, or stopped answering for
 ``distributed.timeout_s``): each rank left prints one line, ``error: rank R (HOST) lost rank P
-(host H) in step S (WHERE): REASON; the last complete checkpoint is ...``.
+(host H) in step S (WHERE): REASON; the last complete checkpoint is ...``, ends its reward
+workers and exits at once (:func:`run`).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import socket
 import sys
 import traceback
@@ -32,10 +34,6 @@ EXIT_REQUEUE = 75  # EX_TEMPFAIL: "try again later"
 # EX_UNAVAILABLE. Not a reason to requeue by itself: a crashed peer would crash again; Slurm
 # requeues a job whose node failed (sbatch --requeue).
 EXIT_PEER_LOST = 69
-
-
-class PeerLostError(RuntimeError):
-    """A peer rank was lost; :func:`run` printed the message as one line."""
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -65,8 +63,6 @@ def main(argv: list[str]) -> int:
         else f"gdpo-train: a new run in {config.run_dir}, {config.steps} steps")
     try:
         outcome = run(config, inputs, this_machine())
-    except PeerLostError:  # reported by run()
-        return EXIT_PEER_LOST
     except KeyboardInterrupt:
         say("gdpo-train: stopped at once by a second Ctrl-C; rerun the same command to resume from the last "
             "checkpoint")
@@ -84,7 +80,14 @@ def program() -> int:
 def run(config, inputs, machine) -> str:
     """Place this rank on ``machine`` and join the launcher's process group (torchrun, srun, or a
     single process), install the CPU shim there, check this machine, train, clean up; what
-    :meth:`Trainer.train` returned. A lost peer raises :class:`PeerLostError`."""
+    :meth:`Trainer.train` returned.
+
+    A rank that lost a peer prints its line, ends what would outlive it (:meth:`Trainer.abandon`)
+    and exits with :data:`EXIT_PEER_LOST` at once: nothing it holds is saved any more (the last
+    complete checkpoint is on disk), and the rest of the clean-up, vLLM's shutdown and the
+    teardown of the process groups at exit, waits on the lost peer or on a full garbage
+    collection of the process (seconds to tens of seconds under load), while Slurm's grace for
+    the step's other tasks runs."""
     import torch.distributed as dist
 
     from gdpo_megatron.distributed.launch import init_distributed
@@ -108,9 +111,12 @@ def run(config, inputs, machine) -> str:
         if not is_lost_peer(e):
             raise
         line = _lost_peer_line(e, peers, config, trainer.step_started if trainer else None)
-        # Now, on every rank left (rank 0 may be the lost one), before the clean-up below.
+        # Now, on every rank left (rank 0 may be the lost one).
         print(f"error: {line}", file=sys.stderr, flush=True)
-        raise PeerLostError(line) from None
+        if trainer is not None:
+            trainer.abandon()
+        sys.stdout.flush()
+        os._exit(EXIT_PEER_LOST)
     finally:
         if trainer is not None:
             trainer.close()

@@ -32,6 +32,11 @@ What is counted, per GPU (the assumptions are printed with the table):
   (moments and master weights) waits in host memory while vLLM generates; the table shows the
   peak while generating both ways (the weight sync, between the two, holds less than either);
 * a fixed allowance for the CUDA context, NCCL buffers and allocator fragmentation.
+
+Host memory per node for the distributed optimizer's state in a checkpoint
+(:func:`checkpoint_host_memory`): ``fully_reshardable`` gathers each TP x PP shard's Adam state
+on its data-parallel rank 0 when saving and allocates it on every rank when loading;
+``dp_reshardable`` has each rank write and read its own share.
 """
 from __future__ import annotations
 
@@ -362,3 +367,57 @@ def format_plan(plan: MemoryPlan) -> str:
         lines.append(f"host memory: {gib(plan.vllm_weights)} GiB per GPU of pinned memory for vLLM's weights while "
                      "it sleeps (rollout.sleep_level 1)")
     return "\n".join(lines)
+
+
+# ---- checkpoints: host memory per node ------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointHostMemory:
+    """Bytes of host memory per node, by node, for the distributed optimizer's state in a checkpoint."""
+
+    sharding: str  # checkpoint.optimizer_sharding
+    saving: tuple[int, ...]  # fully_reshardable: the Adam state its data-parallel rank 0s gather
+    loading: tuple[int, ...]  # fully_reshardable: the Adam state every rank allocates
+    own_share: tuple[int, ...]  # dp_reshardable: the ranks' own shares, saved and loaded as they are
+
+
+def checkpoint_host_memory(config: TrainConfig, cluster: Cluster) -> CheckpointHostMemory | None:
+    """Host memory per node for the distributed optimizer's state in a checkpoint; None without
+    a distributed optimizer. Ranks fill the nodes in order, in megatron-core's rank order
+    (TP fastest, then DP, then PP), so the data-parallel rank 0s of a pipeline stage share nodes."""
+    config = dataclasses.replace(config, policy=config.policy.resolved(CUDA))
+    policy = config.policy
+    if not policy.optim.use_distributed_optimizer:
+        return None
+    parallel = policy.parallel
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    dp = cluster.world_size // (tp * pp)
+    param_bytes = PARAM_BYTES[policy.precision.dtype]
+    adam_bytes = ADAM_MOMENTS * FP32_BYTES + (FP32_BYTES if param_bytes < FP32_BYTES else 0)
+    shard = [stage_params(policy.model, parallel, stage) * adam_bytes for stage in range(pp)]
+    saving, loading, own = ([0] * cluster.nodes for _ in range(3))
+    for rank in range(cluster.world_size):
+        node, dp_rank, stage = rank // cluster.gpus_per_node, rank // tp % dp, rank // (tp * dp)
+        saving[node] += shard[stage] if dp_rank == 0 else 0
+        loading[node] += shard[stage]
+        own[node] += math.ceil(shard[stage] / dp)
+    return CheckpointHostMemory(config.checkpoint.optimizer_sharding, tuple(saving), tuple(loading), tuple(own))
+
+
+def format_checkpoint_memory(memory: CheckpointHostMemory) -> str:
+    """One line: what saving and loading a checkpoint hold in host memory per node, in both formats."""
+    def per_node(values: tuple[int, ...]) -> str:
+        figures = [f"{v / GIB:.0f}" if v >= 10 * GIB or not v else f"{v / GIB:.1f}" for v in values]
+        if len(set(figures)) == 1:
+            return f"{figures[0]} GiB on every node"
+        return f"{' / '.join(figures)} GiB on nodes 0-{len(figures) - 1}"
+
+    gathered = (f"saving gathers {per_node(memory.saving)} (the other ranks wait), loading allocates "
+                f"{per_node(memory.loading)}")
+    own = f"nothing is gathered, each rank writes and reads its own share ({per_node(memory.own_share)} in all)"
+    if memory.sharding == "fully_reshardable":
+        formats = f"{gathered}; dp_reshardable: {own}"
+    else:
+        formats = f"{own}; fully_reshardable: {gathered}"
+    return f"checkpoint host memory for the Adam state (checkpoint.optimizer_sharding={memory.sharding}): {formats}"

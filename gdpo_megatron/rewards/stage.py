@@ -51,7 +51,7 @@ _START_TIMEOUT_S = 300.0
 def _worker_main(conn: Connection, specs: Sequence[RewardSpec], reward_files: Sequence[str],
                  allow_weaker_sandbox: bool) -> None:
     """Worker loop: receive (rollout, completion, num_tokens, metadata, reward indices),
-    send one message per reward."""
+    send one message per reward. A trainer that died (its end of the pipe closed) ends it quietly."""
     try:
         import gdpo_megatron.rewards  # noqa: F401  (registers the built-in rewards)
 
@@ -65,6 +65,14 @@ def _worker_main(conn: Connection, specs: Sequence[RewardSpec], reward_files: Se
         conn.send((_FATAL, traceback.format_exc()))
         return
     conn.send((_READY,))
+    try:
+        _score(conn, specs, fns, bounds)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the trainer is gone (its end of the pipe closed): nobody to score for
+
+
+def _score(conn: Connection, specs: Sequence[RewardSpec], fns, bounds) -> None:
+    """The worker's loop, until it is told to stop or its sandbox is damaged."""
     while (task := conn.recv()) is not None:
         rollout, completion, num_tokens, metadata, indices = task
         for k in indices:
@@ -195,15 +203,16 @@ class RewardStage:
     def _busy(self) -> bool:
         return any(w.rollout is not None for w in self._workers)
 
-    def close(self) -> None:
+    def close(self, at_once: bool = False) -> None:
+        """End the workers: each is asked to stop and given 5 s, or with ``at_once`` killed."""
         for w in self._workers:
-            if w.process.is_alive():
+            if w.process.is_alive() and not at_once:
                 try:
                     w.conn.send(None)
                 except OSError:
                     pass
         for w in self._workers:
-            w.process.join(timeout=5)
+            w.process.join(timeout=0 if at_once else 5)
             if w.process.is_alive():
                 self._kill(w)
             w.conn.close()

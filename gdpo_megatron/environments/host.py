@@ -72,7 +72,7 @@ def _child_main(conn: Connection, ref: str) -> None:
         try:
             conn.send(("ok", value))
         except Exception as e:  # a result that does not pickle
-            conn.send(("error", f"{method}'s result cannot be sent back: {_describe(e)}"))
+            conn.send(("error", f"the result of {method} cannot be sent back: {_describe(e)}"))
             return
 
 

@@ -71,7 +71,8 @@ def test_rewards_replay_a_users_environment():
                                                   ["[add_item(item='tea')]"]])
     judgement = judge(trajectory, {"items": {}}, [["add_item(item='eggs', count=6)"], ["add_item(item='tea')"]])
     assert judgement.valid and judgement.calls_run == 2
-    judgement = judge(trajectory, {"items": {}}, [["add_item(item='eggs', count=6)"], ["add_item(item='tea', count=2)"]])
+    judgement = judge(trajectory, {"items": {}},
+                      [["add_item(item='eggs', count=6)"], ["add_item(item='tea', count=2)"]])
     assert judgement.first_failure == (1, "state")
 
 

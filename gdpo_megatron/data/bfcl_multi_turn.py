@@ -76,8 +76,10 @@ def _row(question: dict, reference: list[list[str]], category: str) -> dict:
     turns = []
     for t, messages in enumerate(question["question"]):
         if not messages and str(t) in missed:
-            docs = [d for cls in question["involved_classes"] for d in function_docs(cls) if d["name"] in missed[str(t)]]
-            messages = [{"role": "user", "content": f"{json.dumps(docs, ensure_ascii=False)}\n{ADDED_FUNCTIONS_PROMPT}"}]
+            docs = [doc for cls in question["involved_classes"] for doc in function_docs(cls)
+                    if doc["name"] in missed[str(t)]]
+            shown = json.dumps(docs, ensure_ascii=False)
+            messages = [{"role": "user", "content": f"{shown}\n{ADDED_FUNCTIONS_PROMPT}"}]
         turns.append(messages)
     return {
         "id": question["id"],

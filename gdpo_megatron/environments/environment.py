@@ -9,8 +9,9 @@ that generates it). A subclass implements:
   "parameters": {"type": "dict", "properties": {name: {"type", ...}}, "required": [...]}}``
   (BFCL's format; JSON-schema types ``object`` / ``number`` are accepted as ``dict`` / ``float``).
 * ``call(name, arguments)``: run one call whose name is among ``tools()`` and whose arguments
-  have been checked against its schema (an optional parameter may be given as null); the return value is the call's result (a string, or a
-  value turned into one as BFCL does: a dict as JSON, anything else with ``str``).
+  have been checked against its schema (an optional parameter may be given as null); the
+  return value is the call's result (a string, or a value turned into one as BFCL does: a dict
+  as JSON, anything else with ``str``).
 * optionally ``start_turn(index)`` (a note when user turn ``index`` > 0 begins, e.g. functions
   that become available), ``state()`` (what the state-correctness reward compares, by default
   the instance's public attributes) and ``matches(reference)`` (whether this state equals a

@@ -7,14 +7,15 @@ from pathlib import Path
 import pytest
 
 from gdpo_megatron.config import ConfigError, EnvironmentConfig, TrainConfig, load_config
-from gdpo_megatron.environments import Call, Trajectory, environment_class, parse_calls, reference
+from gdpo_megatron.environments import (Call, Trajectory, environment_class, environment_reference,
+                                        parse_calls)
 from gdpo_megatron.environments.host import EnvironmentFailed, EnvironmentHost
 from gdpo_megatron.environments.judge import judge
 from gdpo_megatron.errors import InputError
 from gdpo_megatron.preflight.validation import check_environment
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "environments" / "shopping_list.py"
-SHOPPING = reference("ShoppingList", str(EXAMPLE))
+SHOPPING = environment_reference("ShoppingList", str(EXAMPLE))
 
 BROKEN = '''
 import os
@@ -51,7 +52,7 @@ class Broken(Environment):
 def broken(tmp_path):
     path = tmp_path / "broken_env.py"
     path.write_text(BROKEN)
-    return reference("Broken", str(path))
+    return environment_reference("Broken", str(path))
 
 
 def test_a_users_environment_steps_in_its_own_process():

@@ -19,7 +19,7 @@ from gdpo_megatron.user_files import import_user_file
 BUILTIN: dict[str, str] = {"bfcl": "gdpo_megatron.environments.bfcl:BFCLEnvironment"}
 
 
-def reference(name: str, file: str | None = None) -> str:
+def environment_reference(name: str, file: str | None = None) -> str:
     """The reference of environment ``name`` (built-in), or of class ``name`` in ``file``."""
     return f"{Path(file).resolve()}:{name}" if file is not None else name
 

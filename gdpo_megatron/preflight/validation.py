@@ -35,7 +35,7 @@ from gdpo_megatron.inputs import TrainingInputs
 from gdpo_megatron.config.policy import SHAPE_FIELDS, ModelConfig, ParallelConfig, check_model_parallel
 from gdpo_megatron.config.environment import EnvironmentConfig
 from gdpo_megatron.config.rewards import RewardSpec
-from gdpo_megatron.environments.registry import environment_class, reference
+from gdpo_megatron.environments.registry import environment_class, environment_reference
 from gdpo_megatron.rewards import sandbox
 from gdpo_megatron.rewards.registry import load_reward_file, registered_rewards, runs_code, validate_specs
 from gdpo_megatron.rollout.vllm_engine import check_vllm_can_load
@@ -185,7 +185,7 @@ def check_environment(environment: EnvironmentConfig, key: str) -> None:
     if environment.file is not None:
         check_input_file(environment.file, what)
     try:
-        environment_class(reference(environment.name, environment.file))
+        environment_class(environment_reference(environment.name, environment.file))
     except (Exception, SystemExit) as e:  # whatever the user's module raises on import, or sys.exit()
         raise InputError(f"{what}: {type(e).__name__}: {e}" if str(e) else f"{what}: {type(e).__name__}") from e
 

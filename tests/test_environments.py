@@ -101,6 +101,12 @@ def test_an_environment_that_fails_fails_the_trajectory(broken, request_, why):
         host.tools()
 
 
+def test_an_environment_that_cannot_be_built_fails_the_trajectory(broken):
+    with pytest.raises(EnvironmentFailed, match=r"building environment .*defines no class 'Nope' \(environment "
+                                                r"classes there: Broken\)"):
+        EnvironmentHost(broken.replace(":Broken", ":Nope"), step_timeout_s=30)
+
+
 def test_a_step_past_its_time_limit_is_killed(broken):
     host = EnvironmentHost(broken, step_timeout_s=1.0)
     host.reset({})

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -61,13 +62,16 @@ def bfcl_multi_turn_rows(categories: Sequence[str] = CATEGORIES, split: str | No
 
 def load_bfcl_multi_turn(categories: Sequence[str] = CATEGORIES, split: str | None = None,
                          data_dir: str | Path | None = None) -> list[Sample]:
-    """Samples of the rows (questions whose reference calls do not fit are left out)."""
-    samples = []
+    """Samples of the rows; questions whose reference calls do not fit are left out, named in one warning."""
+    samples, left_out = [], []
     for row in bfcl_multi_turn_rows(categories, split, data_dir):
         try:
             samples.append(make_sample(row, "bfcl_multi_turn", row["id"], row["id"]))
         except UnusableGroundTruth:
-            continue
+            left_out.append(row["id"])
+    if left_out:
+        warnings.warn(f"BFCL multi-turn: left out {len(left_out)} questions whose reference calls do not fit their "
+                      f"functions: {', '.join(left_out)}", stacklevel=2)
     return samples
 
 

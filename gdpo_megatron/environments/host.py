@@ -1,10 +1,11 @@
 """One trajectory's environment in its own process, with a time limit per step.
 
 The rank that generates a trajectory holds its :class:`EnvironmentHost`: the environment
-object lives in a child process forked from a multiprocessing "forkserver" (which has imported
-:mod:`gdpo_megatron.environments` once, so a child starts in milliseconds and never inherits
-the trainer's threads, CUDA context or engine), and every method call (``reset``,
-``start_turn``, ``tools``, ``step``) waits for the child at most ``step_timeout_s``.
+object lives in a child process forked from the process's multiprocessing "forkserver" (the
+reward stage's too, with the same preload, :mod:`gdpo_megatron.rewards`, which imports the
+environments: a child starts in milliseconds and never inherits the trainer's threads, CUDA
+context or engine), and every method call (``reset``, ``start_turn``, ``tools``, ``step``)
+waits for the child at most ``step_timeout_s``.
 
 Why a process and not a thread: a Python thread cannot be stopped, so an environment stuck in
 a loop would keep a core (and the GIL) for the rest of the run, and might go on changing the
@@ -45,7 +46,8 @@ def _context():
     global _CONTEXT
     if _CONTEXT is None:
         _CONTEXT = mp.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(["gdpo_megatron.environments"])
+        # one forkserver per process: the same preload as the reward stage's, whichever starts it
+        _CONTEXT.set_forkserver_preload(["gdpo_megatron.rewards"])
     return _CONTEXT
 
 

@@ -171,7 +171,8 @@ def test_rows_read_through_the_normal_data_path(tmp_path, rows):
     with pytest.warns(UserWarning, match="reference calls that do not fit"):
         samples = load_samples(path, "bfcl_multi_turn")
     assert [s.id for s in samples] == [f"multi_turn_miss_func_{n}" for n in range(3)]
-    with pytest.warns(UserWarning, match=r"left out 2 questions .*: multi_turn_miss_func_49, multi_turn_miss_func_173$"):
+    left_out = r"left out 2 questions .*: multi_turn_miss_func_49, multi_turn_miss_func_173$"
+    with pytest.warns(UserWarning, match=left_out):
         direct = {s.id: s for s in load_bfcl_multi_turn(["miss_func"])}
     for sample in samples:
         assert sample.messages == direct[sample.id].messages and sample.ground_truth == direct[sample.id].ground_truth

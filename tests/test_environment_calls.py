@@ -35,6 +35,8 @@ def test_call_block_tells_call_attempts_from_plain_answers():
     assert call_block("```python\n[cd(folder='x')]\n```") == "[cd(folder='x')]"
     assert call_block("cd(folder='x')") == "cd(folder='x')"
     assert call_block("The file is moved.") is None
+    assert call_block("Done (both files moved).") is None  # prose, not a failed call
+    assert call_block("cd(folder=open('x').read())") is None  # not calls as it stands: prose, nothing runs
     assert call_block("[broken(") == "[broken("  # an attempt, which then fails to parse
 
 

@@ -13,8 +13,10 @@ refuses. Nothing here imports, looks up or runs a name; dispatching a parsed
 :class:`Call` is the environment's (:mod:`gdpo_megatron.environments.environment`).
 
 :func:`call_block` says which part of a model message is a call attempt: the stripped text
-(without a Markdown code fence) when it starts with ``[`` or is ``name(...)``; any other message is a
-plain answer, which ends the model's turn.
+(without a Markdown code fence) when it starts with ``[`` (the list BFCL's prompt asks for,
+which must then parse), or when it parses as calls as it stands (``cd(folder='x')``). Any other
+message is a plain answer, which ends the model's turn: "Done (both files moved)." is not a
+failed call.
 """
 from __future__ import annotations
 
@@ -55,7 +57,13 @@ def call_block(message: str) -> str | None:
     fenced = _FENCE.match(text)
     if fenced:
         text = fenced.group(1).strip()
-    if text.startswith("[") or _LOOKS_LIKE_CALL.match(text):
+    if text.startswith("["):
+        return text
+    if _LOOKS_LIKE_CALL.match(text):
+        try:
+            parse_calls(text)
+        except CallRefused:
+            return None
         return text
     return None
 

@@ -7,12 +7,13 @@ from pathlib import Path
 import pytest
 
 from gdpo_megatron.config import ConfigError, EnvironmentConfig, TrainConfig, load_config
-from gdpo_megatron.environments import (Call, Trajectory, environment_class, environment_reference,
-                                        parse_calls)
+from gdpo_megatron.environments import (Call, Trajectory, configured_reference, environment_class,
+                                        environment_reference, parse_calls)
 from gdpo_megatron.environments.host import EnvironmentFailed, EnvironmentHost
 from gdpo_megatron.environments.judge import judge
 from gdpo_megatron.errors import InputError
 from gdpo_megatron.preflight.validation import check_environment
+from gdpo_megatron.tasks import get_task
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "environments" / "shopping_list.py"
 SHOPPING = environment_reference("ShoppingList", str(EXAMPLE))
@@ -144,3 +145,10 @@ def test_the_config_names_a_users_environment_and_preflight_checks_it(tmp_path):
     with pytest.raises(InputError, match="^environment.name: ValueError: environment 'nope': expected a built-in"):
         check_environment(EnvironmentConfig(name="nope"), "environment")
     check_environment(EnvironmentConfig(name="bfcl"), "environment")
+
+
+def test_a_runs_environment_is_the_configs_else_the_familys():
+    assert configured_reference(EnvironmentConfig(), get_task("bfcl_multi_turn").environment) == "bfcl"
+    assert configured_reference(EnvironmentConfig(), get_task("tool").environment) is None
+    mine = EnvironmentConfig(name="ShoppingList", file=str(EXAMPLE))
+    assert configured_reference(mine, "bfcl") == SHOPPING

@@ -9,10 +9,12 @@ against a question's reference calls as BFCL's checker does.
 """
 from gdpo_megatron.environments.calls import Call, CallRefused, call_block, parse_calls
 from gdpo_megatron.environments.environment import CallResult, Environment, StepResult
-from gdpo_megatron.environments.registry import environment_class, environment_reference, make_environment
+from gdpo_megatron.environments.registry import (configured_reference, environment_class, environment_reference,
+                                                 make_environment)
 from gdpo_megatron.environments.trajectory import Message, Trajectory
 
 __all__ = [
     "Call", "CallRefused", "CallResult", "Environment", "Message", "StepResult", "Trajectory", "call_block",
+    "configured_reference",
     "environment_class", "environment_reference", "make_environment", "parse_calls",
 ]

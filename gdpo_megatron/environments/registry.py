@@ -5,14 +5,16 @@ or ``"path/to/file.py:ClassName"``: the file is imported once per process (as re
 are, under a module name made from its path) and ``ClassName`` must be an
 :class:`~gdpo_megatron.environments.environment.Environment` subclass defined in it. The config
 names a user's environment with ``environment.file`` and ``environment.name``
-(:mod:`gdpo_megatron.config.environment`); the reference travels with each trajectory, so a
-reward worker resolves the same class.
+(:mod:`gdpo_megatron.config.environment`), else the data family's ``Task.environment`` is the
+run's (:func:`configured_reference`); the reference travels with each trajectory, so a reward
+worker resolves the same class.
 """
 from __future__ import annotations
 
 import importlib
 from pathlib import Path
 
+from gdpo_megatron.config.environment import EnvironmentConfig
 from gdpo_megatron.environments.environment import Environment
 from gdpo_megatron.user_files import import_user_file
 
@@ -22,6 +24,14 @@ BUILTIN: dict[str, str] = {"bfcl": "gdpo_megatron.environments.bfcl:BFCLEnvironm
 def environment_reference(name: str, file: str | None = None) -> str:
     """The reference of environment ``name`` (built-in), or of class ``name`` in ``file``."""
     return f"{Path(file).resolve()}:{name}" if file is not None else name
+
+
+def configured_reference(environment: EnvironmentConfig, family_environment: str | None) -> str | None:
+    """The reference of a run's environment: the config's ``environment`` section where it names
+    one, else the data family's (``Task.environment``; None for a single-turn family)."""
+    if environment.name is None:
+        return family_environment
+    return environment_reference(environment.name, environment.file)
 
 
 def environment_class(ref: str) -> type[Environment]:

@@ -9,7 +9,10 @@ import json
 import re
 
 import pytest
+import torch
 
+from gdpo_megatron.advantages import compute_advantages, conditions_by_column
+from gdpo_megatron.config import ConditionConfig
 from gdpo_megatron.config.rewards import RewardSpec
 from gdpo_megatron.data import load_samples
 from gdpo_megatron.data.bfcl_multi_turn import (
@@ -18,7 +21,7 @@ from gdpo_megatron.data.bfcl_multi_turn import (
 from gdpo_megatron.environments import Trajectory, parse_calls
 from gdpo_megatron.environments.bfcl import reference_problem
 from gdpo_megatron.environments.judge import judge
-from gdpo_megatron.rewards import RewardStage
+from gdpo_megatron.rewards import RewardStage, get_reward
 
 checker = pytest.importorskip("bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker")
 _runs = itertools.count()
@@ -180,3 +183,28 @@ def test_rows_read_through_the_normal_data_path(tmp_path, rows):
     assert first.messages[0]["role"] == "system" and '"name": "sort"' not in first.messages[0]["content"]
     revealed = first.ground_truth["later_turns"][2][0]["content"]  # turn 3 shows sort
     assert '"name": "sort"' in revealed and revealed.endswith("What about now?")
+
+
+def test_efficiency_counts_only_where_the_state_is_right(rows):
+    """Gated by ``advantage.conditions`` as any reward: a trajectory that used few calls but left the
+    wrong state gets no efficiency, and GDPO normalizes the gated column in the group."""
+    (row,) = [r for r in rows["base"] if r["id"] == "multi_turn_base_1"]
+    reference = row["multi_turn"]["reference_calls"]
+    group = [
+        Trajectory.from_calls("bfcl", as_steps(reference)),
+        Trajectory.from_calls("bfcl", as_steps([reference[0] + ["ls()"], *reference[1:]])),  # one call too many
+        Trajectory.from_calls("bfcl", as_steps([reference[0], reference[1][:1], *reference[2:]])),  # no move
+        Trajectory.from_calls("bfcl", as_steps([reference[0]])),  # stops after the first turn
+    ]
+    names = ["multi_turn_state", "multi_turn_efficiency"]
+    rewards = torch.tensor([[get_reward(n)(t, 0, row["multi_turn"]) for n in names] for t in group])
+    # state: right after every turn, or only after the first; efficiency: 6 reference calls over
+    # 6, 7, 5 and 1 made, capped at 1
+    assert rewards.flatten().tolist() == pytest.approx([1, 1, 1, 6 / 7, 1 / 4, 1, 1 / 4, 1])
+    conditions = conditions_by_column([ConditionConfig(reward="multi_turn_efficiency", gate="multi_turn_state")],
+                                      names)
+    gated = compute_advantages(rewards, torch.zeros(4, dtype=torch.long), conditions=conditions)
+    assert gated.rewards[:, 1].tolist() == pytest.approx([1, 6 / 7, 0, 0])
+    by_hand = rewards.clone()
+    by_hand[2:, 1] = 0.0
+    assert torch.equal(gated.advantages, compute_advantages(by_hand, torch.zeros(4, dtype=torch.long)).advantages)

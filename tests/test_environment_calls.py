@@ -1,12 +1,14 @@
 """The model's calls are parsed as data and dispatched only to documented functions with checked
 arguments: every attack here is refused, and nothing it names runs."""
+import importlib
+import inspect
 import os
 import re
 
 import pytest
 
 from gdpo_megatron.environments import Call, CallRefused, call_block, parse_calls
-from gdpo_megatron.environments.bfcl import BFCLEnvironment
+from gdpo_megatron.environments.bfcl import BACKENDS, CLASSES, BFCLEnvironment, function_docs
 from gdpo_megatron.environments.calls import MAX_CALL_TEXT
 from gdpo_megatron.environments.environment import bind_arguments
 
@@ -118,3 +120,19 @@ def test_an_accepted_call_runs_and_a_failing_one_is_an_error_result():
     assert environment.matches(fresh())  # BFCL's state is the tree, not the working directory
     environment.step([Call("touch", (), {"file_name": "new.txt"})])
     assert not environment.matches(fresh())
+
+
+def test_positional_arguments_follow_the_docs_which_match_the_methods_but_one():
+    """The docs' parameter order (the model's) is the backend method's everywhere but the one
+    function the BFCL environment's docstring names."""
+    differ = []
+    for class_name, (module, _) in CLASSES.items():
+        cls = getattr(importlib.import_module(f"{BACKENDS}.{module}"), class_name)
+        for doc in function_docs(class_name):
+            method = [p for p in inspect.signature(getattr(cls, doc["name"])).parameters if p != "self"]
+            if method != list(doc["parameters"]["properties"]):
+                differ.append(f"{class_name}.{doc['name']}")
+    assert differ == ["TravelAPI.purchase_insurance"]
+    schemas = {doc["name"]: doc for doc in function_docs("TravelAPI")}
+    assert bind_arguments(Call("purchase_insurance", ("t", "trip", 10.0, "b1", "c1")), schemas) == {
+        "access_token": "t", "insurance_type": "trip", "insurance_cost": 10.0, "booking_id": "b1", "card_id": "c1"}

@@ -16,7 +16,10 @@ against the doc's schema, never through ``eval``. The functions callable at turn
 involved classes' documented ones, less ``excluded_functions`` and less the
 ``missed_functions`` of turns after ``t`` (BFCL's miss_func category shows those from their
 turn on); BFCL's executor would run an excluded or not yet shown function, this environment
-refuses it.
+refuses it. Positional arguments take the docs' parameter order, which the model is shown; it
+is the methods' order for every function but ``TravelAPI.purchase_insurance`` (docs:
+``insurance_cost`` before ``booking_id``), where a positional call binds as the docs say and
+BFCL's ``eval`` as the method does.
 
 :meth:`BFCLEnvironment.matches` is BFCL's state check: every public attribute of the reference
 environment's instances equals the same attribute of this environment's.
@@ -38,7 +41,7 @@ from typing import Any
 from gdpo_megatron.environments.calls import CallRefused, parse_calls
 from gdpo_megatron.environments.environment import Environment, bind_arguments
 
-_BACKENDS = "bfcl_eval.eval_checker.multi_turn_eval.func_source_code"
+BACKENDS = "bfcl_eval.eval_checker.multi_turn_eval.func_source_code"
 # class -> (backend module, function doc file) for the classes of BFCL's multi-turn categories
 CLASSES: dict[str, tuple[str, str]] = {
     "GorillaFileSystem": ("gorilla_file_system", "gorilla_file_system.json"),
@@ -107,7 +110,7 @@ class BFCLEnvironment(Environment):
         self._owner: dict[str, Any] = {}  # function name -> the instance whose class documents it
         initial = config.get("initial_config") or {}
         for class_name in config["involved_classes"]:
-            module = importlib.import_module(f"{_BACKENDS}.{CLASSES[class_name][0]}")
+            module = importlib.import_module(f"{BACKENDS}.{CLASSES[class_name][0]}")
             instance = getattr(module, class_name)()
             if class_name not in STATELESS:
                 instance._load_scenario(copy.deepcopy(initial.get(class_name, {})),

@@ -452,8 +452,8 @@ def test_debug_shows_the_traceback_and_other_ranks_stay_quiet(base_model, tmp_pa
     assert train_main(["--config", CONFIG, "--debug", "foo=1"]) == EXIT_USER_ERROR
     err = capsys.readouterr().err
     assert err.startswith("Traceback") and err.endswith("error: foo: unknown key (expected one of: advantage, "
-                                                        "base_model, checkpoint, data, distributed, logging, "
-                                                        "policy, rewards, rollout, run_dir, seed, steps)\n")
+                                                        "base_model, checkpoint, data, distributed, environment, "
+                                                        "logging, policy, rewards, rollout, run_dir, seed, steps)\n")
     monkeypatch.setenv("GDPO_DEBUG", "1")
     assert train_main(["--config", CONFIG, "foo=1"]) == EXIT_USER_ERROR
     assert "Traceback" in capsys.readouterr().err

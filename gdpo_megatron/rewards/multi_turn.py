@@ -33,7 +33,7 @@ class TrajectoryFailed(RuntimeError):
     """The trajectory's environment failed; its rewards are failures."""
 
 
-def judgement(completion: Trajectory, ground_truth: dict) -> Judgement:
+def _judgement(completion: Trajectory, ground_truth: dict) -> Judgement:
     if not isinstance(completion, Trajectory):
         raise TypeError(f"multi-turn rewards take a Trajectory, got {type(completion).__name__}")
     if completion.failure is not None:
@@ -49,30 +49,30 @@ def _judged(trajectory: Trajectory, config: str, reference: str) -> Judgement:
 
 @register_reward("multi_turn_format", bounds=(0.0, 1.0))
 def multi_turn_format(completion: Trajectory, num_tokens: int, ground_truth: dict) -> float:
-    j = judgement(completion, ground_truth)
+    j = _judgement(completion, ground_truth)
     attempts = j.calls_run + j.calls_refused + j.unparsed
     return j.calls_run / attempts if attempts else 1.0
 
 
 @register_reward("multi_turn_state", bounds=(0.0, 1.0))
 def multi_turn_state(completion: Trajectory, num_tokens: int, ground_truth: dict) -> float:
-    graded = judgement(completion, ground_truth).graded
+    graded = _judgement(completion, ground_truth).graded
     return sum(t.state for t in graded) / len(graded) if graded else 1.0
 
 
 @register_reward("multi_turn_response", bounds=(0.0, 1.0))
 def multi_turn_response(completion: Trajectory, num_tokens: int, ground_truth: dict) -> float:
-    graded = judgement(completion, ground_truth).graded
+    graded = _judgement(completion, ground_truth).graded
     return sum(t.calls and t.response for t in graded) / len(graded) if graded else 1.0
 
 
 @register_reward("multi_turn_accuracy", bounds=(0.0, 1.0))
 def multi_turn_accuracy(completion: Trajectory, num_tokens: int, ground_truth: dict) -> float:
-    return float(judgement(completion, ground_truth).valid)
+    return float(_judgement(completion, ground_truth).valid)
 
 
 @register_reward("multi_turn_efficiency", bounds=(0.0, 1.0))
 def multi_turn_efficiency(completion: Trajectory, num_tokens: int, ground_truth: dict) -> float:
-    j = judgement(completion, ground_truth)
+    j = _judgement(completion, ground_truth)
     made = j.calls_run + j.calls_refused
     return min(1.0, j.reference_calls / made) if made else float(j.reference_calls == 0)

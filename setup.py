@@ -39,6 +39,7 @@ setup(
         "matplotlib",  # gdpo-plot
         "pyarrow>=15",  # Parquet data files (verl's layout)
         "datasets>=3.0,<6",  # Hugging Face datasets directories (save_to_disk)
+        "mpmath",  # BFCL's MathAPI multi-turn backend imports it (bfcl-eval is installed without its deps)
     ],
     extras_require={
         # datasets: the tests load NeMo-RL data files the way NeMo-RL does (its bound).

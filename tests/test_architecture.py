@@ -34,13 +34,15 @@ _CORE = {
     "advantages": {"config"},
     "metrics": {"errors"},
     "plot": {"errors", "metrics"},
-    "rewards": {"config", "errors"},
+    "user_files": set(),  # importing a user's Python file (reward functions, environments)
+    "environments": {"config", "errors", "user_files"},
+    "rewards": {"config", "environments", "errors", "user_files"},
     "distributed": {"device", "errors"},
     "policy": {"config", "device", "distributed", "errors"},
     "checkpoint": {"config", "device", "errors", "policy"},
     "rollout": {"checkpoint", "config", "device", "errors"},
-    "tasks": {"config", "errors", "rewards"},
-    "data": {"config", "errors", "rewards", "tasks"},
+    "tasks": {"config", "environments", "errors", "rewards"},
+    "data": {"config", "environments", "errors", "rewards", "tasks"},
     "quiet": {"rollout"},  # third-party warnings and log levels (the engines' harmless records)
     "run_dir": {"checkpoint", "errors", "metrics"},
     "inputs": {"advantages", "config", "data"},
@@ -73,6 +75,8 @@ BANNED_LIBRARIES = {
 COMPUTED_IMPORTS = {
     f"{TOP}.preflight.doctor": "the vLLM classes whose reload API it checks",
     f"{TOP}.rollout.vllm_engine": "vLLM's layer-wise reload module, named once in RELOAD_MODULE",
+    f"{TOP}.environments.bfcl": "BFCL's backend modules, named by a question's involved classes",
+    f"{TOP}.environments.registry": "the built-in environments, named in BUILTIN as a user's file names its own",
 }
 TEST_SUPPORT = ("support", "tests")
 

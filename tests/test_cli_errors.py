@@ -80,7 +80,8 @@ def train(base_model, run_dir, *overrides):
                              "prompt; one alone gets advantage 0), got 1"),
     ("rewards.timeout_s=0", "rewards.timeout_s: expected > 0 seconds, got 0.0"),
     ("rewards.num_workers=0", "rewards.num_workers: expected >= 1 (reward worker processes), got 0"),
-    ("data.family=poetry", "data.family: expected one of ('math', 'tool', 'code', 'toolrl'), got 'poetry'"),
+    ("data.family=poetry",
+     "data.family: expected one of ('math', 'tool', 'code', 'toolrl', 'bfcl_multi_turn'), got 'poetry'"),
     ("policy.micro_batch_size=0", "policy.micro_batch_size: expected >= 1, got 0"),
     ("rollout.top_p=0", "rollout.top_p: expected in (0, 1], got 0.0"),
     ("rollout.gpu_memory_utilization=1.5", "rollout.gpu_memory_utilization: expected in (0, 1], got 1.5"),
@@ -451,8 +452,8 @@ def test_debug_shows_the_traceback_and_other_ranks_stay_quiet(base_model, tmp_pa
     assert train_main(["--config", CONFIG, "--debug", "foo=1"]) == EXIT_USER_ERROR
     err = capsys.readouterr().err
     assert err.startswith("Traceback") and err.endswith("error: foo: unknown key (expected one of: advantage, "
-                                                        "base_model, checkpoint, data, distributed, logging, "
-                                                        "policy, rewards, rollout, run_dir, seed, steps)\n")
+                                                        "base_model, checkpoint, data, distributed, environment, "
+                                                        "logging, policy, rewards, rollout, run_dir, seed, steps)\n")
     monkeypatch.setenv("GDPO_DEBUG", "1")
     assert train_main(["--config", CONFIG, "foo=1"]) == EXIT_USER_ERROR
     assert "Traceback" in capsys.readouterr().err

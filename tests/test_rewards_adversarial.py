@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gdpo_megatron.environments import Trajectory
 from gdpo_megatron.rewards import get_reward, registered_rewards, reward_bounds
 
 NAME = "get_weather"  # the expected function; no generated completion below contains it
@@ -27,6 +28,11 @@ TOOLRL = {"answer": f'<think> t </think>\n<tool_call>\n{{"name": "{NAME}", "para
 MATH = {"answer": "\\frac{7}{13}"}
 CODE = {"tests": [{"input": "2\n", "output": "4\n"}]}
 CODE_LIMITS = {"wall_s": 10.0}
+# The multi-turn rewards take a trajectory: the completion is its one message (a call attempt or an
+# answer) in a file system where the reference makes a directory no completion below names.
+MULTI_TURN = {"environment_config": {"involved_classes": ["GorillaFileSystem"], "initial_config": {
+    "GorillaFileSystem": {"root": {"alice": {"type": "directory", "contents": {}}}}}},
+    "reference_calls": [["mkdir(dir_name='reports')"]]}
 GROUND_TRUTHS = {
     "tool_format": [TOOL, {"tool_calls": []}],
     "tool_correctness": [TOOL, TOOL_BFCL],
@@ -37,6 +43,7 @@ GROUND_TRUTHS = {
     "length": [{}],
     "code_pass": [CODE],
     "code_no_bug": [CODE],
+    **{f"multi_turn_{name}": [MULTI_TURN] for name in ("format", "state", "response", "accuracy", "efficiency")},
 }
 KWARGS = {"code_pass": {"limits": CODE_LIMITS}, "code_no_bug": {"limits": CODE_LIMITS}}
 BUILT_IN = sorted(n for n in registered_rewards() if get_reward(n).__module__.startswith("gdpo_megatron.rewards."))
@@ -65,7 +72,8 @@ def score(name: str, completion: str, ground_truth: dict, num_tokens: int = 7) -
     previous = signal.signal(signal.SIGPROF, _stop)
     signal.setitimer(signal.ITIMER_PROF, CPU_BUDGET_S, 0.5)
     try:
-        value = get_reward(name)(completion, num_tokens, ground_truth, **KWARGS.get(name, {}))
+        scored = Trajectory.from_texts("bfcl", [[completion]]) if name.startswith("multi_turn_") else completion
+        value = get_reward(name)(scored, num_tokens, ground_truth, **KWARGS.get(name, {}))
     except _OverBudget:
         pytest.fail(f"{name} used over {CPU_BUDGET_S} s of CPU on {completion[:80]!r} ({len(completion)} chars)")
     finally:
@@ -137,7 +145,7 @@ def test_attacks_neither_raise_nor_hang_nor_pay(attack):
         values = [score(name, completion, truth) for truth in GROUND_TRUTHS[name]]
         if name in ("tool_correctness", "toolrl_correctness"):
             assert values == [-3.0] * len(values), f"{name} paid {values} for {attack}"
-        if name == "math_correctness":
+        if name in ("math_correctness", "multi_turn_state", "multi_turn_accuracy"):
             assert values == [0.0]
 
 
@@ -182,3 +190,5 @@ def test_generated_completions_neither_raise_nor_hang_nor_pay(completion, num_to
             value = score(name, completion, truth, num_tokens)
             if name in ("tool_correctness", "toolrl_correctness"):
                 assert value == -3.0, f"{name} paid {value} for {completion[:200]!r}"
+            if name in ("multi_turn_state", "multi_turn_accuracy"):
+                assert value == 0.0, f"{name} paid {value} for {completion[:200]!r}"

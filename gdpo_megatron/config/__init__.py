@@ -9,14 +9,15 @@ configure is built (:mod:`gdpo_megatron.device`).
 
 Sections: :mod:`.policy` (model shape, parallelism, precision, optimizer, loss),
 :mod:`.rollout`, :mod:`.rewards`, :mod:`.advantage`, :mod:`.data`, :mod:`.checkpoint`,
-:mod:`.distributed` (how long ranks wait for each other), and
-:mod:`.train` (the whole run). Of the rest of the package the schema imports only
-:mod:`gdpo_megatron.errors` (a :class:`ConfigError` is a user error).
+:mod:`.distributed` (how long ranks wait for each other), :mod:`.environment` (a multi-turn
+family's environment), and :mod:`.train` (the whole run). Of the rest of the package the
+schema imports only :mod:`gdpo_megatron.errors` (a :class:`ConfigError` is a user error).
 """
 from gdpo_megatron.config.advantage import AdvantageConfig, ConditionConfig
 from gdpo_megatron.config.checkpoint import CheckpointConfig
 from gdpo_megatron.config.data import DataConfig
 from gdpo_megatron.config.distributed import DistributedConfig
+from gdpo_megatron.config.environment import EnvironmentConfig
 from gdpo_megatron.config.loader import ConfigError, apply_override, from_dict, load_config, read_yaml, to_dict
 from gdpo_megatron.config.policy import (LossConfig, ModelConfig, OptimConfig, ParallelConfig, PolicyConfig,
                                          PrecisionConfig)
@@ -26,6 +27,7 @@ from gdpo_megatron.config.train import LoggingConfig, TrainConfig
 
 __all__ = [
     "AdvantageConfig", "CheckpointConfig", "ConditionConfig", "ConfigError", "DataConfig", "DistributedConfig",
+    "EnvironmentConfig",
     "LoggingConfig", "LossConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "PolicyConfig", "PrecisionConfig",
     "RewardSpec", "RewardsConfig", "RolloutConfig", "TrainConfig", "apply_override", "from_dict", "load_config",
     "read_yaml", "to_dict",

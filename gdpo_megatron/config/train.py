@@ -9,6 +9,7 @@ from gdpo_megatron.config.advantage import AdvantageConfig
 from gdpo_megatron.config.checkpoint import CheckpointConfig
 from gdpo_megatron.config.data import DataConfig
 from gdpo_megatron.config.distributed import DistributedConfig
+from gdpo_megatron.config.environment import EnvironmentConfig
 from gdpo_megatron.config.loader import ConfigError, require, require_path
 from gdpo_megatron.config.policy import PolicyConfig
 from gdpo_megatron.config.rewards import RewardsConfig
@@ -41,6 +42,7 @@ class TrainConfig:
     advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    environment: EnvironmentConfig = dataclasses.field(default_factory=EnvironmentConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
 
     REPLACED_KEYS: ClassVar[dict[str, str]] = {

@@ -11,7 +11,6 @@ form of ``tool_correctness``'s ground truth. A completion is correct when
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from collections import defaultdict
@@ -19,22 +18,13 @@ from pathlib import Path
 from typing import Sequence
 
 from gdpo_megatron.data.samples import Sample, make_sample
+from gdpo_megatron.environments.bfcl import bfcl_data_dir
 from gdpo_megatron.rewards.tool_call import MAX_CORRECTNESS, tool_correctness
 
 CATEGORIES = ("simple", "multiple", "parallel", "parallel_multiple",
               "live_simple", "live_multiple", "live_parallel", "live_parallel_multiple")
 # File stems by category, newest release first (v4 renamed "simple" to "simple_python").
 _FILE_STEMS = {"simple": ("simple_python", "simple")}
-
-
-def bfcl_data_dir() -> Path:
-    """The ``data`` directory of the installed ``bfcl-eval`` package."""
-    spec = importlib.util.find_spec("bfcl_eval")  # locates the package without running it
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the bfcl-eval package is not installed; `pip install --no-deps bfcl-eval` provides its data"
-        )
-    return Path(next(iter(spec.submodule_search_locations))) / "data"
 
 
 def load_bfcl(
@@ -47,8 +37,8 @@ def load_bfcl(
         if category not in CATEGORIES:
             raise ValueError(f"BFCL category: expected one of {CATEGORIES}, got {category!r}")
         questions_path, answers_path = _category_files(data_dir, category)
-        answers = {r["id"]: r["ground_truth"] for r in _read_lines(answers_path)}
-        for n, question in enumerate(_read_lines(questions_path)):
+        answers = {r["id"]: r["ground_truth"] for r in read_json_lines(answers_path)}
+        for n, question in enumerate(read_json_lines(questions_path)):
             if limit is not None and n >= limit:
                 break
             where = f"{questions_path}: id {question.get('id')!r}"
@@ -97,7 +87,7 @@ def _category_files(data_dir: Path, category: str) -> tuple[Path, Path]:
     raise FileNotFoundError(f"no BFCL question and possible_answer files for category {category!r} in {data_dir}")
 
 
-def _read_lines(path: Path) -> list[dict]:
+def read_json_lines(path: Path) -> list[dict]:
     with path.open(encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 

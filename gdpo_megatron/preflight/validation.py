@@ -2,7 +2,7 @@
 
 Paths (readable inputs, writable or empty outputs), prompt files (encoding, every line's
 schema, prompt lengths under the base model's tokenizer and chat template), reward files
-(import, registration) and names, the code sandbox rewards that run code get, a Hugging Face directory (``config.json``, architecture,
+(import, registration) and names, a user's environment file (import, class), the code sandbox rewards that run code get, a Hugging Face directory (``config.json``, architecture,
 every safetensors file's header and tensor names), the parallel layout against the model's
 shape, and what a run directory already holds. Every check raises a
 :class:`~gdpo_megatron.errors.UserError` whose message starts with the config key or argument
@@ -33,7 +33,9 @@ from gdpo_megatron.errors import InputError, UserError
 from gdpo_megatron.device import check_precision, this_machine
 from gdpo_megatron.inputs import TrainingInputs
 from gdpo_megatron.config.policy import SHAPE_FIELDS, ModelConfig, ParallelConfig, check_model_parallel
+from gdpo_megatron.config.environment import EnvironmentConfig
 from gdpo_megatron.config.rewards import RewardSpec
+from gdpo_megatron.environments.registry import environment_class, environment_reference
 from gdpo_megatron.rewards import sandbox
 from gdpo_megatron.rewards.registry import load_reward_file, registered_rewards, runs_code, validate_specs
 from gdpo_megatron.rollout.factory import engine_class
@@ -174,6 +176,20 @@ def load_reward_files(paths: Sequence[str], key: str) -> None:
             raise InputError(f"{key}.{i}: importing {path} failed: {what}") from e
 
 
+def check_environment(environment: EnvironmentConfig, key: str) -> None:
+    """The configured environment resolves: a built-in name, or a file that imports and defines
+    the named Environment subclass."""
+    if environment.name is None:
+        return
+    what = f"{key}.file" if environment.file is not None else f"{key}.name"
+    if environment.file is not None:
+        check_input_file(environment.file, what)
+    try:
+        environment_class(environment_reference(environment.name, environment.file))
+    except (Exception, SystemExit) as e:  # whatever the user's module raises on import, or sys.exit()
+        raise InputError(f"{what}: {type(e).__name__}: {e}" if str(e) else f"{what}: {type(e).__name__}") from e
+
+
 def check_reward_specs(specs: Sequence[RewardSpec], key: str, *, in_config: bool = True) -> None:
     """Each reward is registered and takes its kwargs. ``in_config``: ``key`` is the config's list
     of rewards (errors name ``key.<i>.name`` / ``key.<i>.kwargs``), else a command-line argument."""
@@ -282,6 +298,7 @@ def check_settings(config: TrainConfig, world_size: int) -> list[Condition]:
     rewards = config.rewards
     load_reward_files(rewards.reward_files, "rewards.reward_files")
     check_reward_specs(rewards.rewards, "rewards.rewards")
+    check_environment(config.environment, "environment")
     check_code_sandbox(rewards.rewards, "rewards.rewards", rewards.allow_weaker_sandbox,
                        "set rewards.allow_weaker_sandbox=true")
     return conditions_by_column(config.advantage.conditions, rewards.names)

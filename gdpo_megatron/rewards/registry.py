@@ -19,16 +19,14 @@ config's explicit ``rewards.allow_weaker_sandbox``.
 """
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import inspect
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from gdpo_megatron.config.rewards import RewardSpec
+from gdpo_megatron.user_files import import_user_file
 
 RewardFn = Callable[..., float]
 
@@ -100,22 +98,7 @@ def runs_code(name: str) -> bool:
 
 def load_reward_file(path: str | Path) -> None:
     """Import a Python file so that its ``@register_reward`` decorators run (idempotent)."""
-    path = Path(path).resolve()
-    if not path.is_file():
-        raise FileNotFoundError(f"reward file {path} does not exist")
-    module_name = f"gdpo_megatron_user_rewards.{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:12]}"
-    if module_name in sys.modules:
-        return
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"reward file {path}: not an importable Python file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[module_name]
-        raise
+    import_user_file(path, "gdpo_megatron_user_rewards", "reward file")
 
 
 def failure_score(spec: RewardSpec) -> float:

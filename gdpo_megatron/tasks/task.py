@@ -44,3 +44,6 @@ class Task:
     # Whether a chat's final assistant message (NeMo-RL's layout) is the ground truth when
     # none of ground_truth_keys is there.
     reference_in_chat: bool = False
+    # The environment a multi-turn family's rollouts step through (a reference that
+    # gdpo_megatron.environments.registry resolves, e.g. "bfcl"); None for a single-turn family.
+    environment: str | None = None

@@ -1,0 +1,20 @@
+"""Multi-turn environments: what a model's calls act on between its turns.
+
+:mod:`.environment` is the interface (reset from a question's config, step on parsed calls,
+state), :mod:`.calls` parses a model's calls as data, :mod:`.bfcl` puts BFCL's multi-turn
+backends behind the interface, :mod:`.registry` resolves built-in and user environments,
+:mod:`.host` runs one trajectory's environment in its own process with a time limit per step,
+:mod:`.trajectory` is what the multi-turn rewards receive and :mod:`.judge` replays it
+against a question's reference calls as BFCL's checker does.
+"""
+from gdpo_megatron.environments.calls import Call, CallRefused, call_block, parse_calls
+from gdpo_megatron.environments.environment import CallResult, Environment, StepResult
+from gdpo_megatron.environments.registry import (configured_reference, environment_class, environment_reference,
+                                                 make_environment)
+from gdpo_megatron.environments.trajectory import Message, Trajectory
+
+__all__ = [
+    "Call", "CallRefused", "CallResult", "Environment", "Message", "StepResult", "Trajectory", "call_block",
+    "configured_reference",
+    "environment_class", "environment_reference", "make_environment", "parse_calls",
+]

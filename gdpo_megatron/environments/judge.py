@@ -1,0 +1,114 @@
+"""Judging a trajectory against a question's reference calls, as BFCL's multi-turn checker does.
+
+:func:`judge` replays the trajectory's calls in a fresh environment and the reference calls
+of each user turn in another, turn by turn (``start_turn`` on both before turns after the
+first), and records per turn what BFCL's ``multi_turn_checker`` checks on a turn whose
+reference is not empty:
+
+* ``calls``: the model made a call in the turn (BFCL: an empty turn fails);
+* ``state``: the model's environment ``matches`` the reference's after the turn;
+* ``response``: every result of the turn's reference calls is among the results of all the
+  model's calls so far, counted with multiplicity, in any order (BFCL's
+  ``_is_subsequence_unordered``: a result the model got in an earlier turn counts).
+
+A turn whose reference is empty (BFCL's miss_param category: the model should ask) is not
+graded. BFCL's verdict is valid when every graded turn passes all three, and its error is the
+first failing check in that order (:attr:`Judgement.first_failure`). The counts the format and
+efficiency rewards need come with it: calls run, calls refused (unknown function, arguments
+that do not fit), call messages that did not parse, and the reference's number of calls.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Sequence
+
+from gdpo_megatron.environments.calls import CallRefused, parse_calls
+from gdpo_megatron.environments.registry import make_environment
+from gdpo_megatron.environments.trajectory import Trajectory
+
+
+@dataclass(frozen=True)
+class TurnVerdict:
+    graded: bool  # the reference makes calls in this turn
+    calls: bool  # the model made a call in this turn
+    state: bool
+    response: bool
+
+    @property
+    def failure(self) -> str | None:
+        """BFCL's first failing check on this turn ("empty", "state", "response"), or None."""
+        if not self.graded:
+            return None
+        return "empty" if not self.calls else "state" if not self.state else "response" if not self.response else None
+
+
+@dataclass(frozen=True)
+class Judgement:
+    turns: tuple[TurnVerdict, ...]
+    calls_run: int  # calls the environment accepted (and ran)
+    calls_refused: int  # parsed calls it refused
+    unparsed: int  # call messages that did not parse
+    reference_calls: int
+
+    @property
+    def graded(self) -> list[TurnVerdict]:
+        return [t for t in self.turns if t.graded]
+
+    @property
+    def first_failure(self) -> tuple[int, str] | None:
+        """(turn, check) of BFCL's error, or None when BFCL's verdict is valid."""
+        return next(((i, t.failure) for i, t in enumerate(self.turns) if t.failure), None)
+
+    @property
+    def valid(self) -> bool:
+        return self.first_failure is None
+
+
+def judge(trajectory: Trajectory, config: dict, reference: Sequence[Sequence[str]]) -> Judgement:
+    """The trajectory against the reference calls (per turn, BFCL call strings) of a question
+    whose environment config is ``config``. ValueError if the turn counts differ or a reference
+    call does not parse or is refused (malformed ground truth)."""
+    if len(trajectory.turns) > len(reference):
+        raise ValueError(f"the trajectory has {len(trajectory.turns)} turns, the question {len(reference)}")
+    model, truth = make_environment(trajectory.environment), make_environment(trajectory.environment)
+    model.reset(config)
+    truth.reset(config)
+    model_results: list[str] = []
+    verdicts, run, refused, unparsed = [], 0, 0, 0
+    for t, reference_turn in enumerate(reference):
+        if t:
+            model.start_turn(t)
+            truth.start_turn(t)
+        called = False
+        for message in trajectory.turns[t] if t < len(trajectory.turns) else ():
+            calls = message.calls()
+            if calls is None:
+                continue
+            if isinstance(calls, CallRefused):
+                unparsed += 1
+                continue
+            called = called or bool(calls)
+            for result in model.step(calls).results:
+                model_results.append(result.output)
+                refused += result.refused
+                run += not result.refused
+        truth_results = _reference_results(truth, reference_turn, t)
+        graded = bool(reference_turn)
+        verdicts.append(TurnVerdict(
+            graded=graded, calls=called, state=model.matches(truth) if graded else True,
+            response=not (Counter(truth_results) - Counter(model_results)) if graded else True,
+        ))
+    return Judgement(tuple(verdicts), run, refused, unparsed, sum(len(turn) for turn in reference))
+
+
+def _reference_results(truth, calls: Sequence[str], turn: int) -> list[str]:
+    try:
+        parsed = [call for text in calls for call in parse_calls(text)]
+    except CallRefused as e:
+        raise ValueError(f"reference call of turn {turn}: {e}") from None
+    results = truth.step(parsed).results
+    refused = [r for r in results if r.refused]
+    if refused:
+        raise ValueError(f"reference call {refused[0].call} of turn {turn} is refused: {refused[0].output}")
+    return [r.output for r in results]

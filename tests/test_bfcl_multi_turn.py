@@ -1,0 +1,210 @@
+"""BFCL's multi-turn questions: this project's verdicts agree with BFCL's own checker, the
+rewards score trajectories through the reward stage, and the family reads through the data path.
+
+BFCL's ``multi_turn_checker`` is imported here only (it runs calls with ``eval``, which is
+fine for the ground-truth and perturbed call lists this test writes itself).
+"""
+import itertools
+import json
+import re
+
+import pytest
+import torch
+
+from gdpo_megatron.advantages import compute_advantages, conditions_by_column
+from gdpo_megatron.config import ConditionConfig
+from gdpo_megatron.config.rewards import RewardSpec
+from gdpo_megatron.data import load_samples
+from gdpo_megatron.data.bfcl_multi_turn import (
+    CATEGORIES, bfcl_multi_turn_rows, load_bfcl_multi_turn, split_of,
+)
+from gdpo_megatron.environments import Trajectory, parse_calls
+from gdpo_megatron.environments.bfcl import reference_problem
+from gdpo_megatron.environments.judge import judge
+from gdpo_megatron.rewards import RewardStage, get_reward
+
+checker = pytest.importorskip("bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker")
+_runs = itertools.count()
+
+BFCL_ERRORS = {"multi_turn:empty_turn_model_response": "empty", "multi_turn:instance_state_mismatch": "state",
+               "multi_turn:execution_response_mismatch": "response"}
+
+
+def bfcl_verdict(steps, row):
+    """BFCL's verdict on per-turn lists of call lists: (valid, check that failed, its turn or None)."""
+    truth = row["multi_turn"]
+    entry = {"id": row["id"], "initial_config": truth["environment_config"]["initial_config"],
+             "involved_classes": truth["environment_config"]["involved_classes"]}
+    result = checker.multi_turn_checker(steps, truth["reference_calls"], entry, row["id"].rsplit("_", 1)[0],
+                                        f"agreement_{next(_runs)}")
+    if result["valid"]:
+        return True, None, None
+    turn = re.search(r"for turn (\d+)", result["error_message"])
+    return False, BFCL_ERRORS[result["error_type"]], int(turn[1]) if turn else None
+
+
+def our_verdict(steps, row):
+    truth = row["multi_turn"]
+    judgement = judge(Trajectory.from_calls("bfcl", steps), truth["environment_config"], truth["reference_calls"])
+    failure = judgement.first_failure
+    return judgement.valid, failure and failure[1], failure and failure[0]
+
+
+def as_steps(turns):
+    """Per turn, one step with the turn's calls (no step for a turn without calls)."""
+    return [[list(calls)] if calls else [] for calls in turns]
+
+
+def changed_argument(text):
+    (call,) = parse_calls(text)
+    values = {**dict(enumerate(call.args)), **call.kwargs}
+    if not values:
+        return None
+    key = next(iter(values))
+    value = values[key]
+    new = (not value if isinstance(value, bool) else value + 1 if isinstance(value, (int, float))
+           else value + "_x" if isinstance(value, str) else [] if value else None)
+    if new is None:
+        return None
+    args = tuple(new if i == key else a for i, a in enumerate(call.args))
+    kwargs = {k: new if k == key else v for k, v in call.kwargs.items()}
+    return str(type(call)(call.name, args, kwargs))
+
+
+def perturbations(reference, n):
+    """Perturbed call lists of a question (``n`` picks the positions): a call dropped, an argument
+    changed, a call added, two turns swapped."""
+    filled = [t for t, calls in enumerate(reference) if calls]
+    t = filled[n % len(filled)]
+    out = {}
+    dropped = [list(calls) for calls in reference]
+    dropped[t].pop(n % len(dropped[t]))
+    out["dropped"] = dropped
+    changed = [list(calls) for calls in reference]
+    new = changed_argument(changed[t][-1])
+    if new is not None:
+        changed[t][-1] = new
+        out["changed"] = changed
+    added = [list(calls) for calls in reference]
+    added[t].insert(0, added[filled[(n + 1) % len(filled)]][0])
+    out["added"] = added
+    if len(reference) > 1:
+        swapped = [list(calls) for calls in reference]
+        i = n % (len(reference) - 1)
+        swapped[i], swapped[i + 1] = swapped[i + 1], swapped[i]
+        out["swapped"] = swapped
+    return out
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return {category: bfcl_multi_turn_rows([category]) for category in CATEGORIES}
+
+
+def test_the_reference_calls_that_do_not_fit_their_question_are_known(rows):
+    unfit = {row["id"] for category in CATEGORIES for row in rows[category]
+             if reference_problem(row["multi_turn"]["environment_config"], row["multi_turn"]["reference_calls"])}
+    # close_ticket(ticket_id='ticket_001') where the schema says integer; tail before its miss_func turn
+    assert unfit == {f"multi_turn_{c}_173" for c in CATEGORIES} | {"multi_turn_miss_func_49"}
+
+
+def test_verdicts_agree_with_bfcls_checker(rows):
+    """Every ground-truth trajectory of the four categories, and four perturbations of each base
+    question: same verdict, same failing check, same turn where BFCL names one."""
+    checked, invalid = 0, {"empty": 0, "state": 0, "response": 0}
+    for category in CATEGORIES:
+        for n, row in enumerate(rows[category]):
+            reference = row["multi_turn"]["reference_calls"]
+            if reference_problem(row["multi_turn"]["environment_config"], reference):
+                continue
+            variants = {"reference": reference}
+            if category == "base":
+                variants.update(perturbations(reference, n))
+            for kind, turns in variants.items():
+                steps = as_steps(turns)
+                ours, theirs = our_verdict(steps, row), bfcl_verdict(steps, row)
+                assert ours[:2] == theirs[:2] and (theirs[2] is None or ours[2] == theirs[2]), (row["id"], kind)
+                checked += 1
+                if not ours[0]:
+                    invalid[ours[1]] += 1
+    assert checked > 795 + 3 * 199
+    assert all(count > 20 for count in invalid.values()), invalid  # every kind of failure was exercised
+
+
+def test_multi_turn_rewards_through_the_reward_stage(rows):
+    (row,) = [r for r in rows["base"] if r["id"] == "multi_turn_base_1"]
+    reference = row["multi_turn"]["reference_calls"]
+    assert reference[1] == ["cd(folder='workspace')", "mv(source='log.txt',destination='archive')"]
+    truth = row["multi_turn"]
+    exact = Trajectory.from_calls("bfcl", as_steps(reference))
+    # turn 1 forgets the move, so the state is wrong from there on and the results of the later
+    # turns' reference calls (grep and tail of the moved file) are never produced; one message
+    # of turn 0 does not parse; one call is added to turn 3
+    sloppy = Trajectory.from_texts("bfcl", [
+        ["[ls(a=True)]", "[cd(folder=open('x').read())]", "Done."],
+        ["[cd(folder='workspace')]"],
+        ["[cd(folder='archive'), grep(file_name='log.txt',pattern='Error')]"],
+        ["[tail(file_name='log.txt',lines=20), ls()]"],
+    ])
+    failed = Trajectory("bfcl", exact.turns, failure="step ran past the time limit")
+    names = ["multi_turn_format", "multi_turn_state", "multi_turn_response", "multi_turn_accuracy",
+             "multi_turn_efficiency"]
+    with RewardStage([RewardSpec(name) for name in names], num_workers=1) as stage:
+        rewards, metrics = stage.score([exact, sloppy, failed], [0, 0, 0], [truth] * 3)
+    assert rewards[0].tolist() == [1.0] * 5
+    # 6 calls ran, 1 message refused: 6/7; state right only after turn 0: 1/4; response as well;
+    # 6 reference calls for 6 made
+    assert rewards[1].tolist() == pytest.approx([6 / 7, 1 / 4, 1 / 4, 0.0, 1.0])
+    assert rewards[2].tolist() == [0.0] * 5
+    assert all(metrics[f"reward/{name}/failures"] == 1.0 for name in names)
+
+
+def test_the_split_is_by_scenario_and_fixed(rows):
+    heldout = {int(r["id"].rsplit("_", 1)[1]) for r in rows["base"] if split_of(r["id"]) == "heldout"}
+    assert len(heldout) == 31 and {0, 1, 2} & heldout == set()
+    for category in CATEGORIES:
+        assert {int(r["id"].rsplit("_", 1)[1]) for r in rows[category] if split_of(r["id"]) == "heldout"} == heldout
+    assert len(bfcl_multi_turn_rows(["base"], "heldout")) == 31
+    assert len(bfcl_multi_turn_rows(["base"], "train")) == 169
+
+
+def test_rows_read_through_the_normal_data_path(tmp_path, rows):
+    path = tmp_path / "bfcl_multi_turn.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows["miss_func"][:3] + rows["base"][173:174]))
+    with pytest.warns(UserWarning, match="reference calls that do not fit"):
+        samples = load_samples(path, "bfcl_multi_turn")
+    assert [s.id for s in samples] == [f"multi_turn_miss_func_{n}" for n in range(3)]
+    left_out = r"left out 2 questions .*: multi_turn_miss_func_49, multi_turn_miss_func_173$"
+    with pytest.warns(UserWarning, match=left_out):
+        direct = {s.id: s for s in load_bfcl_multi_turn(["miss_func"])}
+    for sample in samples:
+        assert sample.messages == direct[sample.id].messages and sample.ground_truth == direct[sample.id].ground_truth
+    first = samples[0]
+    assert first.messages[0]["role"] == "system" and '"name": "sort"' not in first.messages[0]["content"]
+    revealed = first.ground_truth["later_turns"][2][0]["content"]  # turn 3 shows sort
+    assert '"name": "sort"' in revealed and revealed.endswith("What about now?")
+
+
+def test_efficiency_counts_only_where_the_state_is_right(rows):
+    """Gated by ``advantage.conditions`` as any reward: a trajectory that used few calls but left the
+    wrong state gets no efficiency, and GDPO normalizes the gated column in the group."""
+    (row,) = [r for r in rows["base"] if r["id"] == "multi_turn_base_1"]
+    reference = row["multi_turn"]["reference_calls"]
+    group = [
+        Trajectory.from_calls("bfcl", as_steps(reference)),
+        Trajectory.from_calls("bfcl", as_steps([reference[0] + ["ls()"], *reference[1:]])),  # one call too many
+        Trajectory.from_calls("bfcl", as_steps([reference[0], reference[1][:1], *reference[2:]])),  # no move
+        Trajectory.from_calls("bfcl", as_steps([reference[0]])),  # stops after the first turn
+    ]
+    names = ["multi_turn_state", "multi_turn_efficiency"]
+    rewards = torch.tensor([[get_reward(n)(t, 0, row["multi_turn"]) for n in names] for t in group])
+    # state: right after every turn, or only after the first; efficiency: 6 reference calls over
+    # 6, 7, 5 and 1 made, capped at 1
+    assert rewards.flatten().tolist() == pytest.approx([1, 1, 1, 6 / 7, 1 / 4, 1, 1 / 4, 1])
+    conditions = conditions_by_column([ConditionConfig(reward="multi_turn_efficiency", gate="multi_turn_state")],
+                                      names)
+    gated = compute_advantages(rewards, torch.zeros(4, dtype=torch.long), conditions=conditions)
+    assert gated.rewards[:, 1].tolist() == pytest.approx([1, 6 / 7, 0, 0])
+    by_hand = rewards.clone()
+    by_hand[2:, 1] = 0.0
+    assert torch.equal(gated.advantages, compute_advantages(by_hand, torch.zeros(4, dtype=torch.long)).advantages)

@@ -170,6 +170,33 @@ def test_a_correct_program_may_use_the_standard_library(level):
     assert result.stdout.splitlines() == ["42", "async", "thread", "6"]
 
 
+@pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
+def test_worker_processes_run_the_programs_own_functions(level, start_method):
+    """``main.py`` runs as the ``__main__`` module, as ``python main.py`` runs it: a Pool or a
+    ProcessPoolExecutor pickles the program's functions by reference, and a spawned worker
+    imports ``__main__`` again from its file."""
+    code = (
+        "import concurrent.futures, multiprocessing, sys\n"
+        "def square(x):\n"
+        "    return x * x\n"
+        "class Offset:\n"
+        "    def __init__(self, by):\n"
+        "        self.by = by\n"
+        "    def __call__(self, x):\n"
+        "        return x + self.by\n"
+        "if __name__ == '__main__':\n"
+        f"    context = multiprocessing.get_context({start_method!r})\n"
+        "    with context.Pool(2) as pool:\n"
+        "        print(pool.map(square, [1, 2, 3]), pool.map(Offset(10), [1, 2]))\n"
+        "    with concurrent.futures.ProcessPoolExecutor(2, mp_context=context) as executor:\n"
+        "        print(list(executor.map(square, [4, 5])))\n"
+        "    print(sys.argv, __file__)\n"
+    )
+    result = run(code, level, SandboxLimits(wall_s=60.0, cpu_s=10, memory_bytes=512 << 20, processes=16))
+    assert result.ok, result.stderr
+    assert result.stdout.splitlines() == ["[1, 4, 9] [11, 12]", "[16, 25]", "['main.py'] main.py"]
+
+
 def test_errors_are_reported_not_raised(level):
     result = run("def f(:\n", level)
     assert not result.ok and result.returncode == 1 and "SyntaxError" in result.stderr

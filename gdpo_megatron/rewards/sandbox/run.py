@@ -280,13 +280,18 @@ def _syscall_filter(shared_ipc: bool) -> seccomp.Loadable:
 
 
 def _runner(started_fd: int) -> str:
-    """``python -c`` text: say on ``started_fd`` that the interpreter runs, then run main.py as ``__main__``."""
+    """``python -c`` text: say on ``started_fd`` that the interpreter runs, then run main.py as
+    ``python main.py`` would: in the ``__main__`` module itself (``sys.modules['__main__']``, so
+    that pickle finds its functions: ``multiprocessing.Pool.map(f)``), with ``__file__`` and
+    ``sys.argv`` naming it and no name of this runner left in its namespace."""
     return (
-        "import os, sys\n"
+        "import os\n"
         f"os.write({started_fd}, b'1')\n"
         f"os.close({started_fd})\n"
-        "sys.argv = ['main.py']\n"
-        "exec(compile(open('main.py', encoding='utf-8').read(), 'main.py', 'exec'), {'__name__': '__main__'})\n"
+        "del os\n"
+        "__file__ = 'main.py'\n"
+        "__import__('sys').argv[:] = [__file__]\n"
+        "exec(compile(open(__file__, encoding='utf-8').read(), __file__, 'exec'))\n"
     )
 
 

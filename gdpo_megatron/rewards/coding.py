@@ -12,7 +12,8 @@ which Eurus-2-RL is scored with, compares them: see :func:`same_output`) or
 ``{"assert": code}``: test code that calls the program's functions (e.g.
 ``assert add(1, 2) == 3``, or HumanEval's ``def check(candidate): ...`` followed by
 ``check(add)``). An assert test runs in a process of its own that receives the program's
-return values as plain data (see :mod:`gdpo_megatron.rewards.judge`), so nothing the program
+return values as plain data of its own types, or as handles to the program's objects that
+equal nothing but themselves (see :mod:`gdpo_megatron.rewards.judge`), so nothing the program
 does (exiting early, patching builtins, objects equal to everything) can pass it; the
 program runs as module ``solution``, so its ``if __name__ == "__main__":`` block does not
 run, as in HumanEval's harness. A failed assertion of the test is a wrong answer; the

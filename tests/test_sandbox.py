@@ -12,9 +12,12 @@ import json
 import os
 import platform
 import random
+import shutil
 import signal
 import socket
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -123,21 +126,61 @@ def test_isolation_is_reported_per_guarantee(level):
         assert not level.guarantees["writes_confined"] and not level.guarantees["host_files_hidden"]
 
 
-def test_without_bubblewrap_the_default_is_basic_and_its_runs_say_why(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on it
-    sandbox.isolation.cache_clear()
-    sandbox.default_setup.cache_clear()
-    try:
-        assert sandbox.bwrap_missing() == "bubblewrap (bwrap) is not installed"
-        assert sandbox.isolation().level == "basic"
-        with caplog.at_level("WARNING", logger="gdpo_megatron.rewards.sandbox.levels"):
-            assert run_python("print(1)", "", LIMITS).stdout == "1\n"
-            assert run_python("print(2)", "", LIMITS).stdout == "2\n"
-        warnings = [r.getMessage() for r in caplog.records if "weaker isolation" in r.getMessage()]
-        assert len(warnings) == 1 and "basic" in warnings[0] and "bwrap) is not installed" in warnings[0], caplog.text
-    finally:
-        sandbox.isolation.cache_clear()  # probed again with the PATH restored
+@pytest.fixture
+def path_of(monkeypatch):
+    """Set PATH (where the sandbox looks for bwrap) and probe the levels again under it; the
+    weaker level is not chosen until a test chooses it."""
+    def set_path(directory):
+        monkeypatch.setenv("PATH", str(directory))
+        sandbox.isolation.cache_clear()
         sandbox.default_setup.cache_clear()
+
+    yield set_path
+    monkeypatch.undo()
+    sandbox.allow_weaker(False)
+    sandbox.isolation.cache_clear()  # probed again with the PATH restored
+    sandbox.default_setup.cache_clear()
+
+
+def test_without_bubblewrap_runs_are_refused_unless_the_weaker_level_is_chosen(path_of, tmp_path, caplog):
+    path_of(tmp_path)  # no bwrap on it
+    assert sandbox.bwrap_missing() == "bubblewrap (bwrap) is not installed"
+    assert sandbox.isolation().level == "basic"
+    with pytest.raises(SandboxError, match=r"bubblewrap \(bwrap\) is not installed\) and the weaker basic level was "
+                                           r"not chosen .*sandbox.allow_weaker\(True\)"):
+        run_python("print(1)", "", LIMITS)
+    with pytest.raises(SandboxError, match="not chosen"):
+        code_pass("```python\nprint(1)\n```", 0, {"tests": [{"input": "", "output": "1"}]})
+    assert run_python("print(0)", "", LIMITS, level="basic").stdout == "0\n"  # a level named is a level chosen
+    sandbox.allow_weaker(True)
+    with caplog.at_level("WARNING", logger="gdpo_megatron.rewards.sandbox.levels"):
+        assert run_python("print(1)", "", LIMITS).stdout == "1\n"
+        assert run_python("print(2)", "", LIMITS).stdout == "2\n"
+    warnings = [r.getMessage() for r in caplog.records if "weaker isolation" in r.getMessage()]
+    assert len(warnings) == 1 and "basic" in warnings[0] and "bwrap) is not installed" in warnings[0], caplog.text
+
+
+@pytest.mark.skipif(sandbox.bwrap_missing() is not None, reason="needs a working bubblewrap to wrap")
+def test_a_bwrap_that_shares_the_hosts_network_is_not_the_strong_level(path_of):
+    """A ``bwrap`` on PATH that adds ``--share-net`` runs, but its runs see the host's network
+    namespace (and its abstract unix sockets): measured, so refused as the bwrap level."""
+    real = shutil.which("bwrap")
+    wrapper_dir = Path(tempfile.mkdtemp())
+    try:
+        wrapper_dir.chmod(0o755)  # the sandbox's own users run it, as root
+        wrapper = wrapper_dir / "bwrap"
+        wrapper.write_text(f'#!/bin/sh\nfirst="$1"\nshift\nexec {real} "$first" --share-net "$@"\n')
+        wrapper.chmod(0o755)
+        path_of(wrapper_dir)
+        with pytest.raises(SandboxError, match=rf"{wrapper} does not isolate as bubblewrap must \(the host's net "
+                                               r"namespace; not held: no_host_unix_sockets\)"):
+            sandbox.isolation("bwrap")
+        assert sandbox.isolation().level == "basic"
+        assert sandbox.bwrap_missing().startswith(f"{wrapper} does not isolate as bubblewrap must")
+        with pytest.raises(SandboxError, match="not chosen"):
+            run_python("print(1)", "", LIMITS)
+    finally:
+        shutil.rmtree(wrapper_dir)
 
 
 # ---- runs, errors and limits ---------------------------------------------------------------------

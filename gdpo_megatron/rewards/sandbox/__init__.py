@@ -50,8 +50,9 @@ def run_python(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits
                level: str | None = None) -> RunResult:
     """Run ``code`` as ``main.py`` (as ``__main__``) in a fresh directory, feeding it ``stdin``.
 
-    ``level``: the isolation level, default the strongest available (:func:`isolation`; a
-    fallback below bwrap is logged once).
+    ``level``: the isolation level, default the strongest available (:func:`isolation`); below
+    bwrap that default raises :class:`SandboxError` unless :func:`allow_weaker` chose it (then
+    the fallback is logged once).
     """
     return start_python({"main.py": code}, stdin, limits, level).finish(time.monotonic() + limits.wall_s)
 

@@ -141,7 +141,8 @@ class Trainer:
         if self.is_leader:
             with _children_ignore(STOP_SIGNALS):  # Slurm signals every process of the step
                 self.reward_stage = RewardStage(rewards.rewards, rewards.num_workers, rewards.timeout_s,
-                                                rewards.reward_files, rewards.allow_weaker_sandbox)
+                                                rewards.reward_files, rewards.allow_weaker_sandbox,
+                                                rewards.sandbox_python)
         if self.is_rank0:
             self.logger = MetricsLogger(self.run_dir, to_dict(config), config.logging.wandb_project,
                                         self.run_dir.name, start_step=self.start_step)

@@ -15,6 +15,7 @@ import random
 import shutil
 import signal
 import socket
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -238,6 +239,79 @@ def test_worker_processes_run_the_programs_own_functions(level, start_method):
     result = run(code, level, SandboxLimits(wall_s=60.0, cpu_s=10, memory_bytes=512 << 20, processes=16))
     assert result.ok, result.stderr
     assert result.stdout.splitlines() == ["[1, 4, 9] [11, 12]", "[16, 25]", "['main.py'] main.py"]
+
+
+@pytest.fixture(scope="module")
+def venv_python():
+    """A virtual environment (outside /tmp, which runs replace, and readable by the sandbox's
+    users) of a Python other users may run, holding one installed distribution: gdpo-marker 1.2."""
+    base = sandbox.run.interpreter()
+    home = Path(tempfile.mkdtemp(dir="/var/tmp"))
+    try:
+        home.chmod(0o755)
+        subprocess.run([base, "-m", "venv", "--without-pip", str(home / "venv")], check=True, timeout=120)
+        site = subprocess.run([str(home / "venv/bin/python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        (Path(site) / "gdpo_marker.py").write_text("VALUE = 42\n")
+        (Path(site) / "gdpo_marker-1.2.dist-info").mkdir()
+        (Path(site) / "gdpo_marker-1.2.dist-info/METADATA").write_text("Metadata-Version: 2.1\nName: gdpo-marker\nVersion: 1.2\n")
+        base_version = subprocess.run([base, "-c", "import sys; print(sys.version.split()[0])"], capture_output=True,
+                                      text=True, check=True).stdout.strip()
+        yield str(home / "venv/bin/python"), base_version
+    finally:
+        shutil.rmtree(home)
+
+
+@pytest.fixture
+def chosen_python():
+    """Choose an interpreter for the test's runs; the default again after it."""
+    yield sandbox.use_python
+    sandbox.use_python(None)
+
+
+def test_a_chosen_interpreter_brings_its_packages(level, venv_python, chosen_python):
+    python, base_version = venv_python
+    assert "gdpo-marker" not in sandbox.programs_python().packages
+    assert not run("import gdpo_marker", level).ok
+    chosen_python(python)
+    result = run("import gdpo_marker, sys\nprint(gdpo_marker.VALUE, sys.prefix != sys.base_prefix)", level)
+    assert result.ok, result.stderr
+    assert result.stdout == "42 True\n"
+    described = sandbox.programs_python()
+    assert (described.path, described.version, described.packages) == (python, base_version, {"gdpo-marker": "1.2"})
+    assert str(described) == f"{python} (Python {base_version}, 1 packages, no numpy)"
+
+
+def test_the_reward_stage_runs_programs_with_the_configured_interpreter(venv_python):
+    from gdpo_megatron.config.rewards import RewardSpec
+    from gdpo_megatron.rewards import RewardStage
+
+    completion = "```python\nimport gdpo_marker\nprint(gdpo_marker.VALUE)\n```"
+    truth = {"tests": [{"input": "", "output": "42"}]}
+    for python, expected in ((None, 0.0), (venv_python[0], 1.0)):
+        with RewardStage([RewardSpec("code_pass")], num_workers=1, allow_weaker_sandbox=True,  # whatever level runs here
+                         sandbox_python=python) as stage:
+            rewards, metrics = stage.score([completion], [10], [truth])
+        assert rewards.tolist() == [[expected]] and metrics["reward/code_pass/failures"] == 0, python
+
+
+def test_an_interpreter_that_cannot_run_programs_is_refused_saying_why(tmp_path, chosen_python):
+    in_tmp = tmp_path / "python3"  # tmp_path is under /tmp
+    in_tmp.symlink_to(sandbox.run.interpreter())
+    refusals = {"python3": "not an absolute path", "/nonexistent/python3": "no such file",
+                "/bin/true": "it is not Python 3.8 or later", str(in_tmp): "runs replace /tmp, /dev and /proc"}
+    private = Path(tempfile.mkdtemp(dir="/var/tmp"))  # mode 700
+    try:
+        if ROOT:
+            (private / "python3").symlink_to(sandbox.run.interpreter())
+            refusals[str(private / "python3")] = "other users cannot run it"
+        for path, why in refusals.items():
+            with pytest.raises(SandboxError, match=rf"^sandbox: the interpreter {path} cannot run programs: {why}"):
+                chosen_python(path)
+            assert sandbox.python_problem(path).startswith(why)
+    finally:
+        shutil.rmtree(private)
+    assert sandbox.run.interpreter() != "/bin/true"  # the runs' interpreter is unchanged
 
 
 def test_errors_are_reported_not_raised(level):

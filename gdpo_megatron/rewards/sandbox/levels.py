@@ -32,7 +32,7 @@ from gdpo_megatron.rewards.sandbox import seccomp
 from gdpo_megatron.rewards.sandbox.namespaces import DEVICES
 from gdpo_megatron.rewards.sandbox.limits import SandboxError, SandboxLimits
 from gdpo_megatron.rewards.sandbox.processes import sandbox_uid
-from gdpo_megatron.rewards.sandbox.run import SANDBOX_DIR, SandboxedRun, Setup, system_layout
+from gdpo_megatron.rewards.sandbox.run import SANDBOX_DIR, SandboxedRun, Setup, choose_python, interpreter, system_layout
 
 ISOLATION_LEVELS = ("bwrap", "basic")
 log = logging.getLogger(__name__)
@@ -188,6 +188,45 @@ def allowed_setup() -> Setup:
     return setup
 
 
+def use_python(path: str | None) -> None:
+    """Run programs with the Python interpreter at ``path`` (a virtual environment's brings its
+    packages), or with the default one (``None``: this interpreter, or as root the first of it,
+    /usr/local/bin/python3 and /usr/bin/python3 that other users may run); raise
+    :class:`SandboxError` saying why it cannot be used. The levels are probed again with it."""
+    if choose_python(path):
+        isolation.cache_clear()
+        default_setup.cache_clear()
+
+
+@dataclass(frozen=True)
+class ProgramsPython:
+    """The interpreter programs run with, as a program sees it in the sandbox."""
+
+    path: str
+    version: str
+    packages: dict[str, str]  # distribution name: version
+
+    def __str__(self) -> str:
+        if not self.packages:
+            return f"{self.path} (Python {self.version}, standard library only)"
+        numpy = self.packages.get("numpy")
+        return (f"{self.path} (Python {self.version}, {len(self.packages)} packages, "
+                f"{f'numpy {numpy}' if numpy else 'no numpy'})")
+
+
+def programs_python() -> ProgramsPython:
+    """What a program gets here, measured by running one at the strongest level: the
+    interpreter, its version and the packages it can import; raises :class:`SandboxError`."""
+    limits = SandboxLimits(wall_s=60.0, cpu_s=30)
+    result = SandboxedRun({"main.py": _PACKAGES}, "", limits, isolation().setup).finish(time.monotonic() + limits.wall_s)
+    try:
+        version, packages = json.loads(result.stdout)
+    except ValueError:
+        raise SandboxError(f"sandbox: could not list the packages of {interpreter()} (exit status "
+                           f"{result.returncode}): {result.stderr.strip()[-2000:]}") from None
+    return ProgramsPython(interpreter(), version, packages)
+
+
 def bwrap_missing() -> str | None:
     """Why the strong level (bubblewrap) cannot run here, or ``None`` when it can."""
     return isolation().why_not_bwrap
@@ -273,6 +312,13 @@ def explain_bwrap_failure(message: str) -> str:
             return f"{why} ({detail})"
     return f"bwrap failed: {detail}"
 
+
+# Lists what the interpreter gives a program: its version and the distributions it can import.
+_PACKAGES = """
+import importlib.metadata, json, sys
+packages = {(d.metadata["Name"] or "?").lower(): d.version for d in importlib.metadata.distributions()}
+print(json.dumps([sys.version.split()[0], dict(sorted(packages.items()))]))
+"""
 
 # The probe program (standard library only); it prints one JSON object.
 _PROBE = r'''

@@ -125,13 +125,17 @@ def test_values_that_do_not_cross_as_plain_data_are_judged_as_the_standard_harne
     assert score(wrong, test) == (0.0, 1.0)
 
 
-def test_the_programs_functions_reach_worker_processes():
-    """The program is module ``solution``, importable in its process, so pickle finds its functions."""
+@pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
+def test_the_programs_functions_reach_worker_processes(start_method):
+    """The program is module ``solution``, importable in its process and in the workers it
+    starts, so pickle finds its functions."""
     test = "assert squares([1, 2, 3]) == [1, 4, 9]\n"
-    honest = ("import concurrent.futures\ndef square(x):\n    return x * x\ndef squares(xs):\n"
-              "    with concurrent.futures.ProcessPoolExecutor(2) as pool:\n        return list(pool.map(square, xs))\n")
+    context = f"multiprocessing.get_context({start_method!r})"
+    honest = ("import concurrent.futures, multiprocessing\ndef square(x):\n    return x * x\ndef squares(xs):\n"
+              f"    with concurrent.futures.ProcessPoolExecutor(2, mp_context={context}) as pool:\n"
+              "        return list(pool.map(square, xs))\n")
     wrong = ("import multiprocessing\ndef square(x):\n    return x + x\ndef squares(xs):\n"
-             "    with multiprocessing.Pool(2) as pool:\n        return pool.map(square, xs)\n")
+             f"    with {context}.Pool(2) as pool:\n        return pool.map(square, xs)\n")
     assert score(honest, test) == (1.0, 1.0)
     assert score(wrong, test) == (0.0, 1.0)
 

@@ -287,12 +287,14 @@ class _Held:
 
 
 def serve(requests_fd: int, responses_fd: int) -> None:
-    """Program side: run ``solution.py`` as module ``solution`` (importable, so that its functions
-    pickle), then answer requests until the judge closes the pipe."""
+    """Program side: run ``solution.py`` as module ``solution`` (importable, from its process and
+    the worker processes it starts, so that its functions pickle), then answer requests until
+    the judge closes the pipe."""
     requests, responses = os.fdopen(requests_fd, "rb"), os.fdopen(responses_fd, "wb")
     solution = types.ModuleType("solution")
-    solution.__file__ = _SOLUTION
+    solution.__file__ = os.path.abspath(_SOLUTION)
     sys.modules["solution"] = solution
+    sys.path.insert(0, os.path.dirname(solution.__file__))
     try:
         with open(_SOLUTION, encoding="utf-8") as f:
             exec(compile(f.read(), _SOLUTION, "exec"), vars(solution))

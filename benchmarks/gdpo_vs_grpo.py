@@ -129,8 +129,7 @@ def census(config: TrainConfig, prompts: int) -> tuple[list[str], dict]:
         engine.close()
     completions = [c for g in groups for c in g]
     truths = [s.reward_truth() for s in samples for _ in range(G)]
-    with RewardStage(config.rewards.rewards, config.rewards.num_workers, config.rewards.timeout_s,
-                     config.rewards.reward_files) as stage:
+    with RewardStage.from_config(config.rewards) as stage:
         rewards, _ = stage.score([c.text for c in completions], [len(c.token_ids) for c in completions], truths)
     names = config.rewards.names
     conditions = conditions_by_column(config.advantage.conditions, names)

@@ -140,9 +140,7 @@ class Trainer:
             self._sync_weights()  # the engine started from base_model
         if self.is_leader:
             with _children_ignore(STOP_SIGNALS):  # Slurm signals every process of the step
-                self.reward_stage = RewardStage(rewards.rewards, rewards.num_workers, rewards.timeout_s,
-                                                rewards.reward_files, rewards.allow_weaker_sandbox,
-                                                rewards.sandbox_python)
+                self.reward_stage = RewardStage.from_config(rewards)
         if self.is_rank0:
             self.logger = MetricsLogger(self.run_dir, to_dict(config), config.logging.wandb_project,
                                         self.run_dir.name, start_step=self.start_step)
@@ -208,13 +206,13 @@ class Trainer:
             rewards = rewards.to(self.device)
 
         with _timed(times, "advantage"):
-            result, kept_fraction = self._advantages(rewards, rollouts.group_ids)
+            result = self._advantages(rewards, rollouts.group_ids)
 
         self.engine.sleep()
         with _timed(times, "train"):
             batch = to_policy_batch(rollouts, G, result.advantages.cpu(), result.mask.cpu(),
                                     self.tokenizer.pad_token_id or 0, self.pad_multiple)
-            # Every rollout of the step can be out (dynamic sampling, NaN rewards): no update then.
+            # Every rollout of the step can be out (a group filter, NaN rewards): no update then.
             train_metrics = self.worker.train_step(batch) if result.group_count.sum() > 0 else {"skipped": 1.0}
             mismatch = train_metrics.pop("logprob_mismatch", math.nan)  # measured before the update
         with _timed(times, "sync"):
@@ -229,8 +227,6 @@ class Trainer:
             name = self.reward_names[c.reward]
             metrics[f"reward/{name}/gated_mean"] = self._global_mean(result.rewards[result.mask, c.reward])
         metrics.update(result.metrics(self.reward_names))
-        if kept_fraction is not None:
-            metrics["advantage/kept_group_frac"] = kept_fraction
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
         metrics.update(self._rollout_metrics(rollouts, prefix_cache, times["step"]))
         metrics["rollout/logprob_mismatch"] = mismatch
@@ -248,19 +244,9 @@ class Trainer:
         return ids
 
     def _advantages(self, rewards: torch.Tensor, group_ids: torch.Tensor):
-        """The step's advantages, and with dynamic sampling the share of prompt groups kept."""
-        kwargs = dict(config=self.config.advantage, weights=self.config.rewards.weights, conditions=self.conditions,
-                      reduction=AllReduce(self.dp_group))
-        result = compute_advantages(rewards, group_ids, **kwargs)
-        if not self.config.dynamic_sampling:
-            return result, None
-        # A group carries signal if ANY reward varies inside it: under GDPO each reward is
-        # normalized on its own, so a group whose summed reward is flat can still teach.
-        present = result.group_count > 0
-        informative = ~result.group_zero_spread.all(dim=1) & present
-        position = torch.searchsorted(result.group_ids, group_ids)
-        kept = informative.sum().item() / max(present.sum().item(), 1)
-        return compute_advantages(rewards, group_ids, result.mask & informative[position], **kwargs), kept
+        """The step's advantages over every data-parallel replica's rollouts, after the group filter."""
+        return compute_advantages(rewards, group_ids, config=self.config.advantage, weights=self.config.rewards.weights,
+                                  conditions=self.conditions, reduction=AllReduce(self.dp_group))
 
     def _kv_cache_gib(self, rollouts_per_replica: int, longest_prompt: int) -> float | None:
         """``rollout.kv_cache_gib``, or on CPU (where vLLM would take half of the host's memory)

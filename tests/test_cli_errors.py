@@ -455,7 +455,7 @@ def test_debug_shows_the_traceback_and_other_ranks_stay_quiet(base_model, tmp_pa
     assert train_main(["--config", CONFIG, "--debug", "foo=1"]) == EXIT_USER_ERROR
     err = capsys.readouterr().err
     assert err.startswith("Traceback") and err.endswith("error: foo: unknown key (expected one of: advantage, "
-                                                        "base_model, checkpoint, data, distributed, dynamic_sampling, logging, "
+                                                        "base_model, checkpoint, data, distributed, logging, "
                                                         "policy, rewards, rollout, run_dir, seed, steps)\n")
     monkeypatch.setenv("GDPO_DEBUG", "1")
     assert train_main(["--config", CONFIG, "foo=1"]) == EXIT_USER_ERROR

@@ -107,3 +107,17 @@ def test_advantage_leave_one_out_and_normalization_options():
     assert load_config(TrainConfig, "configs/tiny_cpu.yaml").advantage.leave_one_out is False
     with pytest.raises(ConfigError, match=r"advantage.leave_one_out"):
         from_dict(AdvantageConfig, {"leave_one_out": "sometimes"}, "advantage")
+
+
+def test_a_moved_key_names_what_replaces_it(tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text(open("configs/tiny_cpu.yaml").read() + "dynamic_sampling: true\n")
+    message = (r"^dynamic_sampling: replaced by advantage.filter "
+               r"\(dynamic_sampling: true is advantage.filter: informative_groups\)$")
+    with pytest.raises(ConfigError, match=message):
+        load_config(TrainConfig, old)
+    with pytest.raises(ConfigError, match=message):
+        load_config(TrainConfig, "configs/tiny_cpu.yaml", ["dynamic_sampling=false", "stepz=3"])
+    cfg = load_config(TrainConfig, "configs/tiny_cpu.yaml", ["advantage.filter=informative_groups"])
+    assert cfg.advantage.filter == "informative_groups"
+    assert load_config(TrainConfig, "configs/tiny_cpu.yaml").advantage.filter == "none"

@@ -91,7 +91,7 @@ def test_data_parallel_run_resumes_and_exports(base_model, tmp_path):
 
 
 @pytest.mark.parametrize("layout", [
-    ("policy.parallel.tensor_model_parallel_size=2", "advantage.mode=grpo", "dynamic_sampling=true",
+    ("policy.parallel.tensor_model_parallel_size=2", "advantage.mode=grpo", "advantage.filter=informative_groups",
      "policy.old_logprobs=policy", "policy.loss.tis_cap=2", "policy.optim.use_distributed_optimizer=true",
      "policy.offload_grads_and_optimizer=true"),
     # also token-budget micro-batches under 1F1B, and the KV cache sized to the step's rollouts
@@ -103,6 +103,10 @@ def test_model_parallel_runs_export_loadable_checkpoints(base_model, tmp_path, l
     results = run_local(_train, 2, _overrides(base_model, run_dir, 1, *layout))
     assert results == [(0, "done"), (0, "done")]
     record = _check_run(run_dir, 1, world_size=2)[0]
+    if "advantage.filter=informative_groups" in layout:  # the share of the step's 4 prompt groups kept
+        assert record["advantage/kept_group_frac"] in (0.0, 0.25, 0.5, 0.75, 1.0)
+    else:
+        assert "advantage/kept_group_frac" not in record
     if "policy.old_logprobs=policy" in layout:  # the update starts at ratio 1; fp32 engines: weights ~1
         assert record["train/ratio_min"] == pytest.approx(1.0, abs=1e-6) == record["train/ratio_max"]
         assert record["train/tis_weight"] == pytest.approx(1.0, abs=1e-4) and record["train/tis_truncated"] == 0

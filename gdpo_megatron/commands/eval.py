@@ -14,9 +14,10 @@ import sys
 from pathlib import Path
 
 from gdpo_megatron.commands.console import ArgumentParser, console_entry, positive_int, quiet_defaults
-from gdpo_megatron.data.samples import FAMILIES, FAMILY_REWARDS, Fields
+from gdpo_megatron.data.samples import Fields
 from gdpo_megatron.errors import UsageError
 from gdpo_megatron.config.rewards import RewardSpec
+from gdpo_megatron.tasks import get_task, task_names
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -27,7 +28,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     source.add_argument("--bfcl", action="store_true", help="the BFCL single-turn categories")
     source.add_argument("--data", help="a prompt file (.jsonl, .json, .parquet) or datasets directory "
                                        "(see gdpo_megatron.data.samples)")
-    parser.add_argument("--family", choices=FAMILIES, help="with --data")
+    parser.add_argument("--family", choices=task_names(), help="with --data")
     parser.add_argument("--system-prompt", default=None, help="with --data: instructions ('' for none)")
     parser.add_argument("--split", default=None, help="with --data: the split of a datasets directory "
                                                       "(default: train of a DatasetDict, all of a single dataset)")
@@ -71,7 +72,10 @@ def main(argv: list[str]) -> int:
         check_vllm_can_load(hf_config)
     max_model_len = _max_model_len(hf_config, args.max_model_len, args.max_new_tokens)
     check_weights(args.model, "--model")
-    names = args.rewards.split(",") if args.rewards is not None else FAMILY_REWARDS.get(args.family, ())
+    if args.rewards is not None:
+        names = args.rewards.split(",")
+    else:
+        names = get_task(args.family).rewards if args.family is not None else ()
     rewards = [RewardSpec(name) for name in names if name]
     check_reward_specs(rewards, "--rewards", in_config=False)
     check_code_sandbox(rewards, "--rewards", args.allow_weaker_sandbox, "pass --allow-weaker-sandbox")

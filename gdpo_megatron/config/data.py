@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Optional
 
 from gdpo_megatron.config.loader import require, require_path
-
-Family = Literal["math", "tool", "code", "toolrl"]
 
 
 @dataclass
@@ -14,7 +12,9 @@ class DataConfig:
     """Where the prompts are, which fields hold what, and how many a step takes."""
 
     train_path: str  # .jsonl, .json, .parquet, or a Hugging Face datasets directory (save_to_disk)
-    family: Family
+    # A task family's name (math, tool, code, toolrl: gdpo_megatron.tasks.registry, which
+    # preflight checks it against before the data is read).
+    family: str
     # The split of a datasets directory; None: "train" of a DatasetDict, all of a single dataset.
     split: Optional[str] = None
     # Field names, as verl's data.prompt_key; dotted names reach into nested fields. None: the

@@ -38,6 +38,7 @@ from gdpo_megatron.rewards import sandbox
 from gdpo_megatron.rewards.registry import load_reward_file, registered_rewards, runs_code, validate_specs
 from gdpo_megatron.rollout.vllm_engine import check_vllm_can_load
 from gdpo_megatron.run_dir import CHECKPOINT_DIR
+from gdpo_megatron.tasks import get_task
 
 
 
@@ -298,8 +299,9 @@ def check_settings(config: TrainConfig, world_size: int) -> list[Condition]:
 
 
 def training_prompts(config: TrainConfig) -> list[Sample]:
-    """The samples of ``data.train_path``, every row checked."""
+    """The samples of ``data.train_path``, every row checked (``data.family`` first)."""
     data = config.data
+    get_task(data.family, "data.family")
     return load_prompts(data.train_path, data.family, data.system_prompt, "data.train_path",
                         fields=Fields(data.prompt_key, data.system_key, data.ground_truth_key), split=data.split)
 

@@ -89,8 +89,7 @@ class RewardStageEnvironment:
         check_sandbox_python(rewards.sandbox_python, f"{CONFIG_PATH}.sandbox_python")
         check_code_sandbox(rewards.rewards, f"{CONFIG_PATH}.rewards", rewards.allow_weaker_sandbox,
                            f"set {CONFIG_PATH}.allow_weaker_sandbox: true")
-        self._stage = RewardStage(rewards.rewards, rewards.num_workers, rewards.timeout_s, rewards.reward_files,
-                                  rewards.allow_weaker_sandbox, rewards.sandbox_python)
+        self._stage = RewardStage.from_config(rewards)
         try:
             from transformers import AutoTokenizer
 

@@ -129,15 +129,23 @@ def test_values_that_do_not_cross_as_plain_data_are_judged_as_the_standard_harne
 def test_the_programs_functions_reach_worker_processes(start_method):
     """The program is module ``solution``, importable in its process and in the workers it
     starts, so pickle finds its functions."""
-    test = "assert squares([1, 2, 3]) == [1, 4, 9]\n"
+    honest, wrong = worker_programs(start_method)
+    assert score(honest, SQUARES) == (1.0, 1.0)
+    assert score(wrong, SQUARES) == (0.0, 1.0)
+
+
+SQUARES = "assert squares([1, 2, 3]) == [1, 4, 9]\n"
+
+
+def worker_programs(start_method):
+    """(honest, wrong) programs whose function maps its own helper over worker processes."""
     context = f"multiprocessing.get_context({start_method!r})"
     honest = ("import concurrent.futures, multiprocessing\ndef square(x):\n    return x * x\ndef squares(xs):\n"
               f"    with concurrent.futures.ProcessPoolExecutor(2, mp_context={context}) as pool:\n"
               "        return list(pool.map(square, xs))\n")
     wrong = ("import multiprocessing\ndef square(x):\n    return x + x\ndef squares(xs):\n"
              f"    with {context}.Pool(2) as pool:\n        return pool.map(square, xs)\n")
-    assert score(honest, test) == (1.0, 1.0)
-    assert score(wrong, test) == (0.0, 1.0)
+    return honest, wrong
 
 
 EVERYTHING = ("class Anything:\n    def __eq__(self, other):\n        return True\n"
@@ -238,5 +246,7 @@ def test_assert_tests_at_every_level(level):
     test = "assert double(21) == 42\n"
     assert score(DOUBLE, test) == (1.0, 1.0)
     assert score(WRONG_DOUBLE, test) == (0.0, 1.0)
+    honest, wrong = worker_programs("fork")
+    assert score(honest, SQUARES) == (1.0, 1.0) and score(wrong, SQUARES) == (0.0, 1.0)
     if level.guarantees["runs_separated"]:
         assert score(READS_THE_TEST, test) == (0.0, 1.0)

@@ -56,7 +56,7 @@ def encode(value, hold=None, depth: int = 0):
     """``value`` as JSON-compatible plain data; containers, special numbers and large ints are tagged.
 
     Another value becomes a handle: ``hold(value)`` gives it (program side), or it is the
-    handle it came as (judge side).
+    handle it came as (judge side, where an iterator of the test's sends its items).
     """
     if depth > 100:
         raise RecursionError("value nested too deeply")

@@ -3,14 +3,18 @@
     python benchmarks/sandbox_latency.py [--repeats 40]
 
 A code reward runs one sandboxed program per test case (two per assert test: the program and
-its judge), so this is the floor of its cost per test case.
+its judge), so this is the floor of its cost per test case. It prints the conditions it ran
+under (CPUs, kernel, the load average before and after): on a loaded machine the median
+measures the contention as much as the sandbox, and the fastest run is the closer bound.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import platform
+import statistics
+import subprocess
 import time
-
-from timing import median_time
 
 from gdpo_megatron.rewards import sandbox
 
@@ -19,6 +23,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=40)
     args = parser.parse_args()
+    bwrap = subprocess.run(["bwrap", "--version"], capture_output=True, text=True).stdout.strip() or "no bwrap"
+    print(f"{os.cpu_count()} CPUs, kernel {platform.release()}, {bwrap}, uid {os.geteuid()}, "
+          f"load average {_load()} before")
     start = time.perf_counter()
     strongest = sandbox.isolation()
     print(f"probe of the strongest level ({strongest.level}): {(time.perf_counter() - start) * 1000:.0f} ms")
@@ -27,11 +34,21 @@ def main():
     if sandbox.bwrap_missing() is None:
         setups = {"bwrap": strongest.setup, **setups}
     limits = sandbox.SandboxLimits(wall_s=30.0)
+    print(f"programs run {sandbox.programs_python()}")
     for name, setup in setups.items():
-        def one_run():
+        times = []
+        for i in range(args.repeats + 1):  # the first is a warm-up
+            began = time.perf_counter()
             result = sandbox.SandboxedRun({"main.py": "print(1)"}, "", limits, setup).finish(time.monotonic() + 30)
             assert result.ok, result
-        print(f"{name}: median {median_time(one_run, args.repeats) * 1000:.1f} ms per run")
+            times.append(time.perf_counter() - began)
+        times = times[1:]
+        print(f"{name}: median {statistics.median(times) * 1000:.1f} ms, fastest {min(times) * 1000:.1f} ms per run")
+    print(f"load average {_load()} after")
+
+
+def _load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 if __name__ == "__main__":

@@ -258,6 +258,10 @@ def nothing_heavy(monkeypatch):
                                                   "integer, got -5"),
     ("rewards.rewards.2.kwargs={max_tokens: many}", "rewards.rewards.2.kwargs: length: max_tokens must be a positive "
                                                     "integer, got 'many'"),
+    ("rewards.sandbox_python=python3", "rewards.sandbox_python: expected the absolute path of a Python interpreter, "
+                                       "or null, got 'python3'"),
+    ("rewards.sandbox_python=/nonexistent/bin/python3", "rewards.sandbox_python: expected a Python interpreter the "
+     "sandbox's programs can run, got '/nonexistent/bin/python3': no such file"),
     pytest.param("policy.precision.fp8=e4m3", "policy.precision.fp8='e4m3': FP8 needs a CUDA GPU; use fp8: null on CPU",
                  marks=WITHOUT_CUDA),
     pytest.param("policy.precision.transformer_engine=true", "policy.precision.transformer_engine: the Transformer "

@@ -155,9 +155,15 @@ CODE_REWARDS = ["rewards.rewards=[{name: code_pass}, {name: length, kwargs: {max
 def test_the_sandbox_row_says_the_level_a_config_gets_and_why(monkeypatch, tmp_path, capsys):
     from gdpo_megatron.rewards import sandbox
 
+    python = f"programs run {sandbox.programs_python()}"
+    assert python.startswith(f"programs run {sandbox.run.interpreter()} (Python ")
     if sandbox.bwrap_missing() is None:
         assert main(["--config", CONFIG, "--only", "sandbox", *CODE_REWARDS]) == 0
-        assert table_row(capsys.readouterr().out, "sandbox") == (OK, "bwrap  bwrap, for code_pass")
+        assert table_row(capsys.readouterr().out, "sandbox") == (OK, f"bwrap; {python}  bwrap, for code_pass")
+    assert main(["--config", CONFIG, "--only", "sandbox", *CODE_REWARDS, "rewards.sandbox_python=/nonexistent/python3"]) == 1
+    assert table_row(capsys.readouterr().out, "sandbox") == (
+        MISMATCH, "rewards.sandbox_python: expected a Python interpreter the sandbox's programs can run, got "
+                  "'/nonexistent/python3': no such file  an interpreter for the programs of code_pass (rewards.sandbox_python)")
     monkeypatch.setenv("PATH", str(tmp_path))  # no bubblewrap on it
     sandbox.isolation.cache_clear()
     try:
@@ -165,9 +171,10 @@ def test_the_sandbox_row_says_the_level_a_config_gets_and_why(monkeypatch, tmp_p
         assert basic.startswith("basic, in ") and basic.endswith("no bwrap: bubblewrap (bwrap) is not installed)")
         assert main(["--config", CONFIG, "--only", "sandbox", *CODE_REWARDS]) == 1
         assert table_row(capsys.readouterr().out, "sandbox") == (
-            MISMATCH, f"{basic}  bwrap, for code_pass (or rewards.allow_weaker_sandbox=true)")
+            MISMATCH, f"{basic}; {python}  bwrap, for code_pass (or rewards.allow_weaker_sandbox=true)")
         assert main(["--config", CONFIG, "--only", "sandbox", *CODE_REWARDS, "rewards.allow_weaker_sandbox=true"]) == 0
-        assert table_row(capsys.readouterr().out, "sandbox") == (OK, f"{basic}  basic, chosen by rewards.allow_weaker_sandbox")
+        assert table_row(capsys.readouterr().out, "sandbox") == (
+            OK, f"{basic}; {python}  basic, chosen by rewards.allow_weaker_sandbox")
         assert main(["--config", CONFIG, "--only", "sandbox"]) == 0  # the demo's rewards run no code
         assert table_row(capsys.readouterr().out, "sandbox") == (NOT_RUN, "no reward of the config runs code")
     finally:

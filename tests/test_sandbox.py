@@ -12,9 +12,13 @@ import json
 import os
 import platform
 import random
+import shutil
 import signal
 import socket
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -123,21 +127,61 @@ def test_isolation_is_reported_per_guarantee(level):
         assert not level.guarantees["writes_confined"] and not level.guarantees["host_files_hidden"]
 
 
-def test_without_bubblewrap_the_default_is_basic_and_its_runs_say_why(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on it
-    sandbox.isolation.cache_clear()
-    sandbox.default_setup.cache_clear()
-    try:
-        assert sandbox.bwrap_missing() == "bubblewrap (bwrap) is not installed"
-        assert sandbox.isolation().level == "basic"
-        with caplog.at_level("WARNING", logger="gdpo_megatron.rewards.sandbox.levels"):
-            assert run_python("print(1)", "", LIMITS).stdout == "1\n"
-            assert run_python("print(2)", "", LIMITS).stdout == "2\n"
-        warnings = [r.getMessage() for r in caplog.records if "weaker isolation" in r.getMessage()]
-        assert len(warnings) == 1 and "basic" in warnings[0] and "bwrap) is not installed" in warnings[0], caplog.text
-    finally:
-        sandbox.isolation.cache_clear()  # probed again with the PATH restored
+@pytest.fixture
+def path_of(monkeypatch):
+    """Set PATH (where the sandbox looks for bwrap) and probe the levels again under it; the
+    weaker level is not chosen until a test chooses it."""
+    def set_path(directory):
+        monkeypatch.setenv("PATH", str(directory))
+        sandbox.isolation.cache_clear()
         sandbox.default_setup.cache_clear()
+
+    yield set_path
+    monkeypatch.undo()
+    sandbox.allow_weaker(False)
+    sandbox.isolation.cache_clear()  # probed again with the PATH restored
+    sandbox.default_setup.cache_clear()
+
+
+def test_without_bubblewrap_runs_are_refused_unless_the_weaker_level_is_chosen(path_of, tmp_path, caplog):
+    path_of(tmp_path)  # no bwrap on it
+    assert sandbox.bwrap_missing() == "bubblewrap (bwrap) is not installed"
+    assert sandbox.isolation().level == "basic"
+    with pytest.raises(SandboxError, match=r"bubblewrap \(bwrap\) is not installed\) and the weaker basic level was "
+                                           r"not chosen .*sandbox.allow_weaker\(True\)"):
+        run_python("print(1)", "", LIMITS)
+    with pytest.raises(SandboxError, match="not chosen"):
+        code_pass("```python\nprint(1)\n```", 0, {"tests": [{"input": "", "output": "1"}]})
+    assert run_python("print(0)", "", LIMITS, level="basic").stdout == "0\n"  # a level named is a level chosen
+    sandbox.allow_weaker(True)
+    with caplog.at_level("WARNING", logger="gdpo_megatron.rewards.sandbox.levels"):
+        assert run_python("print(1)", "", LIMITS).stdout == "1\n"
+        assert run_python("print(2)", "", LIMITS).stdout == "2\n"
+    warnings = [r.getMessage() for r in caplog.records if "weaker isolation" in r.getMessage()]
+    assert len(warnings) == 1 and "basic" in warnings[0] and "bwrap) is not installed" in warnings[0], caplog.text
+
+
+@pytest.mark.skipif(sandbox.bwrap_missing() is not None, reason="needs a working bubblewrap to wrap")
+def test_a_bwrap_that_shares_the_hosts_network_is_not_the_strong_level(path_of):
+    """A ``bwrap`` on PATH that adds ``--share-net`` runs, but its runs see the host's network
+    namespace (and its abstract unix sockets): measured, so refused as the bwrap level."""
+    real = shutil.which("bwrap")
+    wrapper_dir = Path(tempfile.mkdtemp())
+    try:
+        wrapper_dir.chmod(0o755)  # the sandbox's own users run it, as root
+        wrapper = wrapper_dir / "bwrap"
+        wrapper.write_text(f'#!/bin/sh\nfirst="$1"\nshift\nexec {real} "$first" --share-net "$@"\n')
+        wrapper.chmod(0o755)
+        path_of(wrapper_dir)
+        with pytest.raises(SandboxError, match=rf"{wrapper} does not isolate as bubblewrap must \(the host's net "
+                                               r"namespace; not held: no_host_unix_sockets\)"):
+            sandbox.isolation("bwrap")
+        assert sandbox.isolation().level == "basic"
+        assert sandbox.bwrap_missing().startswith(f"{wrapper} does not isolate as bubblewrap must")
+        with pytest.raises(SandboxError, match="not chosen"):
+            run_python("print(1)", "", LIMITS)
+    finally:
+        shutil.rmtree(wrapper_dir)
 
 
 # ---- runs, errors and limits ---------------------------------------------------------------------
@@ -168,6 +212,106 @@ def test_a_correct_program_may_use_the_standard_library(level):
     result = run(code, level, SandboxLimits(wall_s=20.0, cpu_s=5, memory_bytes=512 << 20, processes=16))
     assert result.ok, result.stderr
     assert result.stdout.splitlines() == ["42", "async", "thread", "6"]
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn", "forkserver"])
+def test_worker_processes_run_the_programs_own_functions(level, start_method):
+    """``main.py`` runs as the ``__main__`` module, as ``python main.py`` runs it: a Pool or a
+    ProcessPoolExecutor pickles the program's functions by reference, and a spawned worker
+    imports ``__main__`` again from its file."""
+    code = (
+        "import concurrent.futures, multiprocessing, sys\n"
+        "def square(x):\n"
+        "    return x * x\n"
+        "class Offset:\n"
+        "    def __init__(self, by):\n"
+        "        self.by = by\n"
+        "    def __call__(self, x):\n"
+        "        return x + self.by\n"
+        "if __name__ == '__main__':\n"
+        f"    context = multiprocessing.get_context({start_method!r})\n"
+        "    with context.Pool(2) as pool:\n"
+        "        print(pool.map(square, [1, 2, 3]), pool.map(Offset(10), [1, 2]))\n"
+        "    with concurrent.futures.ProcessPoolExecutor(2, mp_context=context) as executor:\n"
+        "        print(list(executor.map(square, [4, 5])))\n"
+        "    print(sys.argv, __file__)\n"
+    )
+    result = run(code, level, SandboxLimits(wall_s=60.0, cpu_s=10, memory_bytes=512 << 20, processes=16))
+    assert result.ok, result.stderr
+    assert result.stdout.splitlines() == ["[1, 4, 9] [11, 12]", "[16, 25]", "['main.py'] main.py"]
+
+
+@pytest.fixture(scope="module")
+def venv_python():
+    """A virtual environment (outside /tmp, which runs replace, and readable by the sandbox's
+    users) of a Python other users may run, holding one installed distribution: gdpo-marker 1.2."""
+    base = sandbox.run.interpreter()
+    home = Path(tempfile.mkdtemp(dir="/var/tmp"))
+    try:
+        home.chmod(0o755)
+        subprocess.run([base, "-m", "venv", "--without-pip", str(home / "venv")], check=True, timeout=120)
+        site = subprocess.run([str(home / "venv/bin/python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        (Path(site) / "gdpo_marker.py").write_text("VALUE = 42\n")
+        (Path(site) / "gdpo_marker-1.2.dist-info").mkdir()
+        (Path(site) / "gdpo_marker-1.2.dist-info/METADATA").write_text("Metadata-Version: 2.1\nName: gdpo-marker\nVersion: 1.2\n")
+        base_version = subprocess.run([base, "-c", "import sys; print(sys.version.split()[0])"], capture_output=True,
+                                      text=True, check=True).stdout.strip()
+        yield str(home / "venv/bin/python"), base_version
+    finally:
+        shutil.rmtree(home)
+
+
+@pytest.fixture
+def chosen_python():
+    """Choose an interpreter for the test's runs; the default again after it."""
+    yield sandbox.use_python
+    sandbox.use_python(None)
+
+
+def test_a_chosen_interpreter_brings_its_packages(level, venv_python, chosen_python):
+    python, base_version = venv_python
+    assert "gdpo-marker" not in sandbox.programs_python().packages
+    assert not run("import gdpo_marker", level).ok
+    chosen_python(python)
+    result = run("import gdpo_marker, sys\nprint(gdpo_marker.VALUE, sys.prefix != sys.base_prefix)", level)
+    assert result.ok, result.stderr
+    assert result.stdout == "42 True\n"
+    described = sandbox.programs_python()
+    assert (described.path, described.version, described.packages) == (python, base_version, {"gdpo-marker": "1.2"})
+    assert str(described) == f"{python} (Python {base_version}, 1 packages, no numpy)"
+
+
+def test_the_reward_stage_runs_programs_with_the_configured_interpreter(venv_python):
+    from gdpo_megatron.config.rewards import RewardSpec
+    from gdpo_megatron.rewards import RewardStage
+
+    completion = "```python\nimport gdpo_marker\nprint(gdpo_marker.VALUE)\n```"
+    truth = {"tests": [{"input": "", "output": "42"}]}
+    for python, expected in ((None, 0.0), (venv_python[0], 1.0)):
+        with RewardStage([RewardSpec("code_pass")], num_workers=1, allow_weaker_sandbox=True,  # whatever level runs here
+                         sandbox_python=python) as stage:
+            rewards, metrics = stage.score([completion], [10], [truth])
+        assert rewards.tolist() == [[expected]] and metrics["reward/code_pass/failures"] == 0, python
+
+
+def test_an_interpreter_that_cannot_run_programs_is_refused_saying_why(tmp_path, chosen_python):
+    in_tmp = tmp_path / "python3"  # tmp_path is under /tmp
+    in_tmp.symlink_to(sandbox.run.interpreter())
+    refusals = {"python3": "not an absolute path", "/nonexistent/python3": "no such file",
+                "/bin/true": "it is not Python 3.8 or later", str(in_tmp): "runs replace /tmp, /dev and /proc"}
+    private = Path(tempfile.mkdtemp(dir="/var/tmp"))  # mode 700
+    try:
+        if ROOT:
+            (private / "python3").symlink_to(sandbox.run.interpreter())
+            refusals[str(private / "python3")] = "other users cannot run it"
+        for path, why in refusals.items():
+            with pytest.raises(SandboxError, match=rf"^sandbox: the interpreter {path} cannot run programs: {why}"):
+                chosen_python(path)
+            assert sandbox.python_problem(path).startswith(why)
+    finally:
+        shutil.rmtree(private)
+    assert sandbox.run.interpreter() != "/bin/true"  # the runs' interpreter is unchanged
 
 
 def test_errors_are_reported_not_raised(level):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -42,12 +43,18 @@ class RewardsConfig:
     # bubblewrap cannot run (docs/rewards.md says what that level does not hold); by default such
     # a config is refused there.
     allow_weaker_sandbox: bool = False
+    # The Python interpreter sandboxed programs run with, e.g. a virtual environment's with the
+    # packages programs may import (docs/rewards.md); null: the default (this interpreter, or
+    # as root one other users may run, often the system's with the standard library only).
+    sandbox_python: Optional[str] = None
 
     def __post_init__(self):
         require(len(self.rewards) > 0, "rewards.rewards", "at least one reward", self.rewards)
         require(len(set(self.names)) == len(self.names), "rewards.rewards", "unique names", self.names)
         require(self.num_workers >= 1, "rewards.num_workers", ">= 1 (reward worker processes)", self.num_workers)
         require(self.timeout_s > 0, "rewards.timeout_s", "> 0 seconds", self.timeout_s)
+        require(self.sandbox_python is None or os.path.isabs(self.sandbox_python), "rewards.sandbox_python",
+                "the absolute path of a Python interpreter, or null", self.sandbox_python)
 
     @property
     def names(self) -> list[str]:

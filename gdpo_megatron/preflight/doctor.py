@@ -24,8 +24,9 @@ e.g. no CUDA device here). The checks, by name:
   ``rollout.kv_cache_gib`` where set), which vLLM wants free at start-up. It is an estimate
   (``gdpo-plan`` prints its assumptions): where it is wrong for a config,
   ``GDPO_DOCTOR_SKIP=memory`` runs anyway.
-* ``sandbox``: the code sandbox's level here and, when it is not bubblewrap's, why; a mismatch
-  for a config whose rewards run model-written code unless it sets
+* ``sandbox``: the code sandbox's level here and, when it is not bubblewrap's, why, and the
+  interpreter programs run with (``rewards.sandbox_python``), its version and packages; a
+  mismatch for a config whose rewards run model-written code unless it sets
   ``rewards.allow_weaker_sandbox``.
 
 ``GDPO_DOCTOR_SKIP=CHECK[,CHECK...]`` skips the named checks, here and in the trainer's
@@ -293,7 +294,7 @@ def memory_row(config: TrainConfig, world_size: int, memory_gib: float) -> Check
 
 def check_sandbox(target: Target) -> list[Check]:
     """The code sandbox's level here (probed), against what the config's rewards need."""
-    from gdpo_megatron.preflight.validation import load_reward_files
+    from gdpo_megatron.preflight.validation import check_sandbox_python, load_reward_files
     from gdpo_megatron.rewards import sandbox
     from gdpo_megatron.rewards.registry import runs_code
 
@@ -303,14 +304,20 @@ def check_sandbox(target: Target) -> list[Check]:
         names = [spec.name for spec in target.config.rewards.rewards if runs_code(spec.name)]
         if not names:
             return [Check("sandbox", NOT_RUN, "", "no reward of the config runs code")]
+        try:
+            check_sandbox_python(target.config.rewards.sandbox_python, "rewards.sandbox_python")
+        except ConfigError as e:
+            return [Check("sandbox", MISMATCH, str(e), "an interpreter for the programs of "
+                                                       f"{', '.join(names)} (rewards.sandbox_python)")]
     needed = f"bwrap, for {', '.join(names)}" if names else "bwrap, for rewards that run code"
     try:
         level = sandbox.isolation()
+        python = f"; programs run {sandbox.programs_python()}"
     except sandbox.SandboxError as e:
         return [Check("sandbox", MISMATCH if names else NOT_RUN, str(e), needed)]
     if level.level == "bwrap":
-        return [Check("sandbox", OK, "bwrap", needed)]
-    found = level.describe()
+        return [Check("sandbox", OK, "bwrap" + python, needed)]
+    found = level.describe() + python
     if not names:
         return [Check("sandbox", NOT_RUN, found, f"no --config ({needed}, or rewards.allow_weaker_sandbox)")]
     if target.config.rewards.allow_weaker_sandbox:

@@ -224,6 +224,16 @@ def check_code_sandbox(specs: Sequence[RewardSpec], key: str, allow_weaker: bool
                           f"(docs/rewards.md), or {allow_with} to accept the weaker 'basic' level")
 
 
+def check_sandbox_python(path: Optional[str], key: str) -> None:
+    """The interpreter sandboxed programs are to run with (``None``: the default) can run them;
+    from here on this process's sandbox probes and runs use it."""
+    try:
+        sandbox.use_python(path)
+    except sandbox.SandboxError as e:
+        raise ConfigError(f"{key}: expected a Python interpreter the sandbox's programs can run, got {path!r}: "
+                          f"{sandbox.python_problem(path)}") from e
+
+
 # ---- a Hugging Face model directory -------------------------------------------------------------
 
 
@@ -298,6 +308,7 @@ def check_settings(config: TrainConfig, world_size: int) -> list[Condition]:
     rewards = config.rewards
     load_reward_files(rewards.reward_files, "rewards.reward_files")
     check_reward_specs(rewards.rewards, "rewards.rewards")
+    check_sandbox_python(rewards.sandbox_python, "rewards.sandbox_python")
     check_environment(config.environment, "environment")
     check_code_sandbox(rewards.rewards, "rewards.rewards", rewards.allow_weaker_sandbox,
                        "set rewards.allow_weaker_sandbox=true")

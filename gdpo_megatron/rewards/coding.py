@@ -12,7 +12,8 @@ which Eurus-2-RL is scored with, compares them: see :func:`same_output`) or
 ``{"assert": code}``: test code that calls the program's functions (e.g.
 ``assert add(1, 2) == 3``, or HumanEval's ``def check(candidate): ...`` followed by
 ``check(add)``). An assert test runs in a process of its own that receives the program's
-return values as plain data (see :mod:`gdpo_megatron.rewards.judge`), so nothing the program
+return values as plain data of its own types, or as handles to the program's objects that
+equal nothing but themselves (see :mod:`gdpo_megatron.rewards.judge`), so nothing the program
 does (exiting early, patching builtins, objects equal to everything) can pass it; the
 program runs as module ``solution``, so its ``if __name__ == "__main__":`` block does not
 run, as in HumanEval's harness. A failed assertion of the test is a wrong answer; the
@@ -121,10 +122,10 @@ def run_assert_test(program: str, test: str, limits: SandboxLimits) -> str:
     try:
         # The judge runs as the caller's second sandbox user: the program cannot read its test,
         # signal it or take its processes even at the basic level (as root).
-        judging = start_python({"main.py": f"{_JUDGE_SOURCE}\njudge({requests_w}, {responses_r}, {verdict_w})\n",
+        judging = start_python({"main.py": _judge_main(f"judge({requests_w}, {responses_r}, {verdict_w})"),
                                 "test.py": test}, "", limits, pass_fds=(requests_w, responses_r, verdict_w), user=1)
         try:
-            serving = start_python({"main.py": f"{_JUDGE_SOURCE}\nserve({requests_r}, {responses_w})\n",
+            serving = start_python({"main.py": _judge_main(f"serve({requests_r}, {responses_w})"),
                                     "solution.py": program}, "", limits, pass_fds=(requests_r, responses_w))
         except BaseException:
             judging.finish(time.monotonic())
@@ -148,6 +149,12 @@ def run_assert_test(program: str, test: str, limits: SandboxLimits) -> str:
         return json.loads(text)["verdict"]
     except (ValueError, KeyError, TypeError):
         return "error"  # the judge was stopped at the wall limit: the program kept it waiting
+
+
+def _judge_main(call: str) -> str:
+    """``main.py`` of an assert test's process: :mod:`judge` and a call of its entry point, which
+    a worker process the program spawns (importing ``__main__`` again) does not make."""
+    return f"{_JUDGE_SOURCE}\nif __name__ == '__main__':\n    {call}\n"
 
 
 def _not_refused(result: RunResult) -> RunResult:

@@ -5,15 +5,22 @@ early, redefines ``exec``, patches builtins or returns an object whose ``__eq__`
 true would pass any test run in its own process. So the test runs in another process, the
 judge, which the program cannot see (its own sandbox: another PID namespace, or at the basic
 level as root another user; ``sandbox.isolation()`` says whether runs are kept apart). The program
-process runs the program, then serves calls: the judge's namespace holds, for every
-function and class the program defines (except those named like a builtin: the test's
-``range``, ``abs`` or ``sorted`` stay Python's), a stub that sends the arguments over a pipe and
-receives the return value as plain data (None, bool, int, float, complex, str, bytes, and
-lists, tuples, dicts, sets of them). Any other value stays in the program's process; the
-judge gets a handle whose methods it can call (``Solution().two_sum(...)``) and which equals
-nothing but itself. The test's comparisons therefore run on the judge's own objects, with
-the judge's own builtins, and the judge writes its verdict to a pipe only it holds. A
-program can pass only by returning the right values.
+process runs the program (as module ``solution``), then serves requests: the judge's namespace
+holds, for every function and class the program defines (except those named like a builtin:
+the test's ``range``, ``abs`` or ``sorted`` stay Python's), a handle whose calls go over a pipe.
+
+Values cross as plain data, rebuilt from the judge's own types: None, bool, int, float,
+complex, str, bytes, ``Fraction``, ``Decimal``, ``range``, ``deque``, lists, tuples, dicts, sets
+and dict views of them. A subclass of a container (a namedtuple, a ``Counter``) arrives as the
+container with the program's object behind it, for the attributes the container lacks
+(``point.x``, ``counts.most_common()``). Any other value stays in the program's process and
+the judge gets a :class:`Handle`: reading an attribute fetches it (a plain value, or another
+handle), calling it calls it, ``len``, ``bool``, indexing and iteration ask the program, and an
+iterator (a generator, ``filter``, ``map``) is read lazily in growing batches, so
+``list(program())`` and ``itertools.islice(program(), 5)`` both work. A handle equals nothing
+but itself (the same object of the program is the same handle). The test's comparisons
+therefore run on the judge's own objects, with the judge's own builtins, and the judge writes
+its verdict to a pipe only it holds. A program can pass only by returning the right values.
 
 This file runs inside the sandbox's interpreter (standard library only); ``serve`` and
 ``judge`` are its entry points, called at the end of ``main.py``.
@@ -21,31 +28,43 @@ This file runs inside the sandbox's interpreter (standard library only); ``serve
 from __future__ import annotations
 
 import builtins
+import collections
+import collections.abc
+import decimal
+import fractions
 import json
 import math
+import operator
 import os
+import sys
 import traceback
+import types
 
 _SOLUTION, _TEST = "solution.py", "test.py"
 _MAX_MESSAGE = 1 << 26  # bytes of one message the judge accepts
 _MAX_DECIMAL_BITS = 4096  # larger ints travel as hex text
+_MAX_BATCH, _BATCH_BYTES = 1024, 1 << 20  # items of an iterator read at once: at most, and bytes of JSON
+_CONTAINERS = {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset, "deque": collections.deque}
+_DICT_VIEWS = {type({}.keys()): "dict_keys", type({}.values()): "dict_values", type({}.items()): "dict_items"}
 
 
 class ProgramError(Exception):
     """The program raised, died or broke the protocol during a call (a bug, not a failed test)."""
 
 
-def encode(value, keep: list | None = None, depth: int = 0):
+def encode(value, hold=None, depth: int = 0):
     """``value`` as JSON-compatible plain data; containers, special numbers and large ints are tagged.
 
-    Another value becomes a handle: appended to ``keep`` (program side), or the handle it
-    came as (judge side).
+    Another value becomes a handle: ``hold(value)`` gives it (program side), or it is the
+    handle it came as (judge side, where an iterator of the test's sends its items).
     """
     if depth > 100:
         raise RecursionError("value nested too deeply")
     kind = type(value)
     if value is None or kind in (bool, str):
         return value
+    if isinstance(value, Handle):
+        return value.encoded
     if isinstance(value, int):
         value = int(value)
         # Decimal text of more than 4300 digits is refused by int() and str(); hex has no limit.
@@ -59,24 +78,41 @@ def encode(value, keep: list | None = None, depth: int = 0):
         return str.__str__(value)
     if isinstance(value, (bytes, bytearray)):
         return ["bytes", bytes(value).hex()]
-    for container in (list, tuple, set, frozenset):
+    if isinstance(value, fractions.Fraction):
+        return ["fraction", encode(value.numerator), encode(value.denominator)]
+    if isinstance(value, decimal.Decimal):
+        return ["decimal", str(decimal.Decimal.__str__(value))]
+    if isinstance(value, range):
+        return ["range", encode(value.start), encode(value.stop), encode(value.step)]
+    if kind in _DICT_VIEWS:
+        items = [list(item) for item in value] if kind is type({}.items()) else list(value)
+        return [_DICT_VIEWS[kind], encode(items, hold, depth + 1)]
+    for name, container in _CONTAINERS.items():
         if isinstance(value, container):
-            return [container.__name__, [encode(v, keep, depth + 1) for v in value]]
+            return _with_object(value, container, [name, [encode(v, hold, depth + 1) for v in value]], hold)
     if isinstance(value, dict):
-        return ["dict", [[encode(k, keep, depth + 1), encode(v, keep, depth + 1)] for k, v in value.items()]]
-    if isinstance(value, Handle):
-        return ["handle", value.handle_id, value.type_name]
+        return _with_object(value, dict, ["dict", [[encode(k, hold, depth + 1), encode(v, hold, depth + 1)]
+                                                   for k, v in value.items()]], hold)
     if callable(getattr(value, "tolist", None)):  # numpy scalars and arrays
-        return encode(value.tolist(), keep, depth + 1)
-    if keep is None:
-        raise TypeError(f"cannot send a {type(value).__name__} to the program")
-    keep.append(value)
-    return ["handle", len(keep) - 1, type(value).__name__]
+        return encode(value.tolist(), hold, depth + 1)
+    if hold is not None:
+        return hold(value)
+    if isinstance(value, collections.abc.Iterator):  # the test's generator: the program gets its items
+        return ["iterator", encode(list(value), hold, depth + 1)]
+    raise TypeError(f"cannot send a {type(value).__name__} to the program")
+
+
+def _with_object(value, base: type, data: list, hold) -> list:
+    """A container's data, with a handle to the object when it is a subclass of the program's
+    (a namedtuple, a Counter): the judge reads the attributes the container lacks from it."""
+    if type(value) is base or hold is None:
+        return data
+    return ["object", hold(value), data]
 
 
 def decode(data, resolve):
     """The value ``data`` (from :func:`encode`) stands for; raises on anything malformed.
-    ``resolve(handle id, type name)`` gives what a handle stands for."""
+    ``resolve(handle id, type name, is an iterator)`` gives what a handle stands for."""
     if data is None or type(data) in (bool, int, float, str):
         return data
     if type(data) is not list or not data or type(data[0]) is not str:
@@ -90,30 +126,114 @@ def decode(data, resolve):
         return complex(_number(rest[0]), _number(rest[1]))
     if tag == "bytes" and len(rest) == 1 and type(rest[0]) is str:
         return bytes.fromhex(rest[0])
-    if tag in ("list", "tuple", "set", "frozenset") and len(rest) == 1 and type(rest[0]) is list:
-        kind = {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[tag]
-        return kind(decode(v, resolve) for v in rest[0])
+    if tag == "fraction" and len(rest) == 2:
+        return fractions.Fraction(*(_integer(decode(x, resolve)) for x in rest))
+    if tag == "decimal" and len(rest) == 1 and type(rest[0]) is str:
+        return decimal.Decimal(rest[0])
+    if tag == "range" and len(rest) == 3:
+        return range(*(_integer(decode(x, resolve)) for x in rest))
+    if tag in _CONTAINERS and len(rest) == 1 and type(rest[0]) is list:
+        return _CONTAINERS[tag](decode(v, resolve) for v in rest[0])
+    if tag == "iterator" and len(rest) == 1:
+        return iter(_list(decode(rest[0], resolve)))
     if tag == "dict" and len(rest) == 1 and type(rest[0]) is list:
         return {decode(k, resolve): decode(v, resolve) for k, v in (_pair(item) for item in rest[0])}
-    if tag == "handle" and len(rest) == 2 and type(rest[0]) is int and type(rest[1]) is str:
-        return resolve(rest[0], rest[1])
+    if tag in ("dict_keys", "dict_values") and len(rest) == 1:
+        items = _list(decode(rest[0], resolve))
+        return dict.fromkeys(items).keys() if tag == "dict_keys" else dict(enumerate(items)).values()
+    if tag == "dict_items" and len(rest) == 1:
+        return dict(_pair(item) for item in _list(decode(rest[0], resolve))).items()
+    if tag == "handle" and len(rest) == 3 and type(rest[0]) is int and type(rest[1]) is str and type(rest[2]) is bool:
+        return resolve(*rest)
+    if tag == "object" and len(rest) == 2:
+        held, value = decode(rest[0], resolve), decode(rest[1], resolve)
+        if not isinstance(held, Handle) or type(value) not in _REMOTE:
+            raise ValueError("an object must be a handle and a container")
+        return _REMOTE[type(value)](value, held)
     raise ValueError(f"not an encoded value: {str(data)[:100]}")
 
 
 class Handle:
-    """A value that stays in the program's process (judge side): its methods can be called;
-    it equals nothing but itself."""
+    """A value that stays in the program's process (judge side): reading an attribute, calling
+    it, ``len``, ``bool``, indexing and iterating ask the program; it equals nothing but itself."""
 
     def __init__(self, channel: "_Channel", handle_id: int, type_name: str):
         self._channel, self.handle_id, self.type_name = channel, handle_id, type_name
 
+    @property
+    def encoded(self) -> list:
+        return ["handle", self.handle_id, self.type_name, isinstance(self, RemoteIterator)]
+
     def __getattr__(self, name: str):
-        if name.startswith("__"):
+        if name.startswith("__") or name in ("_channel", "handle_id", "type_name"):
             raise AttributeError(name)
-        return _Stub(self._channel, name, self.handle_id)
+        return self._channel.request("getattr", self, name)
+
+    def __call__(self, *args, **kwargs):
+        return self._channel.request("call", self, *args, **kwargs)
+
+    def __len__(self):
+        return self._channel.request("len", self)
+
+    def __bool__(self):
+        return self._channel.request("bool", self)
+
+    def __getitem__(self, key):
+        return self._channel.request("getitem", self, key)
+
+    def __iter__(self):
+        return self._channel.request("iter", self)
 
     def __repr__(self) -> str:
         return f"<{self.type_name} object of the program>"
+
+
+class RemoteIterator(Handle):
+    """An iterator of the program (a generator, ``filter``, ``map``), read in batches that double
+    from one item up to :data:`_MAX_BATCH`, so an infinite one can be read in part."""
+
+    def __init__(self, channel: "_Channel", handle_id: int, type_name: str):
+        super().__init__(channel, handle_id, type_name)
+        self._items, self._end, self._batch = collections.deque(), None, 1
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if not self._items and self._end is None:
+            items, self._end = self._channel.next_items(self, self._batch)
+            self._items.extend(items)
+            self._batch = min(2 * self._batch, _MAX_BATCH)
+        if self._items:
+            return self._items.popleft()
+        end, self._end = self._end, StopIteration()
+        raise end
+
+
+class _Remote:
+    """A container the judge holds, with the program's object (of a subclass: a namedtuple, a
+    Counter) behind it for the attributes the container lacks."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "_held":
+            raise AttributeError(name)
+        return getattr(self._held, name)
+
+
+def _remote(base: type) -> type:
+    def __new__(cls, value, held=None):
+        made = base.__new__(cls, value) if base in (tuple, frozenset) else base.__new__(cls)
+        made._held = held
+        return made
+
+    def __init__(self, value, held=None):
+        if base not in (tuple, frozenset):
+            base.__init__(self, value)
+
+    return type(base.__name__, (_Remote, base), {"__new__": __new__, "__init__": __init__})
+
+
+_REMOTE = {base: _remote(base) for base in (list, tuple, set, frozenset, dict, collections.deque)}
 
 
 def _number(x):
@@ -122,8 +242,20 @@ def _number(x):
     return x
 
 
+def _integer(x):
+    if type(x) is not int:
+        raise ValueError("expected an integer")
+    return x
+
+
+def _list(x):
+    if type(x) is not list:
+        raise ValueError("expected a list")
+    return x
+
+
 def _pair(item):
-    if type(item) is not list or len(item) != 2:
+    if type(item) not in (list, tuple) or len(item) != 2:
         raise ValueError("dict items must be pairs")
     return item
 
@@ -133,46 +265,85 @@ def _send(stream, message) -> None:
     stream.flush()
 
 
+# What the judge may ask of a value the program holds (a handle).
+_OPERATIONS = {"call": lambda value, *args, **kwargs: value(*args, **kwargs), "getattr": getattr, "len": len,
+               "bool": bool, "getitem": operator.getitem, "iter": iter}
+
+
+class _Held:
+    """Program side: the values the judge holds handles to, one handle per object."""
+
+    def __init__(self):
+        self.values, self._ids = [], {}
+
+    def __call__(self, value) -> list:
+        if id(value) not in self._ids:
+            self._ids[id(value)] = len(self.values)
+            self.values.append(value)  # kept alive, so its id stays its own
+        return ["handle", self._ids[id(value)], type(value).__name__, isinstance(value, collections.abc.Iterator)]
+
+    def resolve(self, handle_id, type_name, iterator):
+        return self.values[handle_id]
+
+
 def serve(requests_fd: int, responses_fd: int) -> None:
-    """Program side: run ``solution.py`` (as module ``solution``), then answer calls until
+    """Program side: run ``solution.py`` as module ``solution`` (importable, from its process and
+    the worker processes it starts, so that its functions pickle), then answer requests until
     the judge closes the pipe."""
     requests, responses = os.fdopen(requests_fd, "rb"), os.fdopen(responses_fd, "wb")
-    namespace = {"__name__": "solution", "__builtins__": builtins}
+    solution = types.ModuleType("solution")
+    solution.__file__ = os.path.abspath(_SOLUTION)
+    sys.modules["solution"] = solution
+    sys.path.insert(0, os.path.dirname(solution.__file__))
     try:
         with open(_SOLUTION, encoding="utf-8") as f:
-            exec(compile(f.read(), _SOLUTION, "exec"), namespace)
+            exec(compile(f.read(), _SOLUTION, "exec"), vars(solution))
     except BaseException as e:  # SystemExit included: the program ended before it could be tested
         _send(responses, {"failed": _describe(e)})
         raise
-    kept: list = []
-
-    def resolve(handle_id, _):
-        return kept[handle_id]
-
-    _send(responses, {"ready": {name: sorted(m for m in dir(value) if not m.startswith("_"))
-                                if isinstance(value, type) else None
-                                for name, value in namespace.items() if callable(value) and not name.startswith("__")}})
+    held = _Held()
+    _send(responses, {"ready": {name: held(value) for name, value in vars(solution).items()
+                                if callable(value) and not name.startswith("__")}})
     for line in requests:
         request = json.loads(line)
         try:
-            if request["on"] is None:
-                function = namespace[request["call"].split(".")[0]]
-                for attribute in request["call"].split(".")[1:]:
-                    function = getattr(function, attribute)
-            else:
-                function = getattr(kept[request["on"]], request["call"])
-            result = function(*[decode(a, resolve) for a in request["args"]],
-                              **{k: decode(v, resolve) for k, v in request["kwargs"].items()})
-            reply = {"value": encode(result, kept)}
+            value = held.values[request["on"]]
+            args = [decode(a, held.resolve) for a in request["args"]]
+            kwargs = {k: decode(v, held.resolve) for k, v in request["kwargs"].items()}
+            if request["op"] == "next":
+                responses.write(_next_items(value, *args, held) + b"\n")
+                responses.flush()
+                continue
+            reply = {"value": encode(_OPERATIONS[request["op"]](value, *args, **kwargs), held)}
         except BaseException as e:
-            reply = {"raised": type(e).__name__, "message": _describe(e)}
+            reply = _raised_reply(e)
         _send(responses, reply)
 
 
+def _next_items(iterator, count: int, held: _Held) -> bytes:
+    """Up to ``count`` items of ``iterator`` (fewer past :data:`_BATCH_BYTES`) and how it ended,
+    if it did: ``{"items": [...], "end": null | "stop" | {"raised": ...}}``."""
+    items, size, end = [], 0, None
+    try:
+        while len(items) < count and size < _BATCH_BYTES:
+            items.append(json.dumps(encode(next(iterator), held)))
+            size += len(items[-1])
+    except StopIteration:
+        end = "stop"
+    except BaseException as e:
+        end = _raised_reply(e)
+    return b'{"items": [' + ", ".join(items).encode() + b'], "end": ' + json.dumps(end).encode() + b"}"
+
+
+def _raised_reply(e: BaseException) -> dict:
+    return {"raised": type(e).__name__, "message": _describe(e)}
+
+
 def judge(requests_fd: int, responses_fd: int, verdict_fd: int) -> None:
-    """Test side: run ``test.py`` with a stub for every function the program defines, then
-    write ``passed``, ``failed`` (an assertion of the test failed) or ``error`` (the program
-    raised, died, could not be called, or the test hit an error on its values) to ``verdict_fd``."""
+    """Test side: run ``test.py`` with a handle for every function and class the program
+    defines, then write ``passed``, ``failed`` (an assertion of the test failed) or ``error``
+    (the program raised, died, could not be called, or the test hit an error on its values)
+    to ``verdict_fd``."""
     verdict = os.fdopen(verdict_fd, "w")
     try:
         channel = _Channel(os.fdopen(requests_fd, "wb"), os.fdopen(responses_fd, "rb"))
@@ -180,9 +351,9 @@ def judge(requests_fd: int, responses_fd: int, verdict_fd: int) -> None:
         if "ready" not in first:
             raise ProgramError(f"the program did not run to its end: {first.get('failed', first)}")
         namespace = {"__name__": "__test__"}
-        for name, members in first["ready"].items():
+        for name, handle in first["ready"].items():
             if name.isidentifier() and not name.startswith("__") and name not in vars(builtins):
-                namespace[name] = _Stub(channel, name, members=members)
+                namespace[name] = channel.value(handle)
         with open(_TEST, encoding="utf-8") as f:
             exec(compile(f.read(), _TEST, "exec"), namespace)
         outcome = {"verdict": "passed"}
@@ -194,8 +365,11 @@ def judge(requests_fd: int, responses_fd: int, verdict_fd: int) -> None:
 
 
 class _Channel:
+    """Judge side: requests to the program, and the handles it sent (one per object)."""
+
     def __init__(self, requests, responses):
         self.requests, self.responses = requests, responses
+        self._handles: dict[int, Handle] = {}
 
     def receive(self) -> dict:
         line = self.responses.readline(_MAX_MESSAGE)
@@ -206,42 +380,49 @@ class _Channel:
             raise ProgramError("the program broke the protocol")
         return message
 
-    def call(self, name: str, on: int | None, args: tuple, kwargs: dict):
-        request = {"call": name, "on": on, "args": [encode(a) for a in args],
+    def value(self, data):
+        """The value the program sent as ``data``; a malformed one is the program's error."""
+        try:
+            return decode(data, self._handle)
+        except (ValueError, TypeError, RecursionError, KeyError, ArithmeticError) as e:
+            raise ProgramError(f"the program sent a malformed value: {e}") from None
+
+    def _handle(self, handle_id: int, type_name: str, iterator: bool) -> Handle:
+        if handle_id not in self._handles:
+            self._handles[handle_id] = (RemoteIterator if iterator else Handle)(self, handle_id, type_name)
+        return self._handles[handle_id]
+
+    def request(self, op: str, on: Handle, *args, **kwargs):
+        reply = self._ask(op, on, args, kwargs)
+        if "value" in reply:
+            return self.value(reply["value"])
+        if "raised" in reply:
+            raise _raised(str(reply["raised"]), str(reply.get("message", "")))
+        raise ProgramError("the program broke the protocol")
+
+    def next_items(self, on: RemoteIterator, count: int) -> tuple[list, BaseException | None]:
+        """Up to ``count`` items of an iterator of the program, and what ends it after them (an
+        exception to raise: ``StopIteration`` or the program's error), if anything does."""
+        reply = self._ask("next", on, (count,), {})
+        if type(reply.get("items")) is not list:
+            raise ProgramError("the program broke the protocol")
+        items, end = [self.value(item) for item in reply["items"]], reply.get("end")
+        if end is None:
+            return items, None
+        if end == "stop":
+            return items, StopIteration()
+        if type(end) is dict and "raised" in end:
+            return items, _raised(str(end["raised"]), str(end.get("message", "")))
+        raise ProgramError("the program broke the protocol")
+
+    def _ask(self, op: str, on: Handle, args: tuple, kwargs: dict) -> dict:
+        request = {"op": op, "on": on.handle_id, "args": [encode(a) for a in args],
                    "kwargs": {k: encode(v) for k, v in kwargs.items()}}
         try:
             _send(self.requests, request)
         except (BrokenPipeError, OSError):
             raise ProgramError("the program exited or was killed") from None
-        reply = self.receive()
-        if "value" in reply:
-            try:
-                return decode(reply["value"], lambda handle_id, type_name: Handle(self, handle_id, type_name))
-            except (ValueError, TypeError, RecursionError, KeyError) as e:
-                raise ProgramError(f"the program sent a malformed value: {e}") from None
-        if "raised" in reply:
-            raise _raised(str(reply["raised"]), str(reply.get("message", "")))
-        raise ProgramError("the program broke the protocol")
-
-
-class _Stub:
-    """Stands for the program's function or class ``name`` in the test's namespace (or, with
-    ``on``, for a method of a value kept in the program's process). A class's stub has its
-    public members (``hasattr(Solution, "two_sum")``)."""
-
-    def __init__(self, channel: _Channel, name: str, on: int | None = None, members: list | None = None):
-        self._channel, self.__name__, self._on, self._members = channel, name, on, members or []
-
-    def __getattr__(self, name: str):
-        if name in self.__dict__.get("_members", ()):
-            return _Stub(self._channel, f"{self.__name__}.{name}")
-        raise AttributeError(name)
-
-    def __call__(self, *args, **kwargs):
-        return self._channel.call(self.__name__, self._on, args, kwargs)
-
-    def __repr__(self) -> str:
-        return f"<function {self.__name__} of the program>"
+        return self.receive()
 
 
 _RAISED_TYPES: dict[str, type] = {}

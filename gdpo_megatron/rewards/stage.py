@@ -49,13 +49,14 @@ _START_TIMEOUT_S = 300.0
 
 
 def _worker_main(conn: Connection, specs: Sequence[RewardSpec], reward_files: Sequence[str],
-                 allow_weaker_sandbox: bool) -> None:
+                 allow_weaker_sandbox: bool, sandbox_python: str | None) -> None:
     """Worker loop: receive (rollout, completion, num_tokens, metadata, reward indices),
     send one message per reward. A trainer that died (its end of the pipe closed) ends it quietly."""
     try:
         import gdpo_megatron.rewards  # noqa: F401  (registers the built-in rewards)
 
         sandbox.allow_weaker(allow_weaker_sandbox)
+        sandbox.use_python(sandbox_python)
 
         for path in reward_files:
             load_reward_file(path)
@@ -115,7 +116,7 @@ class RewardStage:
     def from_config(cls, config: RewardsConfig) -> "RewardStage":
         """The stage a config's ``rewards`` section describes."""
         return cls(config.rewards, config.num_workers, config.timeout_s, config.reward_files,
-                   config.allow_weaker_sandbox)
+                   config.allow_weaker_sandbox, config.sandbox_python)
 
     def __init__(
         self,
@@ -124,10 +125,12 @@ class RewardStage:
         timeout_s: float = 30.0,
         reward_files: Sequence[str | Path] = (),
         allow_weaker_sandbox: bool = False,
+        sandbox_python: str | None = None,
     ):
         """``allow_weaker_sandbox``: code rewards may run at the sandbox's basic level where
-        bubblewrap cannot run (else such a call fails with the reason)."""
-        self.allow_weaker_sandbox = allow_weaker_sandbox
+        bubblewrap cannot run (else such a call fails with the reason). ``sandbox_python``: the
+        interpreter sandboxed programs run with (``sandbox.use_python``; ``None``: the default)."""
+        self.allow_weaker_sandbox, self.sandbox_python = allow_weaker_sandbox, sandbox_python
         self.reward_files = [str(Path(p).resolve()) for p in reward_files]
         for path in self.reward_files:
             load_reward_file(path)
@@ -271,7 +274,8 @@ class RewardStage:
     def _start_worker(self) -> _Worker:
         parent, child = self._ctx.Pipe()
         process = self._ctx.Process(target=_worker_main, args=(child, self.specs, self.reward_files,
-                                                               self.allow_weaker_sandbox), daemon=True)
+                                                               self.allow_weaker_sandbox, self.sandbox_python),
+                                   daemon=True)
         process.start()
         child.close()  # so that the worker's death reads as EOF here
         return _Worker(process, parent)

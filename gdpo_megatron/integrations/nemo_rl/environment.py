@@ -39,7 +39,9 @@ from typing import Any, NamedTuple
 import torch
 
 from gdpo_megatron.config import ConfigError, RewardsConfig, from_dict
-from gdpo_megatron.preflight.validation import check_code_sandbox, check_reward_specs, load_reward_files
+from gdpo_megatron.preflight.validation import (
+    check_code_sandbox, check_reward_specs, check_sandbox_python, load_reward_files,
+)
 from gdpo_megatron.integrations.nemo_rl.estimator import REWARD_PREFIX
 from gdpo_megatron.rewards.stage import RewardStage
 
@@ -84,6 +86,7 @@ class RewardStageEnvironment:
         # The rewards (files, names, kwargs) are checked before the tokenizer loads.
         load_reward_files(rewards.reward_files, f"{CONFIG_PATH}.reward_files")
         check_reward_specs(rewards.rewards, f"{CONFIG_PATH}.rewards")
+        check_sandbox_python(rewards.sandbox_python, f"{CONFIG_PATH}.sandbox_python")
         check_code_sandbox(rewards.rewards, f"{CONFIG_PATH}.rewards", rewards.allow_weaker_sandbox,
                            f"set {CONFIG_PATH}.allow_weaker_sandbox: true")
         self._stage = RewardStage.from_config(rewards)

@@ -22,6 +22,11 @@ table):
   shares the host's namespaces and files: it runs as its own user id in a private directory as
   root (and writes wherever that user may), as the caller's user otherwise.
 
+Programs run with one Python interpreter (:func:`use_python` chooses it, e.g. a virtual
+environment with numpy; by default this one, or as root one that other users may run, often
+the system's with the standard library only); :func:`programs_python` says which, and what
+packages a program can import there.
+
 A failure of the sandbox itself (bubblewrap or the interpreter cannot start, no level works,
 an architecture the filter has no table for) raises :class:`SandboxError`; it is never reported
 as the program's own result. Linux only (>= 5.3: pidfd), x86_64 or aarch64. Call it from a
@@ -32,17 +37,18 @@ from __future__ import annotations
 import time
 
 from gdpo_megatron.rewards.sandbox.levels import (
-    GUARANTEES, ISOLATION_LEVELS, Isolation, allow_weaker, allowed_setup, bwrap_missing, default_setup, isolation,
-    probe,
+    GUARANTEES, ISOLATION_LEVELS, Isolation, ProgramsPython, allow_weaker, allowed_setup, bwrap_missing, default_setup,
+    isolation, probe, programs_python, use_python,
 )
 from gdpo_megatron.rewards.sandbox.limits import RunResult, SandboxError, SandboxLimits
 from gdpo_megatron.rewards.sandbox.processes import SANDBOX_USERS, damage, kill_sandbox_processes, sandbox_uid
-from gdpo_megatron.rewards.sandbox.run import SandboxedRun, Setup, clean_up_after
+from gdpo_megatron.rewards.sandbox.run import SandboxedRun, Setup, clean_up_after, python_problem
 
 __all__ = [
-    "GUARANTEES", "ISOLATION_LEVELS", "Isolation", "RunResult", "allow_weaker", "allowed_setup", "default_setup", "SANDBOX_USERS", "SandboxError", "SandboxLimits",
-    "SandboxedRun", "Setup", "bwrap_missing", "clean_up_after", "damage", "isolation", "kill_sandbox_processes",
-    "probe", "run_python", "sandbox_uid", "start_python",
+    "GUARANTEES", "ISOLATION_LEVELS", "Isolation", "ProgramsPython", "RunResult", "allow_weaker", "allowed_setup",
+    "default_setup", "SANDBOX_USERS", "SandboxError", "SandboxLimits", "SandboxedRun", "Setup", "bwrap_missing",
+    "clean_up_after", "damage", "isolation", "kill_sandbox_processes", "probe", "programs_python", "python_problem", "run_python",
+    "sandbox_uid", "start_python", "use_python",
 ]
 
 
@@ -50,8 +56,9 @@ def run_python(code: str, stdin: str = "", limits: SandboxLimits = SandboxLimits
                level: str | None = None) -> RunResult:
     """Run ``code`` as ``main.py`` (as ``__main__``) in a fresh directory, feeding it ``stdin``.
 
-    ``level``: the isolation level, default the strongest available (:func:`isolation`; a
-    fallback below bwrap is logged once).
+    ``level``: the isolation level, default the strongest available (:func:`isolation`); below
+    bwrap that default raises :class:`SandboxError` unless :func:`allow_weaker` chose it (then
+    the fallback is logged once).
     """
     return start_python({"main.py": code}, stdin, limits, level).finish(time.monotonic() + limits.wall_s)
 

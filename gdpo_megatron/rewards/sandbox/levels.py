@@ -5,12 +5,15 @@ sees (its namespaces, user id, the root directory, writable mounts, its working 
 size, whether it can create sockets or call keyctl, io_uring, userfaultfd, kcmp, unshare), and
 each guarantee of :data:`GUARANTEES` is derived from that report, so what the sandbox reports
 has been checked, not assumed. A level where the system call filter or no_new_privs does not
-hold is not used at all.
+hold is not used at all, nor is a root of its own (``bwrap``, or ``basic`` in namespaces of its
+own) whose namespaces or guarantees do not measure as they must (:data:`OWN_ROOT_GUARANTEES`:
+e.g. a ``bwrap`` on PATH that shares the host's network).
 
 The default is the strongest level that works: ``bwrap`` where bubblewrap runs, else ``basic``
-(with namespaces of its own as root where the kernel lets root create them); runs log the
-fallback once per process, and :func:`bwrap_missing` says why in words a user can act on. Choosing whether the
-basic level is acceptable is the caller's (``rewards.allow_weaker_sandbox`` in a config).
+(with namespaces of its own as root where the kernel lets root create them), and
+:func:`bwrap_missing` says why in words a user can act on. Below ``bwrap``, runs that name no
+level are refused unless the caller chose the weaker level (:func:`allow_weaker`;
+``rewards.allow_weaker_sandbox`` in a config), and then log the fallback once per process.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from gdpo_megatron.rewards.sandbox import seccomp
 from gdpo_megatron.rewards.sandbox.namespaces import DEVICES
 from gdpo_megatron.rewards.sandbox.limits import SandboxError, SandboxLimits
 from gdpo_megatron.rewards.sandbox.processes import sandbox_uid
-from gdpo_megatron.rewards.sandbox.run import SANDBOX_DIR, SandboxedRun, Setup, system_layout
+from gdpo_megatron.rewards.sandbox.run import SANDBOX_DIR, SandboxedRun, Setup, choose_python, interpreter, system_layout
 
 ISOLATION_LEVELS = ("bwrap", "basic")
 log = logging.getLogger(__name__)
@@ -54,6 +57,10 @@ GUARANTEES = (
     ("runs_separated", "runs started side by side as different sandbox users (an assert test's judge and "
                        "program) cannot see, signal, trace or read each other"),
 )
+# What a level with a root and namespaces of its own (bwrap, basic in namespaces of its own) must
+# measure to hold, with every namespace of _NAMESPACES its own, or it is not used.
+OWN_ROOT_GUARANTEES = ("process_tree_ends_with_run", "private_ipc", "no_host_unix_sockets", "host_files_hidden",
+                       "writes_confined", "disk_bounded", "caller_unreachable", "runs_separated")
 _NAMESPACES = ("pid", "ipc", "net", "mnt", "uts")
 _FAMILIES = {"AF_INET": (2, 1), "AF_INET6": (10, 1), "AF_NETLINK": (16, 2), "AF_PACKET": (17, 2),
              "AF_VSOCK": (40, 1)}  # name: (family, a socket type it takes)
@@ -124,6 +131,8 @@ def isolation(level: str | None = None) -> Isolation:
             raise _BwrapCannotRun("bubblewrap (bwrap) is not installed")
         try:
             return probe(Setup("bwrap", bwrap))
+        except IsolationNotHeld as e:
+            raise _BwrapCannotRun(f"{bwrap} does not isolate as bubblewrap must ({e.why})") from None
         except SandboxError as e:
             raise _BwrapCannotRun(explain_bwrap_failure(str(e))) from None
     # The strongest: bwrap (probed once, whichever way it is asked for), else the basic level with the reason.
@@ -139,13 +148,21 @@ class _BwrapCannotRun(SandboxError):
         self.why = why
 
 
-_allow_weaker = True  # whether runs that name no level may fall back to basic (allow_weaker)
+class IsolationNotHeld(SandboxError):
+    """A level ran, but what it must isolate did not measure as isolated."""
+
+    def __init__(self, setup: Setup, why: str):
+        super().__init__(f"sandbox ({setup.level}): the measured isolation does not hold: {why}")
+        self.why = why
+
+
+_allow_weaker = False  # whether runs that name no level may fall back to basic (allow_weaker)
 
 
 def allow_weaker(allowed: bool) -> None:
     """Whether runs that name no level may run at the basic level where bubblewrap cannot run;
-    when not, they raise :class:`SandboxError` there instead (a reward stage sets this from
-    ``rewards.allow_weaker_sandbox``)."""
+    when not (the default), they raise :class:`SandboxError` there instead (a reward stage sets
+    this from ``rewards.allow_weaker_sandbox``)."""
     global _allow_weaker
     _allow_weaker = allowed
 
@@ -166,8 +183,48 @@ def allowed_setup() -> Setup:
     setup = default_setup()
     if setup.level != "bwrap" and not _allow_weaker:
         raise SandboxError(f"sandbox: the strong sandbox cannot run here ({bwrap_missing()}) and the weaker "
-                           "basic level was not chosen (rewards.allow_weaker_sandbox)")
+                           "basic level was not chosen (rewards.allow_weaker_sandbox=true in a config; "
+                           "sandbox.allow_weaker(True), or level='basic', from Python)")
     return setup
+
+
+def use_python(path: str | None) -> None:
+    """Run programs with the Python interpreter at ``path`` (a virtual environment's brings its
+    packages), or with the default one (``None``: this interpreter, or as root the first of it,
+    /usr/local/bin/python3 and /usr/bin/python3 that other users may run); raise
+    :class:`SandboxError` saying why it cannot be used. The levels are probed again with it."""
+    if choose_python(path):
+        isolation.cache_clear()
+        default_setup.cache_clear()
+
+
+@dataclass(frozen=True)
+class ProgramsPython:
+    """The interpreter programs run with, as a program sees it in the sandbox."""
+
+    path: str
+    version: str
+    packages: dict[str, str]  # distribution name: version
+
+    def __str__(self) -> str:
+        if not self.packages:
+            return f"{self.path} (Python {self.version}, standard library only)"
+        numpy = self.packages.get("numpy")
+        return (f"{self.path} (Python {self.version}, {len(self.packages)} packages, "
+                f"{f'numpy {numpy}' if numpy else 'no numpy'})")
+
+
+def programs_python() -> ProgramsPython:
+    """What a program gets here, measured by running one at the strongest level: the
+    interpreter, its version and the packages it can import; raises :class:`SandboxError`."""
+    limits = SandboxLimits(wall_s=60.0, cpu_s=30)
+    result = SandboxedRun({"main.py": _PACKAGES}, "", limits, isolation().setup).finish(time.monotonic() + limits.wall_s)
+    try:
+        version, packages = json.loads(result.stdout)
+    except ValueError:
+        raise SandboxError(f"sandbox: could not list the packages of {interpreter()} (exit status "
+                           f"{result.returncode}): {result.stderr.strip()[-2000:]}") from None
+    return ProgramsPython(interpreter(), version, packages)
 
 
 def bwrap_missing() -> str | None:
@@ -206,7 +263,15 @@ def probe(setup: Setup) -> Isolation:
     broken += [] if seen["no_new_privs"] else ["no_new_privs is not set"]
     if broken:
         raise SandboxError(f"sandbox ({setup.level}): the system call filter does not hold: {', '.join(broken)}")
-    return Isolation(setup, _guarantees(seen, run.memory_charged))
+    guarantees = _guarantees(seen, run.memory_charged)
+    if setup.has_init:
+        shared = [name for name in _NAMESPACES if seen["namespaces"][name] == os.readlink(f"/proc/self/ns/{name}")]
+        missing = [key for key in OWN_ROOT_GUARANTEES if not guarantees[key]]
+        if shared or missing:
+            raise IsolationNotHeld(setup, "; ".join(
+                ([f"the host's {', '.join(shared)} namespace{'s' if len(shared) > 1 else ''}"] if shared else [])
+                + ([f"not held: {', '.join(missing)}"] if missing else [])))
+    return Isolation(setup, guarantees)
 
 
 def _guarantees(seen: dict, memory_charged: bool) -> dict[str, bool]:
@@ -247,6 +312,13 @@ def explain_bwrap_failure(message: str) -> str:
             return f"{why} ({detail})"
     return f"bwrap failed: {detail}"
 
+
+# Lists what the interpreter gives a program: its version and the distributions it can import.
+_PACKAGES = """
+import importlib.metadata, json, sys
+packages = {(d.metadata["Name"] or "?").lower(): d.version for d in importlib.metadata.distributions()}
+print(json.dumps([sys.version.split()[0], dict(sorted(packages.items()))]))
+"""
 
 # The probe program (standard library only); it prints one JSON object.
 _PROBE = r'''

@@ -91,7 +91,7 @@ class SandboxedRun:
             inp, self._out, self._err = self._streams
             inp.write(stdin.encode("utf-8"))
             inp.seek(0)
-            runner = [_interpreter(), "-I", "-c", _runner(started_w)]
+            runner = [interpreter(), "-I", "-c", _runner(started_w)]
             if self._uid is not None:
                 self._cgroup = MemoryCgroup.create(limits.memory_bytes)
             if setup.level == "bwrap":
@@ -256,11 +256,15 @@ def _bwrap_args(bwrap: str, limits: SandboxLimits, file_fds: dict[str, int], inf
     return args + ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", SANDBOX_DIR]
 
 
-@functools.cache
 def system_layout() -> tuple[list[str], list[tuple[str, str]]]:
     """What a run's own root shows of the host, read-only: the directories to bind (/usr, /bin,
-    /sbin, /lib*, and the interpreter's installation when it is elsewhere) and the (target,
-    link) of those of them that are symlinks."""
+    /sbin, /lib*, and the interpreter's installation and virtual environment when they are
+    elsewhere) and the (target, link) of those of them that are symlinks."""
+    return _system_layout(interpreter())
+
+
+@functools.cache
+def _system_layout(python: str) -> tuple[list[str], list[tuple[str, str]]]:
     binds, symlinks = [], []
     for top in sorted(Path("/").iterdir()):
         if top.name in ("usr", "bin", "sbin") or top.name.startswith("lib"):
@@ -268,9 +272,9 @@ def system_layout() -> tuple[list[str], list[tuple[str, str]]]:
                 symlinks.append((os.readlink(top), str(top)))
             elif top.is_dir():
                 binds.append(str(top))
-    prefix = Path(_interpreter()).resolve().parent.parent
-    if not prefix.is_relative_to("/usr"):
-        binds.append(str(prefix))
+    for prefix in dict.fromkeys((Path(python).parent.parent, Path(python).resolve().parent.parent)):
+        if not prefix.is_relative_to("/usr"):
+            binds.append(str(prefix))
     return binds, symlinks
 
 
@@ -280,13 +284,18 @@ def _syscall_filter(shared_ipc: bool) -> seccomp.Loadable:
 
 
 def _runner(started_fd: int) -> str:
-    """``python -c`` text: say on ``started_fd`` that the interpreter runs, then run main.py as ``__main__``."""
+    """``python -c`` text: say on ``started_fd`` that the interpreter runs, then run main.py as
+    ``python main.py`` would: in the ``__main__`` module itself (``sys.modules['__main__']``, so
+    that pickle finds its functions: ``multiprocessing.Pool.map(f)``), with ``__file__`` and
+    ``sys.argv`` naming it and no name of this runner left in its namespace."""
     return (
-        "import os, sys\n"
+        "import os\n"
         f"os.write({started_fd}, b'1')\n"
         f"os.close({started_fd})\n"
-        "sys.argv = ['main.py']\n"
-        "exec(compile(open('main.py', encoding='utf-8').read(), 'main.py', 'exec'), {'__name__': '__main__'})\n"
+        "del os\n"
+        "__file__ = 'main.py'\n"
+        "__import__('sys').argv[:] = [__file__]\n"
+        "exec(compile(open(__file__, encoding='utf-8').read(), __file__, 'exec'))\n"
     )
 
 
@@ -329,11 +338,58 @@ def _scrubbed_env(home: str) -> dict[str, str]:
             "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
 
 
+_chosen_python: str | None = None  # choose_python's
+
+
+def choose_python(path: str | None) -> bool:
+    """Run programs with the interpreter at ``path`` (``None``: the default, see
+    :func:`interpreter`); raise :class:`SandboxError` saying why it cannot be used. A virtual
+    environment's interpreter is run as it is named, so its packages come with it. Whether
+    that changed the interpreter."""
+    global _chosen_python
+    if path == _chosen_python:
+        return False
+    if path is not None:
+        problem = python_problem(path)
+        if problem is not None:
+            raise SandboxError(f"sandbox: the interpreter {path} cannot run programs: {problem}")
+    _chosen_python = path
+    return True
+
+
+def python_problem(path: str) -> str | None:
+    """Why the interpreter at ``path`` cannot run the sandbox's programs, or ``None``."""
+    exe = Path(path)
+    if not exe.is_absolute():
+        return "not an absolute path"
+    if not exe.is_file():
+        return "no such file"
+    if any(Path(place) in (exe.parent.parent, *exe.parent.parent.parents) for place in (SANDBOX_DIR, "/dev", "/proc")):
+        return f"runs replace {SANDBOX_DIR}, /dev and /proc with their own, so it must live elsewhere"
+    if not os.access(exe, os.X_OK):
+        return "not executable"
+    if os.geteuid() == 0 and not (_world_accessible(exe) and _world_accessible(exe.resolve())):
+        return ("other users cannot run it (as root, programs run as users of their own): the file or a directory "
+                "above it lacks o+x")
+    try:
+        ran = subprocess.run([path, "-I", "-c", "import sys; print(sys.version_info >= (3, 8))"], capture_output=True,
+                             text=True, timeout=60, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"it does not run: {e}"
+    if ran.stdout.strip() != "True":
+        return f"it is not Python 3.8 or later: {(ran.stderr or ran.stdout).strip()[-500:]}"
+    return None
+
+
+def interpreter() -> str:
+    """The Python the programs run with: the one chosen (:func:`choose_python`), else this one,
+    or as root one an unprivileged user can run (virtualenvs under /root usually are not): this
+    one if its installation is world-readable, else the system's."""
+    return _chosen_python or _default_interpreter()
+
+
 @functools.cache
-def _interpreter() -> str:
-    """The Python the programs run with: this one, or as root one an unprivileged user can
-    run (virtualenvs under /root usually are not): this one if its installation is
-    world-readable, else the system's."""
+def _default_interpreter() -> str:
     if os.geteuid() != 0:
         return str(Path(sys.executable).resolve())
     candidates = [Path(sys.executable).resolve()]
@@ -342,7 +398,8 @@ def _interpreter() -> str:
         if exe.is_file() and _world_accessible(exe.resolve()):
             return str(exe.resolve())
     raise SandboxError(f"sandbox: running as root, but no Python interpreter other users may run "
-                       f"(tried {', '.join(map(str, candidates))}); install python3 system-wide")
+                       f"(tried {', '.join(map(str, candidates))}); install python3 system-wide or choose one "
+                       "(rewards.sandbox_python)")
 
 
 def _world_accessible(exe: Path) -> bool:

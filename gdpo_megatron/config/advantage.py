@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal, Optional, get_args
 
-from gdpo_megatron.config.loader import require
+from gdpo_megatron.config.loader import require, section
 
 AdvantageMode = Literal["gdpo", "grpo", "grpo_no_std"]
 NonfinitePolicy = Literal["raise", "mask"]
@@ -32,7 +32,7 @@ MODE_RULES: dict[str, ModeRules] = {
 MODES = get_args(AdvantageMode)
 
 
-@dataclass
+@section
 class ConditionConfig:
     """Reward ``reward`` counts only where reward ``gate`` is >= ``threshold`` (else ``fill``).
 
@@ -48,7 +48,7 @@ class ConditionConfig:
         require(self.reward != self.gate, "gate", f"another reward than {self.reward!r}", self.gate)
 
 
-@dataclass
+@section
 class AdvantageConfig:
     """The advantage estimator's settings. Reward weights live with the rewards; conditions name
     rewards (:func:`gdpo_megatron.advantages.conditions_by_column` turns them into columns)."""

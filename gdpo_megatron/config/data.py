@@ -1,15 +1,14 @@
 """Prompt data of one task family, in a published layout (:mod:`gdpo_megatron.data.samples`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal, Optional
 
-from gdpo_megatron.config.loader import require, require_path
+from gdpo_megatron.config.loader import require, require_path, section
 
 Family = Literal["math", "tool", "code", "toolrl"]
 
 
-@dataclass
+@section
 class DataConfig:
     """Where the prompts are, which fields hold what, and how many a step takes."""
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Literal, Optional, Union, get_args
 
-from gdpo_megatron.config.loader import ConfigError, require
+from gdpo_megatron.config.loader import ConfigError, require, section
 
 Dtype = Literal["fp32", "bf16"]
 Fp8Format = Literal["e4m3", "hybrid"]
@@ -28,7 +28,7 @@ SHAPE_FIELDS = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "n
                 "num_query_groups")
 
 
-@dataclass
+@section
 class ModelConfig:
     """Shape of a Llama / Qwen2 family decoder (GQA, RoPE, RMSNorm, SwiGLU)."""
 
@@ -107,7 +107,7 @@ MODEL_PRESETS = {
 }
 
 
-@dataclass
+@section
 class ParallelConfig:
     """Model parallelism; data parallelism is whatever is left of the world."""
 
@@ -137,7 +137,7 @@ class ParallelConfig:
         return world_size // self.model_parallel_size
 
 
-@dataclass
+@section
 class PrecisionConfig:
     """Parameter dtype and FP8.
 
@@ -158,7 +158,7 @@ class PrecisionConfig:
                                    transformer_engine=machine.transformer_engine(self.transformer_engine))
 
 
-@dataclass
+@section
 class OptimConfig:
     """Adam with gradient clipping, linear warmup and a constant or cosine decay."""
 
@@ -188,7 +188,7 @@ class OptimConfig:
                 f"> lr_warmup_steps={self.lr_warmup_steps}", self.lr_decay_steps)
 
 
-@dataclass
+@section
 class LossConfig:
     """Clipped policy-gradient loss with an optional k3 KL penalty to a frozen reference."""
 
@@ -209,7 +209,7 @@ class LossConfig:
         require(self.tis_cap is None or self.tis_cap > 0, "loss.tis_cap", "> 0 or null", self.tis_cap)
 
 
-@dataclass
+@section
 class PolicyConfig:
     """Everything the policy worker needs.
 

@@ -3,17 +3,16 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from dataclasses import dataclass
 from typing import Literal, Optional
 
-from gdpo_megatron.config.loader import require
+from gdpo_megatron.config.loader import require, section
 
 # vLLM's SamplingParams refuses a temperature above 2 and raises one in (0, 0.01) to 0.01,
 # which the policy, dividing its logits by the configured value, would not match.
 TEMPERATURE_RANGE = (0.01, 2.0)
 
 
-@dataclass
+@section
 class RolloutConfig:
     """How completions are sampled, and how the engine is laid out and sized."""
 

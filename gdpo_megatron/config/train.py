@@ -2,26 +2,25 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Optional
 
 from gdpo_megatron.config.advantage import AdvantageConfig
 from gdpo_megatron.config.checkpoint import CheckpointConfig
 from gdpo_megatron.config.data import DataConfig
 from gdpo_megatron.config.distributed import DistributedConfig
-from gdpo_megatron.config.loader import ConfigError, require, require_path
+from gdpo_megatron.config.loader import ConfigError, require, require_path, section
 from gdpo_megatron.config.policy import PolicyConfig
 from gdpo_megatron.config.rewards import RewardsConfig
 from gdpo_megatron.config.rollout import RolloutConfig
 
 
-@dataclass
+@section
 class LoggingConfig:
     wandb_project: Optional[str] = None  # None: JSONL only
     progress_bar: bool = True
 
 
-@dataclass
+@section
 class TrainConfig:
     """Everything ``gdpo-train`` reads.
 

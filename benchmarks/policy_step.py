@@ -59,9 +59,10 @@ def timed_steps(config: PolicyConfig, batch_size: int, seq_length: int, steps: i
                 prompt_share: float = 0.25) -> float:
     """Median seconds of one train step (run on every rank; rank 0's answer is used)."""
     from gdpo_megatron.policy.worker import PolicyWorker
+    from support.policy import resolved_here
 
     batch = make_batch(config.model, batch_size, seq_length, prompt_share)
-    with PolicyWorker(config) as worker:
+    with PolicyWorker(resolved_here(config)) as worker:
         worker.train_step(batch)  # warm-up
         times = []
         for _ in range(steps):
@@ -111,6 +112,7 @@ def swapped_run(swap: str | None, config: PolicyConfig, batch_size: int, seq_len
         model.SDPAttention = DotProductAttention
     elif swap == "every position":
         from gdpo_megatron.policy.worker import PolicyWorker
+        from support.policy import resolved_here
 
         PolicyWorker._logits_starts = lambda self, micro_batches: [0] * len(micro_batches)
     seconds = timed_steps(config, batch_size, seq_length, steps, prompt_share)

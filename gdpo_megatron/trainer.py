@@ -50,12 +50,10 @@ from gdpo_megatron.experience import PromptSchedule, Rollouts, reward_submitter,
 from gdpo_megatron.inputs import TrainingInputs
 from gdpo_megatron.metrics import MetricsLogger
 from gdpo_megatron.config.policy import SHAPE_FIELDS
-from gdpo_megatron.device import this_machine
 from gdpo_megatron.policy.worker import PolicyWorker
 from gdpo_megatron.rewards.stage import RewardStage
 from gdpo_megatron.rollout.engine import SamplingConfig, derive_seed
-from gdpo_megatron.rollout.vllm_engine import (CPU_KV_ELEMENT_BYTES, VLLMEngine, VLLMEngineConfig, kv_cache_bytes_per_token,
-                                               kv_cache_gib)
+from gdpo_megatron.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 from gdpo_megatron.run_dir import CHECKPOINT_DIR, HF_EXPORT_DIR
 
 # Signals that stop a run after the step in progress, with a checkpoint: Slurm's time-limit
@@ -69,7 +67,7 @@ DONE, STOPPED, PREEMPTED = "done", "stopped", "preempted"
 class Trainer:
     """Builds the policy, the engine, the reward stage and the data order; runs the loop.
 
-    ``inputs``: what preflight read and checked for ``config``
+    ``inputs``: what preflight read, checked and resolved for ``config``
     (:func:`~gdpo_megatron.preflight.validation.check_training`).
     """
 
@@ -92,7 +90,7 @@ class Trainer:
 
     def _build(self) -> None:
         config, inputs = self.config, self.inputs
-        _, rollouts_per_replica = config.layout(dist.get_world_size())
+        resolved = inputs.resolved
         use_rank_threads()  # before vLLM starts (it pins torch's thread count)
         rewards = config.rewards
         self.reward_names = rewards.names
@@ -101,12 +99,12 @@ class Trainer:
         self.schedule = PromptSchedule(len(self.samples), config.data.prompts_per_step, config.data.shuffle_seed)
         self.hf_config, model = inputs.hf_config, inputs.model
         _warn_on_shape_drift(config.policy.model, model, config.base_model)
-        self.policy_config = dataclasses.replace(config.policy, model=model)
+        self.policy_config = resolved.policy.config
         self.checkpoints = CheckpointManager(self.run_dir / CHECKPOINT_DIR, keep_last=config.checkpoint.keep_last,
                                              optimizer_sharding=config.checkpoint.optimizer_sharding)
         latest = self.checkpoints.latest_step()  # resume and its data position are checked with the inputs
 
-        self.worker = PolicyWorker(self.policy_config, seed=config.seed, temperature=config.rollout.temperature,
+        self.worker = PolicyWorker(resolved.policy, seed=config.seed, temperature=config.rollout.temperature,
                                    init_weights=lambda m: load_hf_weights(m, model, config.base_model),
                                    timeout=config.distributed.timeout)
         self.device = self.worker.device
@@ -128,7 +126,7 @@ class Trainer:
             tensor_parallel_size=config.rollout.tensor_parallel_size,
             max_model_len=config.rollout.max_model_len,
             gpu_memory_utilization=config.rollout.gpu_memory_utilization,
-            kv_cache_gib=self._kv_cache_gib(rollouts_per_replica, inputs.longest_prompt),
+            kv_cache_gib=resolved.kv_cache_gib,
             enforce_eager=config.rollout.enforce_eager,
             sleep_level=config.rollout.sleep_level,
             quantization=config.rollout.quantization,
@@ -239,12 +237,8 @@ class Trainer:
     # ---- pieces of a step ---------------------------------------------------------------
 
     def _encode(self, samples) -> list[list[int]]:
-        ids = [encode_prompt(self.tokenizer, s.messages) for s in samples]
-        limit = self.config.data.max_prompt_tokens
-        too_long = [f"{s.id!r} ({len(i)} tokens)" for s, i in zip(samples, ids) if len(i) > limit]
-        if too_long:
-            raise ValueError(f"data.max_prompt_tokens={limit}: longer prompts: {', '.join(too_long[:3])}")
-        return ids
+        """The prompts' token ids (preflight checked that each fits ``data.max_prompt_tokens``)."""
+        return [encode_prompt(self.tokenizer, s.messages) for s in samples]
 
     def _advantages(self, rewards: torch.Tensor, group_ids: torch.Tensor):
         """The step's advantages, and with dynamic sampling the share of prompt groups kept."""
@@ -260,18 +254,6 @@ class Trainer:
         position = torch.searchsorted(result.group_ids, group_ids)
         kept = informative.sum().item() / max(present.sum().item(), 1)
         return compute_advantages(rewards, group_ids, result.mask & informative[position], **kwargs), kept
-
-    def _kv_cache_gib(self, rollouts_per_replica: int, longest_prompt: int) -> float | None:
-        """``rollout.kv_cache_gib``, or on CPU (where vLLM would take half of the host's memory)
-        the cache that one step's rollouts fill at most: the data's longest prompt plus
-        ``rollout.max_new_tokens`` each."""
-        rollout = self.config.rollout
-        if rollout.kv_cache_gib is not None or this_machine().cuda:
-            return rollout.kv_cache_gib
-        per_token = kv_cache_bytes_per_token(self.policy_config.model, rollout.tensor_parallel_size,
-                                             CPU_KV_ELEMENT_BYTES)
-        return kv_cache_gib(per_token, rollouts_per_replica, longest_prompt + rollout.max_new_tokens,
-                            rollout.max_model_len)
 
     def _sync_weights(self) -> None:
         self.engine.update_weights(iter_hf_weights(self.worker.gpt_model, self.policy_config.model))

@@ -183,13 +183,13 @@ def _join(path: str, name: str) -> str:
 
 
 def _qualify(path: str, message: str, fields=()) -> str:
-    """Prefix a section's own error ("model.x: ..." or "x: ..." for its field x) with where the section sits."""
+    """Prefix a section's own error ("model.x: ..." or "x: ..." / "x.y: ..." for its field x) with where the section sits."""
     if not path:
         return message
     parent, _, last = path.rpartition(".")
     if message.startswith(f"{last}.") or message.startswith(f"{last}:"):
         return f"{parent}.{message}" if parent else message
-    if message.partition(":")[0] in fields:
+    if message.partition(":")[0].split(".")[0] in fields:
         return f"{path}.{message}"
     return f"{path}: {message}"
 

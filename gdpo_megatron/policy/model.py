@@ -28,8 +28,8 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from gdpo_megatron.policy import cpu_compat
 from gdpo_megatron.policy.attention import SDPAttention
-from gdpo_megatron.config.policy import ModelConfig, ParallelConfig, PrecisionConfig, check_model_parallel
-from gdpo_megatron.device import check_precision, this_machine
+from gdpo_megatron.config.policy import ModelConfig, ParallelConfig, PrecisionConfig
+from gdpo_megatron.device import this_machine
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -53,7 +53,6 @@ def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234, timeou
     if parallel_state.model_parallel_is_initialized():
         raise RuntimeError("initialize_model_parallel: megatron's parallel state is already "
                            "initialized in this process (call destroy_model_parallel first)")
-    parallel.data_parallel_size(torch.distributed.get_world_size())
     cpu_compat.install()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
@@ -152,22 +151,13 @@ def layer_spec(config: TransformerConfig, precision: PrecisionConfig) -> ModuleS
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=TorchNorm)
 
 
-def build_model(
-    model: ModelConfig,
-    parallel: ParallelConfig | None = None,
-    precision: PrecisionConfig | None = None,
-) -> GPTModel:
+def build_model(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig) -> GPTModel:
     """This rank's pipeline stage of the model, TP-sharded, on this rank's device.
 
-    Needs :func:`initialize_model_parallel` with the same ``parallel`` settings. The embedding
-    and output layers have ``model.padded_vocab_size(tp)`` rows. ``precision``'s "auto"
-    settings are resolved for this machine.
+    Needs :func:`initialize_model_parallel` with the same ``parallel`` settings, under which
+    ``model`` splits, and ``precision`` resolved (:mod:`gdpo_megatron.resolve`). The embedding
+    and output layers have ``model.padded_vocab_size(tp)`` rows.
     """
-    machine = this_machine()
-    parallel = parallel or ParallelConfig()
-    precision = (precision or PrecisionConfig()).resolved(machine)
-    check_model_parallel(model, parallel)
-    check_precision(precision)
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("build_model: call initialize_model_parallel first")
     for name, size in (("tensor_model_parallel_size", parallel_state.get_tensor_model_parallel_world_size()),
@@ -195,7 +185,7 @@ def build_model(
     for param in gpt.parameters():
         if param.dtype != dtype:
             param.data = param.data.to(dtype)
-    if machine.cuda:
+    if this_machine().cuda:
         gpt.cuda(torch.cuda.current_device())
     return gpt
 

@@ -99,7 +99,7 @@ class Trainer:
         self.schedule = PromptSchedule(len(self.samples), config.data.prompts_per_step, config.data.shuffle_seed)
         self.hf_config, model = inputs.hf_config, inputs.model
         _warn_on_shape_drift(config.policy.model, model, config.base_model)
-        self.policy_config = resolved.policy.config
+        self.policy_config = dataclasses.replace(config.policy, model=model)
         self.checkpoints = CheckpointManager(self.run_dir / CHECKPOINT_DIR, keep_last=config.checkpoint.keep_last,
                                              optimizer_sharding=config.checkpoint.optimizer_sharding)
         latest = self.checkpoints.latest_step()  # resume and its data position are checked with the inputs

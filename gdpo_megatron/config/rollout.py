@@ -41,8 +41,8 @@ class RolloutConfig:
                 ">= 2 (advantages compare the completions of a prompt; one alone gets advantage 0)", self.group_size)
         low, high = TEMPERATURE_RANGE
         require(low <= self.temperature <= high, "rollout.temperature",
-                f"in [{low}, {high:g}] (training samples, gdpo-eval is greedy; vLLM refuses more and raises less "
-                f"to {low})", self.temperature)
+                f"> 0 (training samples; gdpo-eval is greedy) and in [{low}, {high:g}] (vLLM refuses more and "
+                f"raises less to {low})", self.temperature)
         require(0 < self.top_p <= 1, "rollout.top_p", "in (0, 1]", self.top_p)
         require(self.top_k == -1 or self.top_k >= 1, "rollout.top_k", "-1 (off) or >= 1", self.top_k)
         if self.top_p < 1 or self.top_k > 0:

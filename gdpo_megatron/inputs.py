@@ -17,6 +17,5 @@ class TrainingInputs:
     hf_config: dict  # base_model/config.json
     model: ModelConfig  # the policy's shape, from hf_config
     conditions: list[Condition]  # advantage.conditions as reward columns
-    longest_prompt: int  # tokens of the longest prompt of the data, chat template applied
     resume_step: int  # the step of the run directory's checkpoint to resume from; 0: a new run
     resolved: Resolved  # the config for this machine, the launch's world size and the base model

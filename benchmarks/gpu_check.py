@@ -20,8 +20,12 @@ Parts, each reported under its name in ``DIR/gpu_check.json`` and ``DIR/gpu_chec
   subprocess; TE's skip themselves, vLLM's are not collected).
 * ``update``: the policy's train step in bf16 (local spec: torch SDPA, no TE) for random
   Qwen2-shaped models of 0.5B and 1.5B parameters, 16 rows of 2-4k tokens in token-budget
-  micro-batches: s/step, tokens/s, MFU (model FLOPs as in benchmarks/policy_step.py over the
-  GPU's dense bf16 peak), peak memory next to gdpo-plan's estimate of the same update.
+  micro-batches: s/step, tokens/s, MFU (model FLOPs as in benchmarks/policy_step.py, attention
+  counted causal, over the GPU's dense bf16 peak), peak memory next to gdpo-plan's estimate of
+  the same update.
+* ``logprob_peak``: the log-prob step of one micro-batch of the 1.5B update (bf16 logits from
+  the output layer, logprobs, backward): its peak bytes per logit element next to the bytes
+  per element gdpo-plan counts for it.
 * ``logprobs``: the policy's token logprobs against transformers' for the same weights on
   the same device, in fp32 and in bf16.
 * ``weight_stream``: after an update, the policy's weights streamed into a transformers model
@@ -60,9 +64,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from policy_step import BF16_PEAK, matmul_flops_per_token  # noqa: E402  (benchmarks/ is on sys.path)
+from support.memory import logprob_step_bytes_per_logit  # noqa: E402  (policy_step puts tests/ on sys.path)
 
 from gdpo_megatron.config import TrainConfig, from_dict  # noqa: E402
 from gdpo_megatron.config.policy import ModelConfig, OptimConfig, PolicyConfig, PrecisionConfig  # noqa: E402
+from gdpo_megatron.device import CUDA, place_rank  # noqa: E402
 from gdpo_megatron.policy.batch import PolicyBatch  # noqa: E402
 
 GIB = 2**30
@@ -75,7 +81,7 @@ PROMPT_TOKENS = 64  # every row's prompt; the rest is completion (the loss, and 
 class Sizes:
     """What one run measures: the real sizes on a GPU, a tiny model for the CPU dry run."""
 
-    update_models: dict[str, ModelConfig]
+    update_models: dict[str, ModelConfig]  # the last one's shape also measures the log-prob step
     rows: int
     shortest: int
     longest: int
@@ -92,8 +98,10 @@ def sizes(dry_run: bool) -> Sizes:
         tiny = ModelConfig.preset("tiny", tie_word_embeddings=True, add_qkv_bias=True)  # Qwen2-shaped
         return Sizes(update_models={"tiny": tiny}, rows=4, shortest=40, longest=80, micro_batch_tokens=160,
                      timed_steps=2, check_model=tiny, check_rows=2, check_length=48, copy_gib=0.0)
+    # A 6,144-token budget: the 1.5B update's plan is 50 GiB (8,192 tokens: 58), room on an
+    # 80 GB H100 (79.2 GiB) for what the local spec holds beyond the plan.
     return Sizes(update_models={name: ModelConfig.preset(name) for name in ("qwen2-0.5b", "qwen2-1.5b")},
-                 rows=16, shortest=2048, longest=4096, micro_batch_tokens=8192, timed_steps=3,
+                 rows=16, shortest=2048, longest=4096, micro_batch_tokens=6144, timed_steps=3,
                  check_model=ModelConfig.preset("qwen2-0.5b", num_layers=4), check_rows=4, check_length=1024,
                  copy_gib=4.0)
 
@@ -155,6 +163,12 @@ def markdown(report: dict) -> str:
                          f"{_pct(r['mfu'])} | {_num(r['peak_allocated_gib'])} | {r['plan_gib']:.2f} | "
                          f"{_num(r['peak_over_plan'])} |")
         lines.append("")
+    if "logprob_peak" in report:
+        p = report["logprob_peak"]
+        lines += ["## log-prob step memory", "", _error(p) or (
+            f"{p['model']}: {p['positions']} positions x {p['vocab_rows']} vocabulary rows, bf16 logits: peak "
+            f"{p['measured_bytes_per_logit']:.2f} bytes per logit element, gdpo-plan counts "
+            f"{p['plan_bytes_per_logit']:.2f} (measured/plan {p['measured_over_plan']:.3f})"), ""]
     checks = []
     for dtype, lp in report.get("logprobs", {}).items():
         checks.append(_error(report["logprobs"]) if dtype == "error" else
@@ -237,9 +251,8 @@ def rows_of(model: ModelConfig, count: int, shortest: int, longest: int, seed: i
     return PolicyBatch(ids, loss_mask, torch.randn(count, generator=g), lengths=lengths)
 
 
-def planned_update_bytes(model: ModelConfig, policy: PolicyConfig, rows: int, longest: int) -> int:
-    """gdpo-plan's per-GPU bytes of the same update on one GPU: weights, gradients, Adam state,
-    activations and logits (no allowances: what the measured peak holds)."""
+def update_plan(model: ModelConfig, policy: PolicyConfig, rows: int, longest: int):
+    """gdpo-plan's memory plan of the same update on one GPU."""
     from gdpo_megatron.preflight.plan import Cluster, plan_memory
 
     config = from_dict(TrainConfig, {
@@ -251,9 +264,36 @@ def planned_update_bytes(model: ModelConfig, policy: PolicyConfig, rows: int, lo
         "policy": {"model": dataclasses.asdict(model), "precision": {"dtype": policy.precision.dtype},
                    "micro_batch_tokens": policy.micro_batch_tokens},
     }, "")
-    plan = plan_memory(config, Cluster(1, 1, 80.0))
+    return plan_memory(config, Cluster(1, 1, 79.2))
+
+
+def planned_update_bytes(model: ModelConfig, policy: PolicyConfig, rows: int, longest: int) -> int:
+    """gdpo-plan's per-GPU bytes of the same update on one GPU: weights, gradients, Adam state,
+    activations and logits (no allowances: what the measured peak holds)."""
+    plan = update_plan(model, policy, rows, longest)
     s = plan.stage
     return s.static(plan.distributed_optimizer) + s.activations + s.logits
+
+
+def update_policy(model: ModelConfig, size: Sizes) -> PolicyConfig:
+    return PolicyConfig(model=model, precision=PrecisionConfig(dtype="bf16", transformer_engine=False),
+                        optim=OptimConfig(lr=1e-6), micro_batch_tokens=size.micro_batch_tokens)
+
+
+def logprob_peak(size: Sizes) -> dict:
+    """The log-prob step of one full micro-batch of the last update model (measured on this
+    device, support/memory.py) against the bytes per logit element the update's plan counts."""
+    name, model = list(size.update_models.items())[-1]
+    plan = update_plan(model, update_policy(model, size), size.rows, size.longest)
+    rows = model.padded_vocab_size(1)
+    planned = plan.stage.logits / (plan.micro_batch_tokens * rows)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    measured = logprob_step_bytes_per_logit(size.micro_batch_tokens, model.hidden_size, rows, model.vocab_size,
+                                            device)
+    _free()
+    return {"model": name, "positions": size.micro_batch_tokens, "vocab_rows": rows,
+            "measured_bytes_per_logit": measured, "plan_bytes_per_logit": planned,
+            "measured_over_plan": measured / planned}
 
 
 def update(name: str, size: Sizes) -> dict:
@@ -262,11 +302,10 @@ def update(name: str, size: Sizes) -> dict:
     from support.policy import resolved_here
 
     model, longest = size.update_models[name], size.longest
-    config = PolicyConfig(model=model, precision=PrecisionConfig(dtype="bf16", transformer_engine=False),
-                          optim=OptimConfig(lr=1e-6), micro_batch_tokens=size.micro_batch_tokens)
+    config = update_policy(model, size)
     batch = rows_of(model, size.rows, size.shortest, longest)
     cuda = torch.cuda.is_available()
-    with PolicyWorker(resolved_here(config)) as worker:
+    with PolicyWorker(resolved_here(config), place_rank(CUDA, 0)) as worker:
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -347,7 +386,7 @@ def agreement(size: Sizes, work: Path) -> dict:
                             optim=OptimConfig(lr=1e-4), micro_batch_size=batch.size)
 
     exported = work / "fp32"
-    with PolicyWorker(resolved_here(policy("fp32"))) as worker:  # random weights, exported in fp32
+    with PolicyWorker(resolved_here(policy("fp32")), place_rank(CUDA, 0)) as worker:  # random weights, exported in fp32
         save_hf_checkpoint(worker.gpt_model, model, exported)
         ours = worker.compute_logprobs(batch).cpu()
     hf = load_transformers(exported, torch.float32)
@@ -356,7 +395,7 @@ def agreement(size: Sizes, work: Path) -> dict:
     _free()
 
     init = lambda m: load_hf_weights(m, model, exported)  # noqa: E731
-    with PolicyWorker(resolved_here(policy("bf16")), init_weights=init) as worker:
+    with PolicyWorker(resolved_here(policy("bf16")), place_rank(CUDA, 0), init_weights=init) as worker:
         ours = worker.compute_logprobs(batch).cpu()
         hf = load_transformers(exported, torch.bfloat16)
         result["logprobs"]["bf16"] = gap(ours, transformers_logprobs(hf, batch), targets)
@@ -419,14 +458,14 @@ def checkpoint_round_trip(size: Sizes, work: Path) -> dict:
         tensors.update({f"optimizer.{k}": v for k, v in _tensors(worker.optimizer.state_dict()).items()})
         return {k: v.detach().cpu().clone() for k, v in tensors.items()}
 
-    with PolicyWorker(resolved_here(config), seed=1) as worker:
+    with PolicyWorker(resolved_here(config), place_rank(CUDA, 0), seed=1) as worker:
         worker.train_step(batch)
         started = time.perf_counter()
         manager.save(1, worker.model, worker.optimizer, worker.scheduler)
         save_s = time.perf_counter() - started
         saved = state(worker)
     _free()
-    with PolicyWorker(resolved_here(config), seed=2) as worker:
+    with PolicyWorker(resolved_here(config), place_rank(CUDA, 0), seed=2) as worker:
         started = time.perf_counter()
         manager.load(worker.model, worker.optimizer, worker.scheduler)
         load_s = time.perf_counter() - started
@@ -442,9 +481,10 @@ def checkpoint_round_trip(size: Sizes, work: Path) -> dict:
 def sleep_copy(size: Sizes) -> dict:
     """Pinned host <-> GPU copy speed, and what vLLM's level-1 sleep would copy per step for a
     7B model: its weights to the host at sleep and back at wake."""
-    from gdpo_megatron.preflight.plan import vllm_weights
+    from gdpo_megatron.config.rollout import RolloutConfig
+    from gdpo_megatron.preflight.plan import engine_weights
 
-    weights_7b = vllm_weights(ModelConfig.preset("qwen2-7b"), 1, None)
+    weights_7b = engine_weights(ModelConfig.preset("qwen2-7b"), RolloutConfig())
     if not torch.cuda.is_available():
         return {"skipped": "pinned memory needs CUDA", "weights_7b_gib": weights_7b / GIB}
     elements = int(size.copy_gib * GIB) // 2
@@ -503,11 +543,13 @@ def main(argv: list[str] | None = None) -> int:
         write_report(report, args.out)
 
     from gdpo_megatron.distributed.launch import init_distributed
+    from gdpo_megatron.policy import cpu_compat
 
     if "tests" not in skip:  # first, while this process holds no GPU memory
         report["tests"] = run_part("tests", gpu_tests, args.out, args.tests_timeout)
         save()
-    init_distributed()
+    cpu_compat.install(CUDA)
+    init_distributed(CUDA)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         work = Path(tmp)
         if "update" not in skip:
@@ -515,6 +557,9 @@ def main(argv: list[str] | None = None) -> int:
             for name in size.update_models:
                 report["update"].append({"model": name, **run_part(f"update {name}", update, name, size)})
                 save()
+        if "logprob_peak" not in skip:
+            report["logprob_peak"] = run_part("logprob_peak", logprob_peak, size)
+            save()
         if "agreement" not in skip:
             (work / "agreement").mkdir()
             value = run_part("agreement", agreement, size, work / "agreement")

@@ -21,8 +21,9 @@ on a GPU.
     position, step time and peak RSS, one process per run.
 (d) --gpu: a Llama-2-7B-shaped slice (hidden 4096, FFN 11008, 32 heads) with 2 layers, one
     GPU, bf16 vs FP8 (hybrid, delayed scaling) through Transformer Engine. MFU is model
-    FLOPs (6 x matmul parameters + 12 x layers x hidden x sequence, per token) over the
-    GPU's dense BF16 peak.
+    FLOPs (6 x matmul parameters + 6 x layers x attention width x sequence, per token:
+    causal attention, each token against half the sequence on average) over the GPU's
+    dense BF16 peak.
 Every number is the median of `--repeats` repeats of `--steps` steps, after one warm-up step.
 """
 from __future__ import annotations
@@ -41,6 +42,7 @@ import torch
 from gdpo_megatron.policy.batch import PolicyBatch
 from gdpo_megatron.config.policy import ModelConfig, OptimConfig, ParallelConfig, PolicyConfig, PrecisionConfig
 from support.local_world import LocalWorld
+from support.placement import this_rank
 
 # Dense BF16 tensor-core peaks (FLOP/s) by device-name fragment.
 BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -62,7 +64,7 @@ def timed_steps(config: PolicyConfig, batch_size: int, seq_length: int, steps: i
     from support.policy import resolved_here
 
     batch = make_batch(config.model, batch_size, seq_length, prompt_share)
-    with PolicyWorker(resolved_here(config)) as worker:
+    with PolicyWorker(resolved_here(config), this_rank()) as worker:
         worker.train_step(batch)  # warm-up
         times = []
         for _ in range(steps):
@@ -112,7 +114,6 @@ def swapped_run(swap: str | None, config: PolicyConfig, batch_size: int, seq_len
         model.SDPAttention = DotProductAttention
     elif swap == "every position":
         from gdpo_megatron.policy.worker import PolicyWorker
-        from support.policy import resolved_here
 
         PolicyWorker._logits_starts = lambda self, micro_batches: [0] * len(micro_batches)
     seconds = timed_steps(config, batch_size, seq_length, steps, prompt_share)
@@ -139,12 +140,17 @@ def side_by_side(title: str, runs: dict[str, str | None], vocab_size: int, promp
 
 
 def matmul_flops_per_token(model: ModelConfig, seq_length: int) -> float:
-    """Training FLOPs per token: 6 x matmul parameters + 12 x layers x hidden x sequence."""
+    """Training FLOPs per token of a causal decoder over ``seq_length`` tokens: 6 x matmul
+    parameters (forward 2, backward 4), and attention's scores and weighted values, 4 x width
+    FLOPs per attended position forward, 12 with the backward, against half the sequence on
+    average: 6 x layers x width x sequence (width: heads x head_dim). Counting every position
+    (as for bidirectional attention) would double that term."""
     h, f, L = model.hidden_size, model.ffn_hidden_size, model.num_layers
+    width = model.num_attention_heads * model.head_dim
     qkv = h * (model.num_attention_heads + 2 * model.num_query_groups) * model.head_dim
-    per_layer = qkv + model.num_attention_heads * model.head_dim * h + 3 * h * f
+    per_layer = qkv + width * h + 3 * h * f
     params = L * per_layer + h * model.vocab_size  # + the output layer
-    return 6 * params + 12 * L * h * seq_length
+    return 6 * params + 6 * L * width * seq_length
 
 
 def gpu_benchmark(args) -> None:

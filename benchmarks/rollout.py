@@ -33,6 +33,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
+from gdpo_megatron.device import this_machine  # noqa: E402
 from gdpo_megatron.rollout import SamplingConfig, VLLMEngine, VLLMEngineConfig  # noqa: E402
 from support.tiny_model import TinyLlamaSpec, save_tiny_llama  # noqa: E402
 from timing import median_time  # noqa: E402
@@ -57,7 +58,7 @@ def prompts(vocab_size: int) -> list[list[int]]:
 
 def timed_start(path: str, **overrides) -> tuple[VLLMEngine, float]:
     t0 = time.perf_counter()
-    engine = VLLMEngine(VLLMEngineConfig(path, **overrides))
+    engine = VLLMEngine(VLLMEngineConfig(path, **overrides), this_machine())
     return engine, time.perf_counter() - t0
 
 

@@ -196,7 +196,9 @@ def project_trainer(work: Workload, model: str, steps: int, out: Path):
     import yaml
 
     from gdpo_megatron.config import TrainConfig, load_config
+    from gdpo_megatron.device import this_machine
     from gdpo_megatron.distributed.launch import init_distributed
+    from gdpo_megatron.policy import cpu_compat
     from gdpo_megatron.preflight.validation import check_training, prompt_lengths
     from gdpo_megatron.trainer import Trainer
 
@@ -223,9 +225,11 @@ def project_trainer(work: Workload, model: str, steps: int, out: Path):
     import vllm.entrypoints.llm  # noqa: F401  (what VLLMEngine imports)
     vllm_modules = rss_bytes() - before_vllm
     config = load_config(TrainConfig, path)
-    inputs = check_training(config, 1)
-    init_distributed()
-    return Trainer(config, inputs), vllm_modules
+    machine = this_machine()
+    inputs = check_training(config, machine, 1)
+    _, placement = init_distributed(machine)
+    cpu_compat.install(machine)
+    return Trainer(config, inputs, placement), vllm_modules
 
 
 def prefix_cache(engine) -> dict:

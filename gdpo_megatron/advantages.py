@@ -7,7 +7,12 @@ computes the exact result when the rollouts are split over data-parallel ranks
 (:class:`gdpo_megatron.distributed.advantages.AllReduce`); this module never imports
 ``torch.distributed``.
 
-Conventions (shared by every mode; a mode's switches are :class:`~gdpo_megatron.config.advantage.ModeRules`):
+A mode is a :class:`GroupNormalizer` registered under its name in :data:`GROUP_NORMALIZERS`
+(the names a config may give are :data:`~gdpo_megatron.config.advantage.AdvantageMode`). A
+group filter (:data:`GROUP_FILTERS`, ``advantage.filter``) drops whole prompt groups: the
+advantages are computed again without them.
+
+Conventions (shared by every mode):
 
 * rollouts with ``mask == False`` are left out of every statistic and get advantage 0;
 * a group's spread uses the unbiased std (n - 1); ``eps`` is added to the std;
@@ -15,7 +20,8 @@ Conventions (shared by every mode; a mode's switches are :class:`~gdpo_megatron.
 * GDPO normalizes each reward inside its group, then sums with the weights, then
   (by default) normalizes the sum over all valid rollouts of the batch;
 * GRPO sums the weighted rewards first and normalizes the sum inside the group;
-  GRPO without std only subtracts the group mean. Neither batch-normalizes unless asked.
+  GRPO without std only subtracts the group mean. Neither batch-normalizes unless asked;
+* ``informative_groups`` (dynamic sampling) keeps the groups in which some reward varies.
 
 Leave-one-out (``leave_one_out=True``, NeMo-RL's ``use_leave_one_out_baseline``): a rollout's
 baseline is the mean of the *other* valid rollouts of its group and its scale the unbiased
@@ -27,11 +33,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
-from gdpo_megatron.config.advantage import AdvantageConfig, ConditionConfig
+from gdpo_megatron.config.advantage import AdvantageConfig, AdvantageMode, ConditionConfig, GroupFilter
 
 DISTINCT_DECIMALS = 6  # advantages are compared after rounding to 1e-6
 
@@ -151,6 +157,7 @@ class AdvantageResult:
     distinct_per_group: float  # distinct advantages per non-empty group, averaged
     mean: float  # of the final advantages over all valid rollouts (every holder's)
     abs_mean: float
+    kept_group_fraction: float | None = None  # with a group filter: share of non-empty groups it kept
 
     def metrics(self, reward_names: Sequence[str]) -> dict[str, float]:
         """Flat scalar metrics for logging, per reward under ``reward/<name>/``."""
@@ -167,10 +174,87 @@ class AdvantageResult:
             "advantage/mean": self.mean,
             "advantage/abs_mean": self.abs_mean,
         }
+        if self.kept_group_fraction is not None:
+            out["advantage/kept_group_frac"] = self.kept_group_fraction
         for k, name in enumerate(reward_names):
             out[f"reward/{name}/zero_spread_frac"] = self.zero_spread_fraction[k].item()
             out[f"reward/{name}/advantage_var_share"] = self.variance_share[k].item()
         return out
+
+
+class GroupNormalizer(Protocol):
+    """What a mode normalizes inside each prompt group, and how the parts become an advantage.
+
+    :func:`compute_advantages` takes the group statistics of every column of :meth:`columns`
+    in one pass, centers each value on its group's mean (or its leave-one-out baseline) and
+    scales it by ``1 / (std + eps)`` (by 1 when not ``divide_by_std`` or when
+    ``normalize_rewards`` is off; 0 for a group of one); :meth:`combine` adds the parts up.
+    The batch step after it is the mode's ``batch_norm`` unless the config sets one.
+    """
+
+    divide_by_std: bool
+    batch_norm: bool  # the default of ``AdvantageConfig.batch_norm`` under this mode
+
+    def columns(self, rewards: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``[N, C]`` values normalized inside the groups; the first ``K`` are the rewards
+        (every mode reports their group statistics)."""
+
+    def combine(self, deviation: torch.Tensor, scale: torch.Tensor, weights: torch.Tensor,
+                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """From each column's centered values and scales ``[N, C]``: each reward's weighted part
+        ``[N, K]`` and the summed advantage ``[N]``, both 0 where ``mask`` is False."""
+
+
+@dataclass(frozen=True)
+class EachRewardNormalizer:
+    """GDPO: every reward normalized inside its group, then summed with the weights."""
+
+    divide_by_std: bool = True
+    batch_norm: bool = True
+
+    def columns(self, rewards, weights):
+        return rewards
+
+    def combine(self, deviation, scale, weights, mask):
+        contributions = torch.where(mask.unsqueeze(1), deviation * weights * scale, 0.0)
+        return contributions, contributions.sum(dim=1)
+
+
+@dataclass(frozen=True)
+class SummedRewardNormalizer:
+    """GRPO: the weighted sum of the rewards normalized inside its group. It is centered on its
+    own column (exact where its baseline is); the per-reward parts, which add up to it, only
+    feed the variance-share diagnostic."""
+
+    divide_by_std: bool = True
+    batch_norm: bool = False
+
+    def columns(self, rewards, weights):
+        return torch.cat([rewards, (rewards @ weights).unsqueeze(1)], dim=1)
+
+    def combine(self, deviation, scale, weights, mask):
+        K = weights.numel()
+        contributions = torch.where(mask.unsqueeze(1), deviation[:, :K] * weights * scale[:, K:], 0.0)
+        return contributions, torch.where(mask, deviation[:, K] * scale[:, K], 0.0)
+
+
+GROUP_NORMALIZERS: dict[AdvantageMode, GroupNormalizer] = {
+    "gdpo": EachRewardNormalizer(),
+    "grpo": SummedRewardNormalizer(),
+    "grpo_no_std": SummedRewardNormalizer(divide_by_std=False),
+}
+
+
+def informative_groups(result: AdvantageResult) -> torch.Tensor:
+    """``[S]`` the non-empty groups in which ANY reward varies. Under GDPO each reward is
+    normalized on its own, so a group whose summed reward is flat can still teach."""
+    return ~result.group_zero_spread.all(dim=1) & (result.group_count > 0)
+
+
+# advantage.filter -> the groups it keeps, from the advantages computed over all of them.
+GROUP_FILTERS: dict[GroupFilter, Callable[[AdvantageResult], torch.Tensor]] = {
+    "informative_groups": informative_groups,
+}
 
 
 def compute_advantages(
@@ -191,7 +275,9 @@ def compute_advantages(
         group_ids: ``[N]`` integer prompt id of each rollout (groups may be interleaved and
             of any size, including 1).
         mask: ``[N]`` bool, rollouts that count; default all.
-        config: the mode, ``batch_norm``, ``eps``, ``leave_one_out``, ``normalize_rewards`` and
+        config: the mode, the group ``filter`` (a filter computes the advantages twice: over
+            all groups, then over the ones it keeps; ``kept_group_fraction`` says how many),
+            ``batch_norm``, ``eps``, ``leave_one_out``, ``normalize_rewards`` and
             ``nonfinite`` (``"raise"`` on a NaN/inf reward of a valid rollout, or ``"mask"`` to
             drop such rollouts and count them in ``num_nonfinite``); its named conditions are
             the caller's to turn into ``conditions`` (:func:`conditions_by_column`).
@@ -202,9 +288,7 @@ def compute_advantages(
             the one statistic whose communication grows with the number of rollouts.
     """
     reduction = reduction or LocalReduction()
-    rules = config.rules
     rewards, group_ids, mask, weights = _validate(rewards, group_ids, mask, weights, conditions)
-    out_dtype = rewards.dtype
     # float64 inside: rewards like 1e6 + noise must keep their small differences.
     raw = rewards.to(torch.float64)
     w = weights.to(device=raw.device, dtype=torch.float64)
@@ -213,22 +297,41 @@ def compute_advantages(
     num_nonfinite = int(reduction.sum(nonfinite_rows.sum().reshape(1)).item())
     if num_nonfinite and config.nonfinite == "raise":
         _raise_nonfinite(raw, nonfinite_rows)
-    mask = mask & ~nonfinite_rows
+    index, ids = reduction.index_groups(group_ids)
+    group_filter = GROUP_FILTERS.get(config.filter)
+
+    def estimate(valid: torch.Tensor, count_distinct: bool) -> AdvantageResult:
+        return _estimate(raw, w, index, ids, valid, config=config, conditions=conditions, reduction=reduction,
+                         count_distinct=count_distinct, num_nonfinite=num_nonfinite, out_dtype=rewards.dtype)
+
+    result = estimate(mask & ~nonfinite_rows, count_distinct and group_filter is None)
+    if group_filter is None:
+        return result
+    keep, present = group_filter(result), result.group_count > 0
+    kept_fraction = (keep & present).sum().item() / max(present.sum().item(), 1)
+    result = estimate(result.mask & keep[index], count_distinct)
+    result.kept_group_fraction = kept_fraction
+    return result
+
+
+def _estimate(raw, w, index, ids, mask, *, config: AdvantageConfig, conditions, reduction: Reduction,
+              count_distinct: bool, num_nonfinite: int, out_dtype: torch.dtype) -> AdvantageResult:
+    """The advantages of the rollouts in ``mask`` (finite rewards) from the float64 rewards."""
+    normalizer = GROUP_NORMALIZERS[config.mode]
     raw = torch.where(mask.unsqueeze(1), raw, torch.zeros((), dtype=raw.dtype, device=raw.device))
     r = apply_conditions(raw, conditions)
-
-    index, ids = reduction.index_groups(group_ids)
     K = r.shape[1]
-    # One pass over the groups gives the per-reward statistics (every mode logs them) and,
-    # where the weighted sum is what is normalized, those of the sum (column K).
-    columns = r if rules.each_reward else torch.cat([r, (r @ w).unsqueeze(1)], dim=1)
+    # One pass over the groups gives the per-reward statistics (every mode logs them) and those
+    # of any other column the mode normalizes.
+    columns = normalizer.columns(r, w)
     stats = segment_stats(columns, index, ids.numel(), mask, reduction, one_out=config.leave_one_out)
-    contributions, summed = _group_advantages(columns, index, mask, w, stats, config, rules)
+    contributions, summed = _group_advantages(columns, index, mask, w, stats, config, normalizer)
 
     single = torch.zeros_like(index)
     batch = segment_stats(summed.unsqueeze(1), single, 1, mask, reduction)
     advantages = summed
-    if rules.batch_norm:
+    batch_norm = normalizer.batch_norm if config.batch_norm is None else config.batch_norm
+    if batch_norm:
         advantages = _normalized(
             summed.unsqueeze(1), batch.mean[single], batch.std[single], batch.zero_spread[single], config.eps
         ).squeeze(1)
@@ -258,12 +361,9 @@ def compute_advantages(
     )
 
 
-def _group_advantages(columns, index, mask, w, stats: SegmentStats, config: AdvantageConfig, rules):
-    """Each rollout's summed advantage before the batch step, and each reward's weighted part of it.
-
-    ``columns`` are the rewards (and, where the sum is normalized, the weighted sum last).
-    """
-    K = w.numel()
+def _group_advantages(columns, index, mask, w, stats: SegmentStats, config: AdvantageConfig,
+                      normalizer: GroupNormalizer):
+    """Each rollout's summed advantage before the batch step, and each reward's weighted part of it."""
     if config.leave_one_out:
         deviation, spread, flat = leave_one_out_stats(columns, index, stats)
     else:
@@ -271,18 +371,11 @@ def _group_advantages(columns, index, mask, w, stats: SegmentStats, config: Adva
     # What multiplies each centered value: 1 / (std + eps), or 1 without normalization; where
     # the values the baseline comes from are all equal, 0 for the group mean (the centered
     # value is 0 anyway) and 1 for leave-one-out (NeMo-RL keeps it undivided); 0 when alone.
-    scale = 1.0 / (spread + config.eps) if rules.divide_by_std else torch.ones_like(spread)
+    divide = normalizer.divide_by_std and config.normalize_rewards
+    scale = 1.0 / (spread + config.eps) if divide else torch.ones_like(spread)
     scale = torch.where(flat, float(config.leave_one_out), scale)
     scale = torch.where((stats.count[index] < 2).unsqueeze(1), 0.0, scale)
-    centered = deviation[:, :K] * w
-    valid = mask.unsqueeze(1)
-    if rules.each_reward:
-        contributions = torch.where(valid, centered * scale, 0.0)
-        return contributions, contributions.sum(dim=1)
-    # The total is centered on its own column (exact where its baseline is); the per-reward
-    # parts, which add up to it, only feed the variance-share diagnostic.
-    contributions = torch.where(valid, centered * scale[:, K:], 0.0)
-    return contributions, torch.where(mask, deviation[:, K] * scale[:, K], 0.0)
+    return normalizer.combine(deviation, scale, w, mask)
 
 
 def apply_conditions(rewards: torch.Tensor, conditions: Sequence[Condition]) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Evaluate a Hugging Face checkpoint: greedy completions scored by rewards or by BFCL's checker.
 
-Completions come from the same vLLM engine the trainer uses. Prompts longer than the context
+Completions come from the rollout engine the trainer uses (``rollout.engine``'s default,
+laid out as a default rollout section: one rank, the engine's own memory sizing). Prompts longer than the context
 left for the answer are skipped and counted, never cut.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Sequence
 from gdpo_megatron.data.chat import encode_prompt
 from gdpo_megatron.data.samples import Sample
 from gdpo_megatron.config.rewards import RewardSpec
+from gdpo_megatron.device import Machine
 
 
 def fits(prompt_tokens: int, max_new_tokens: int, max_model_len: int) -> bool:
@@ -19,16 +21,18 @@ def fits(prompt_tokens: int, max_new_tokens: int, max_model_len: int) -> bool:
 
 
 def evaluate(model_dir: str | Path, samples: Sequence[Sample], rewards: Sequence[RewardSpec] = (), *,
-             bfcl: bool = False, max_new_tokens: int = 256, max_model_len: int = 2048,
+             machine: Machine, bfcl: bool = False, max_new_tokens: int = 256, max_model_len: int = 2048,
              num_workers: int = 2, allow_weaker_sandbox: bool = False) -> tuple[dict[str, float], list[str]]:
     """Metrics (``eval/...``) and the completions of the samples that fit (in order);
-    ``allow_weaker_sandbox`` as the reward stage takes it."""
+    ``allow_weaker_sandbox`` as the reward stage takes it; the engine runs on ``machine`` (this one)."""
     from gdpo_megatron.data.bfcl import bfcl_accuracy
     from gdpo_megatron.rewards.stage import RewardStage
+    from gdpo_megatron.config.rollout import RolloutConfig
     from gdpo_megatron.rollout.engine import SamplingConfig
-    from gdpo_megatron.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+    from gdpo_megatron.rollout.factory import build_engine
 
-    engine = VLLMEngine(VLLMEngineConfig(model_path=str(model_dir), max_model_len=max_model_len))
+    engine = build_engine(RolloutConfig(max_new_tokens=max_new_tokens, max_model_len=max_model_len), str(model_dir),
+                          machine)
     try:
         tokenizer = engine.tokenizer
         encoded = [(s, encode_prompt(tokenizer, s.messages)) for s in samples]

@@ -9,8 +9,9 @@ What depends on where and how a run is launched is decided here, once, and check
 * the parallel layout: the model's shape split over TP x PP, the data-parallel size the world
   leaves, the rollouts each data-parallel replica samples and trains on;
 * the token budget of a micro-batch (``policy.micro_batch_tokens``, ``auto`` decoded);
-* the rollout engine's memory: its KV cache, which on the CPU holds one step's rollouts
-  (vLLM's own sizing would take half of the host's memory and touch every page).
+* the rollout engine's memory: its KV cache, as the engine ``rollout.engine`` names sizes it
+  for one step's rollouts (``RolloutEngine.kv_cache_gib``; on the CPU vLLM's own sizing would
+  take half of the host's memory and touch every page).
 
 :func:`resolve` does it for a training run (preflight, the trainer, ``gdpo-plan``,
 ``gdpo-doctor``); :func:`resolve_policy` for the policy alone (a policy worker outside a run);
@@ -29,40 +30,8 @@ from gdpo_megatron.config import ConfigError, ModelConfig, ParallelConfig, Polic
 from gdpo_megatron.config.loader import require
 from gdpo_megatron.config.rollout import RolloutConfig
 from gdpo_megatron.device import Machine, check_precision
-from gdpo_megatron.rollout.vllm_engine import CPU_KV_ELEMENT_BYTES, kv_cache_bytes_per_token, kv_cache_gib
-
-
-@dataclass(frozen=True)
-class MicroBatches:
-    """How a step's rows split into micro-batches: ``policy.micro_batch_size`` and
-    ``policy.micro_batch_tokens`` decoded."""
-
-    rows: int  # micro_batch_size: the rows of a micro-batch, or with "auto" the budget's width in rows
-    tokens: Optional[int]  # a fixed budget of tokens (micro_batch_size unused)
-    by_tokens: bool  # split by a budget of tokens (fixed or "auto"), rows sorted by length
-
-    def budget(self, seq_length: int) -> Optional[int]:
-        """The tokens of a micro-batch of a batch ``seq_length`` wide, or None for micro-batches
-        of ``rows`` rows. "auto" is ``rows`` rows as wide as the step's longest, so no
-        micro-batch holds more tokens than ``rows`` rows would."""
-        if not self.by_tokens:
-            return None
-        return self.tokens if self.tokens is not None else self.rows * seq_length
-
-    @property
-    def fewest_rows(self) -> int:
-        """The fewest rows a full micro-batch holds: one under a fixed budget (a longer row goes alone)."""
-        return 1 if self.tokens is not None else self.rows
-
-
-@dataclass(frozen=True)
-class ResolvedPolicy:
-    """What the policy worker builds: every machine-dependent value of ``config`` decided."""
-
-    config: PolicyConfig  # model: the shape trained
-    machine: Machine
-    data_parallel_size: int
-    micro_batches: MicroBatches
+from gdpo_megatron.policy.resolved import MicroBatches, ResolvedPolicy
+from gdpo_megatron.rollout.factory import engine_class
 
 
 @dataclass(frozen=True)
@@ -81,7 +50,7 @@ class Resolved:
     machine: Machine
     policy: ResolvedPolicy
     layout: Layout
-    kv_cache_gib: Optional[float]  # the rollout engine's KV cache; None: vLLM sizes it (GPU)
+    kv_cache_gib: Optional[float]  # the rollout engine's KV cache; None: the engine sizes it (GPU)
 
 
 def resolve(config: TrainConfig, machine: Machine, world_size: int, model: Optional[ModelConfig] = None,
@@ -100,8 +69,9 @@ def resolve(config: TrainConfig, machine: Machine, world_size: int, model: Optio
     layout = _layout(config, world_size, resolved_policy.data_parallel_size)
     _check_rollout(config.rollout, machine)
     prompt = config.data.max_prompt_tokens if longest_prompt is None else longest_prompt
-    kv_cache = _kv_cache_gib(config.rollout, resolved_policy.config.model, machine, layout.rollouts_per_replica,
-                             prompt + config.rollout.max_new_tokens)
+    kv_cache = engine_class(config.rollout.engine).kv_cache_gib(
+        config.rollout, resolved_policy.config.model, machine, layout.rollouts_per_replica,
+        prompt + config.rollout.max_new_tokens)
     return Resolved(machine, resolved_policy, layout, kv_cache)
 
 
@@ -129,7 +99,7 @@ def resolve_policy(policy: PolicyConfig, machine: Machine, world_size: int, *, r
                           "megatron's optimizer holds the model's own parameters, which the weight sync needs on "
                           "the GPU; use precision.dtype: bf16 or optim.use_distributed_optimizer: true")
     config = dataclasses.replace(policy, precision=precision, optim=optim, old_logprobs=old_logprobs)
-    return ResolvedPolicy(config, machine, data_parallel, _micro_batches(policy))
+    return ResolvedPolicy(config, data_parallel, _micro_batches(policy))
 
 
 def resolve_precision(precision: PrecisionConfig, machine: Machine, *, runs_here: bool = True) -> PrecisionConfig:
@@ -137,7 +107,7 @@ def resolve_precision(precision: PrecisionConfig, machine: Machine, *, runs_here
     ``runs_here``, checked against this machine's GPU and Transformer Engine."""
     resolved = precision_for(precision, machine)
     if runs_here:
-        check_precision(resolved)
+        check_precision(resolved, machine)
     return resolved
 
 
@@ -202,11 +172,3 @@ def _check_rollout(rollout: RolloutConfig, machine: Machine) -> None:
                           f"machine, got {budget} (without CUDA a prompt's prefill is never split over engine "
                           "steps); raise it or leave it null")
 
-
-def _kv_cache_gib(rollout: RolloutConfig, model: ModelConfig, machine: Machine, sequences: int,
-                  tokens_per_sequence: int) -> Optional[float]:
-    """``rollout.kv_cache_gib``, or on the CPU the cache that one step's ``sequences`` fill at most."""
-    if rollout.kv_cache_gib is not None or machine.cuda:
-        return rollout.kv_cache_gib
-    per_token = kv_cache_bytes_per_token(model, rollout.tensor_parallel_size, CPU_KV_ELEMENT_BYTES)
-    return kv_cache_gib(per_token, sequences, tokens_per_sequence, rollout.max_model_len)

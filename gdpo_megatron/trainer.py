@@ -50,10 +50,11 @@ from gdpo_megatron.experience import PromptSchedule, Rollouts, reward_submitter,
 from gdpo_megatron.inputs import TrainingInputs
 from gdpo_megatron.metrics import MetricsLogger
 from gdpo_megatron.config.policy import SHAPE_FIELDS
+from gdpo_megatron.device import Placement
 from gdpo_megatron.policy.worker import PolicyWorker
 from gdpo_megatron.rewards.stage import RewardStage
-from gdpo_megatron.rollout.engine import SamplingConfig, derive_seed
-from gdpo_megatron.rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+from gdpo_megatron.rollout.engine import RolloutEngine, SamplingConfig, derive_seed
+from gdpo_megatron.rollout.factory import build_engine
 from gdpo_megatron.run_dir import CHECKPOINT_DIR, HF_EXPORT_DIR
 
 # Signals that stop a run after the step in progress, with a checkpoint: Slurm's time-limit
@@ -68,14 +69,18 @@ class Trainer:
     """Builds the policy, the engine, the reward stage and the data order; runs the loop.
 
     ``inputs``: what preflight read, checked and resolved for ``config``
-    (:func:`~gdpo_megatron.preflight.validation.check_training`).
+    (:func:`~gdpo_megatron.preflight.validation.check_training`); ``placement``: this rank's
+    machine and device, as the launch decided them
+    (:func:`~gdpo_megatron.distributed.launch.init_distributed`).
     """
 
-    def __init__(self, config: TrainConfig, inputs: TrainingInputs):
+    def __init__(self, config: TrainConfig, inputs: TrainingInputs, placement: Placement):
         if not dist.is_initialized():
             raise RuntimeError("Trainer: torch.distributed is not initialized")
         self.config = config
         self.inputs = inputs
+        self.placement = placement
+        self.step_started: int | None = None  # the last step train() started (0-based): where a failure happened
         self.run_dir = Path(config.run_dir)
         self.is_rank0 = dist.get_rank() == 0
         # From here on a stop request is remembered, also one that arrives during start-up.
@@ -104,7 +109,8 @@ class Trainer:
                                              optimizer_sharding=config.checkpoint.optimizer_sharding)
         latest = self.checkpoints.latest_step()  # resume and its data position are checked with the inputs
 
-        self.worker = PolicyWorker(resolved.policy, seed=config.seed, temperature=config.rollout.temperature,
+        self.worker = PolicyWorker(resolved.policy, self.placement, seed=config.seed,
+                                   temperature=config.rollout.temperature,
                                    init_weights=lambda m: load_hf_weights(m, model, config.base_model),
                                    timeout=config.distributed.timeout)
         self.device = self.worker.device
@@ -120,26 +126,15 @@ class Trainer:
             state = self.checkpoints.load(self.worker.model, self.worker.optimizer, self.worker.scheduler)
             self.start_step = state.step
 
-        self.worker.release_memory()  # before vLLM sizes itself from the free memory, and the first rollout
-        self.engine = VLLMEngine(VLLMEngineConfig(
-            model_path=config.base_model,
-            tensor_parallel_size=config.rollout.tensor_parallel_size,
-            max_model_len=config.rollout.max_model_len,
-            gpu_memory_utilization=config.rollout.gpu_memory_utilization,
-            kv_cache_gib=resolved.kv_cache_gib,
-            enforce_eager=config.rollout.enforce_eager,
-            sleep_level=config.rollout.sleep_level,
-            quantization=config.rollout.quantization,
-            max_num_batched_tokens=config.rollout.max_num_batched_tokens,
-            seed=config.seed,
-        ))
+        self.worker.release_memory()  # before the engine sizes itself from the free memory, and the first rollout
+        rollout = dataclasses.replace(config.rollout, kv_cache_gib=resolved.kv_cache_gib)  # sized by preflight
+        self.engine: RolloutEngine = build_engine(rollout, config.base_model, self.placement.machine, seed=config.seed)
         self.tokenizer = self.engine.tokenizer
         if self.start_step:
             self._sync_weights()  # the engine started from base_model
         if self.is_leader:
             with _children_ignore(STOP_SIGNALS):  # Slurm signals every process of the step
-                self.reward_stage = RewardStage(rewards.rewards, rewards.num_workers, rewards.timeout_s,
-                                                rewards.reward_files, rewards.allow_weaker_sandbox)
+                self.reward_stage = RewardStage.from_config(rewards)
         if self.is_rank0:
             self.logger = MetricsLogger(self.run_dir, to_dict(config), config.logging.wandb_project,
                                         self.run_dir.name, start_step=self.start_step)
@@ -155,6 +150,7 @@ class Trainer:
         outcome = DONE
         try:
             for step in bar:
+                self.step_started = step
                 metrics = self.step(step)
                 if self.logger:
                     self.logger.log(step + 1, metrics)
@@ -205,13 +201,13 @@ class Trainer:
             rewards = rewards.to(self.device)
 
         with _timed(times, "advantage"):
-            result, kept_fraction = self._advantages(rewards, rollouts.group_ids)
+            result = self._advantages(rewards, rollouts.group_ids)
 
         self.engine.sleep()
         with _timed(times, "train"):
             batch = to_policy_batch(rollouts, G, result.advantages.cpu(), result.mask.cpu(),
                                     self.tokenizer.pad_token_id or 0, self.pad_multiple)
-            # Every rollout of the step can be out (dynamic sampling, NaN rewards): no update then.
+            # Every rollout of the step can be out (a group filter, NaN rewards): no update then.
             train_metrics = self.worker.train_step(batch) if result.group_count.sum() > 0 else {"skipped": 1.0}
             mismatch = train_metrics.pop("logprob_mismatch", math.nan)  # measured before the update
         with _timed(times, "sync"):
@@ -226,8 +222,6 @@ class Trainer:
             name = self.reward_names[c.reward]
             metrics[f"reward/{name}/gated_mean"] = self._global_mean(result.rewards[result.mask, c.reward])
         metrics.update(result.metrics(self.reward_names))
-        if kept_fraction is not None:
-            metrics["advantage/kept_group_frac"] = kept_fraction
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
         metrics.update(self._rollout_metrics(rollouts, prefix_cache, times["step"]))
         metrics["rollout/logprob_mismatch"] = mismatch
@@ -241,19 +235,9 @@ class Trainer:
         return [encode_prompt(self.tokenizer, s.messages) for s in samples]
 
     def _advantages(self, rewards: torch.Tensor, group_ids: torch.Tensor):
-        """The step's advantages, and with dynamic sampling the share of prompt groups kept."""
-        kwargs = dict(config=self.config.advantage, weights=self.config.rewards.weights, conditions=self.conditions,
-                      reduction=AllReduce(self.dp_group))
-        result = compute_advantages(rewards, group_ids, **kwargs)
-        if not self.config.dynamic_sampling:
-            return result, None
-        # A group carries signal if ANY reward varies inside it: under GDPO each reward is
-        # normalized on its own, so a group whose summed reward is flat can still teach.
-        present = result.group_count > 0
-        informative = ~result.group_zero_spread.all(dim=1) & present
-        position = torch.searchsorted(result.group_ids, group_ids)
-        kept = informative.sum().item() / max(present.sum().item(), 1)
-        return compute_advantages(rewards, group_ids, result.mask & informative[position], **kwargs), kept
+        """The step's advantages over every data-parallel replica's rollouts, after the group filter."""
+        return compute_advantages(rewards, group_ids, config=self.config.advantage, weights=self.config.rewards.weights,
+                                  conditions=self.conditions, reduction=AllReduce(self.dp_group))
 
     def _sync_weights(self) -> None:
         self.engine.update_weights(iter_hf_weights(self.worker.gpt_model, self.policy_config.model))

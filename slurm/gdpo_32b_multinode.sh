@@ -3,7 +3,7 @@
 # one task per GPU, policy TP 8 inside each node x DP 4 across the nodes, vLLM colocated. From
 # the repository root on the shared filesystem, with the environment activated (the job
 # inherits it) or inside the image built from the Dockerfile:
-#   gdpo-plan --config configs/gdpo_32b_multinode.yaml --nodes 4 --gpus-per-node 8 --gpu-memory 80
+#   gdpo-plan --config configs/gdpo_32b_multinode.yaml --nodes 4 --gpus-per-node 8 --gpu-memory 79.2
 #   sbatch slurm/gdpo_32b_multinode.sh [key.sub=value ...]
 # Checkpoints and metrics go to runs/<job name>-<job id> (RUN_DIR=... to choose), which every
 # node must see: a shared filesystem. A requeued job keeps its id and resumes there. A lost

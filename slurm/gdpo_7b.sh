@@ -2,7 +2,7 @@
 # GDPO tool calling on a 7B Qwen2-shaped model (configs/gdpo_7b.yaml): one node, one task per
 # GPU, policy TP 2 x DP 4 with vLLM colocated. From the repository root, with the environment
 # activated (the job inherits it) or inside the image built from the Dockerfile:
-#   gdpo-plan --config configs/gdpo_7b.yaml --gpus-per-node 8 --gpu-memory 80
+#   gdpo-plan --config configs/gdpo_7b.yaml --gpus-per-node 8 --gpu-memory 79.2
 #   sbatch slurm/gdpo_7b.sh [key.sub=value ...]       e.g. policy.precision.fp8=hybrid
 # Checkpoints and metrics go to runs/<job name>-<job id> (RUN_DIR=... to choose; a requeued job
 # keeps its id and resumes there). More nodes: sbatch --nodes=2 slurm/gdpo_7b.sh

@@ -8,9 +8,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from advantage_reference import reference_advantages
-from gdpo_megatron.advantages import Condition, compute_advantages
+from gdpo_megatron.advantages import GROUP_FILTERS, GROUP_NORMALIZERS, Condition, compute_advantages
 from gdpo_megatron.config import AdvantageConfig, ConfigError, from_dict
-from gdpo_megatron.config.advantage import MODE_RULES, MODES
+from gdpo_megatron.config.advantage import FILTERS, MODES
 
 WORKED_REWARDS = torch.tensor([[0.0, 0.0], [0.0, 1.0], [0.0, 0.0], [1.0, 1.0]], dtype=torch.float64)
 WORKED_GROUPS = torch.tensor([0, 0, 1, 1])
@@ -225,11 +225,21 @@ def test_leave_one_out_in_the_grpo_modes():
     ({"mode": "ppo"}, "advantage.mode: expected one of"),
     ({"eps": -1.0}, "advantage.eps: expected a finite value >= 0"),
     ({"nonfinite": "ignore"}, "advantage.nonfinite: expected one of"),
+    ({"filter": "dynamic"}, "advantage.filter: expected one of"),
     ({"conditions": [{"reward": "a", "gate": "a"}]}, "advantage.conditions.0.gate: expected another reward than 'a'"),
 ])
 def test_settings_are_checked_when_the_config_loads(settings, message):
     with pytest.raises(ConfigError, match=message):
         from_dict(AdvantageConfig, settings, "advantage")
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"mode": "ppo"}, r"^mode: expected one of \('gdpo', 'grpo', 'grpo_no_std'\), got 'ppo'$"),
+    ({"filter": "dynamic"}, r"^filter: expected one of \('none', 'informative_groups'\), got 'dynamic'$"),
+])
+def test_the_python_api_names_the_allowed_modes_and_filters(settings, message):
+    with pytest.raises(ConfigError, match=message):
+        AdvantageConfig(**settings)
 
 
 def test_nonfinite_rewards_raise_by_default_naming_rows():
@@ -317,5 +327,52 @@ def test_matches_per_group_loop(batch):
     assert res.variance_share.sum().item() == pytest.approx(1.0 if res.variance_share.any() else 0.0, abs=1e-6)
 
 
-def test_every_mode_has_its_rules():
-    assert set(MODE_RULES) == set(MODES)
+def test_every_mode_and_filter_name_is_registered():
+    assert set(GROUP_NORMALIZERS) == set(MODES)
+    assert set(GROUP_FILTERS) == set(FILTERS) - {"none"}
+
+
+def _informative_reference(rewards, groups, mask, conditions):
+    """Valid rollouts of the groups in which some conditioned reward takes two values, and the
+    share of non-empty groups that are such."""
+    conditioned = [list(row) for row in rewards]
+    for target, on, threshold in conditions:
+        for row, raw in zip(conditioned, rewards):
+            row[target] = raw[target] if raw[on] >= threshold else 0.0
+    members = {}
+    for row, g, m in zip(conditioned, groups, mask):
+        if m:
+            members.setdefault(g, []).append(row)
+    varies = {g: any(len({row[j] for row in rows}) > 1 for j in range(len(rows[0]))) for g, rows in members.items()}
+    kept = [m and varies[g] for g, m in zip(groups, mask)]
+    return kept, (sum(varies.values()) / len(varies) if varies else 0.0)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches())
+def test_informative_groups_filter_recomputes_without_the_flat_groups(batch):
+    rewards, groups, mask, weights, conditions, mode, batch_norm, options = batch
+    triples = [(c.reward, c.gate, c.threshold) for c in conditions]
+    res = compute_advantages(torch.tensor(rewards, dtype=torch.float64), torch.tensor(groups),
+                             mask=torch.tensor(mask), weights=weights, conditions=conditions,
+                             config=AdvantageConfig(mode=mode, batch_norm=batch_norm, filter="informative_groups",
+                                                    **options))
+    kept, kept_fraction = _informative_reference(rewards, groups, mask, triples)
+    expected = reference_advantages(rewards, groups, kept, weights, mode, batch_norm, conditions=triples, **options)
+    assert res.mask.tolist() == kept
+    assert res.advantages.tolist() == pytest.approx(expected, rel=1e-7, abs=1e-7)
+    assert res.kept_group_fraction == pytest.approx(kept_fraction, abs=1e-12)
+    assert res.metrics([f"r{j}" for j in range(len(weights))])["advantage/kept_group_frac"] == res.kept_group_fraction
+
+
+def test_a_gdpo_group_with_a_flat_sum_is_kept_and_a_flat_group_dropped():
+    # Group 0: weighted sum 2 for both rollouts, but each reward varies; group 1: no reward varies.
+    rewards = torch.tensor([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0], [1.0, 1.0]], dtype=torch.float64)
+    groups = torch.tensor([0, 0, 1, 1])
+    config = AdvantageConfig(filter="informative_groups", batch_norm=False, eps=0.0)
+    res = compute_advantages(rewards, groups, weights=[2.0, 1.0], config=config)
+    assert res.mask.tolist() == [True, True, False, False]
+    s = 1 / math.sqrt(2)  # each reward's z-score in a two-valued group of 2
+    assert res.advantages.tolist() == pytest.approx([2 * s - s, -2 * s + s, 0.0, 0.0], abs=1e-12)
+    assert res.kept_group_fraction == 0.5
+    assert "advantage/kept_group_frac" not in compute_advantages(rewards, groups).metrics(["a", "b"])

@@ -17,6 +17,7 @@ from gdpo_megatron.distributed.launch import free_port
 from gdpo_megatron.policy.batch import PolicyBatch
 from gdpo_megatron.config.policy import ModelConfig, OptimConfig, ParallelConfig, PolicyConfig
 from gdpo_megatron.device import transformer_engine_available
+from support.placement import this_rank
 from test_convert import megatron_logits
 
 VOCAB = 250
@@ -63,7 +64,7 @@ def train(root, resume: bool, kill_after: int | None = None) -> dict[int, float]
 
     manager = CheckpointManager(root, keep_last=2)
     losses = {}
-    with PolicyWorker(resolved_here(tiny_policy())) as worker:
+    with PolicyWorker(resolved_here(tiny_policy()), this_rank()) as worker:
         if resume:
             state = manager.load(worker.model, worker.optimizer, worker.scheduler)
             first = state.data_position["next_step"]
@@ -98,7 +99,7 @@ def save_trained(root, tp: int):
     config = tiny_policy(tp)
     seed_batches()
     batch = sampled_batch()
-    with PolicyWorker(resolved_here(config)) as worker:
+    with PolicyWorker(resolved_here(config), this_rank()) as worker:
         worker.train_step(batch)
         CheckpointManager(root).save(1, worker.model, worker.optimizer, worker.scheduler, data_position={"next_step": 2},
                                      config={"policy": {"model": dataclasses.asdict(config.model)}})
@@ -109,7 +110,7 @@ def load_trained(root, tp: int):
     from gdpo_megatron.policy.worker import PolicyWorker
     from support.policy import resolved_here
 
-    with PolicyWorker(resolved_here(tiny_policy(tp))) as worker:
+    with PolicyWorker(resolved_here(tiny_policy(tp)), this_rank()) as worker:
         state = CheckpointManager(root).load(worker.model, worker.optimizer, worker.scheduler)
         return state, megatron_logits(worker.gpt_model, VOCAB), worker.optimizer.param_groups[0]["lr"]
 
@@ -118,7 +119,7 @@ def load_error(root):
     from gdpo_megatron.policy.worker import PolicyWorker
     from support.policy import resolved_here
 
-    with PolicyWorker(resolved_here(tiny_policy())) as worker:
+    with PolicyWorker(resolved_here(tiny_policy()), this_rank()) as worker:
         try:
             CheckpointManager(root).load(worker.model)
         except CheckpointError as e:
@@ -231,14 +232,14 @@ def continue_after_reload(root, distributed_optimizer: bool):
     config.optim.use_distributed_optimizer = distributed_optimizer
     torch.manual_seed(0)
     batches = [sampled_batch() for _ in range(3)]
-    with PolicyWorker(resolved_here(config)) as worker:
+    with PolicyWorker(resolved_here(config), this_rank()) as worker:
         worker.train_step(batches[0])
         CheckpointManager(root).save(1, worker.model, worker.optimizer, worker.scheduler)
         worker.train_step(batches[1])
         continued = worker.train_step(batches[2])["loss"]
     losses = []
     for optimizer_too in (True, False):  # without the optimizer's state the loss must differ
-        with PolicyWorker(resolved_here(config)) as worker:
+        with PolicyWorker(resolved_here(config), this_rank()) as worker:
             CheckpointManager(root).load(worker.model, worker.optimizer if optimizer_too else None, worker.scheduler)
             worker.train_step(batches[1])
             losses.append(worker.train_step(batches[2])["loss"])
@@ -265,13 +266,13 @@ def distributed_optimizer_across_layouts(root, sharding: str):
         optim = dataclasses.replace(config.optim, use_distributed_optimizer=True)
         configs[tp] = dataclasses.replace(config, optim=optim)
     manager = CheckpointManager(root, optimizer_sharding=sharding)
-    with PolicyWorker(resolved_here(configs[2])) as worker:
+    with PolicyWorker(resolved_here(configs[2]), this_rank()) as worker:
         worker.train_step(batches[0])
         manager.save(1, worker.model, worker.optimizer, worker.scheduler)
         worker.train_step(batches[1])
         continued = worker.train_step(batches[2])["loss"]
     state = read_training_state(root / "step_1")
-    with PolicyWorker(resolved_here(configs[1])) as worker:
+    with PolicyWorker(resolved_here(configs[1]), this_rank()) as worker:
         try:
             manager.load(worker.model, worker.optimizer, worker.scheduler)
         except CheckpointError as e:
@@ -320,7 +321,7 @@ def fully_reshardable_two_ways(root):
     seed_batches()
     config = tiny_policy(1)
     config = dataclasses.replace(config, optim=dataclasses.replace(config.optim, use_distributed_optimizer=True))
-    with PolicyWorker(resolved_here(config)) as worker:
+    with PolicyWorker(resolved_here(config), this_rank()) as worker:
         worker.train_step(sampled_batch())
         CheckpointManager(root / "manager", optimizer_sharding="fully_reshardable").save(
             1, worker.model, worker.optimizer)

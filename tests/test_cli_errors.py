@@ -451,7 +451,7 @@ def test_debug_shows_the_traceback_and_other_ranks_stay_quiet(base_model, tmp_pa
     assert train_main(["--config", CONFIG, "--debug", "foo=1"]) == EXIT_USER_ERROR
     err = capsys.readouterr().err
     assert err.startswith("Traceback") and err.endswith("error: foo: unknown key (expected one of: advantage, "
-                                                        "base_model, checkpoint, data, distributed, dynamic_sampling, logging, "
+                                                        "base_model, checkpoint, data, distributed, logging, "
                                                         "policy, rewards, rollout, run_dir, seed, steps)\n")
     monkeypatch.setenv("GDPO_DEBUG", "1")
     assert train_main(["--config", CONFIG, "foo=1"]) == EXIT_USER_ERROR
@@ -558,6 +558,21 @@ def test_eval_code_rewards_without_bubblewrap_need_the_opt_in(base_model, tmp_pa
 def test_eval_data_options_need_data(base_model, tmp_path, capsys, nothing_heavy, option):
     expect_user_error(capsys, tmp_path, lambda: eval_main(["--model", str(base_model), "--bfcl", *option]),
                       f"gdpo-eval: {option[0]} goes with --data, not --bfcl (see gdpo-eval --help)")
+
+
+@pytest.mark.parametrize("option, override", [(["--family", "nope"], "data.family=nope"),
+                                              (["--family", "tool", "--prompt-key", "a..b"], "data.prompt_key=a..b")])
+def test_eval_data_options_are_checked_as_the_configs_data_section(base_model, tmp_path, capsys, nothing_heavy,
+                                                                    option, override):
+    """--data and its options are the data section: a bad value gets the message gdpo-train gives for it."""
+    from gdpo_megatron.config import ConfigError, TrainConfig, load_config
+    from gdpo_megatron.preflight.validation import training_prompts
+
+    with pytest.raises(ConfigError) as in_training:
+        training_prompts(load_config(TrainConfig, CONFIG, [override]))
+    expect_user_error(capsys, tmp_path, lambda: eval_main(["--model", str(base_model), "--data",
+                                                           "examples/data/tool_demo.jsonl", *option]),
+                      str(in_training.value))
 
 
 def test_eval_split_of_a_file(base_model, tmp_path, capsys, nothing_heavy):

@@ -13,7 +13,7 @@ import json
 import numpy as np
 import pytest
 
-from gdpo_megatron.data.code_tests import tests_from_input_output as cases_from_input_output
+from gdpo_megatron.tasks.code_tests import tests_from_input_output as cases_from_input_output
 from gdpo_megatron.rewards.coding import code_pass
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from support.placement import this_rank
 
 from gdpo_megatron.checkpoint.layout import (
     ModelLayout, merge_qkv, rule_for, split_qkv, to_hf, to_megatron, tp_shard, tp_unshard,
@@ -90,9 +91,10 @@ def build_megatron(hf_directory, tp: int, pp: int = 1):
     from support.policy import precision_here
 
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    placement = this_rank()
     policy_model.initialize_model_parallel(parallel)
     config = model_config_from_hf(read_hf_config(hf_directory))
-    return config, policy_model.build_model(config, parallel, precision_here())
+    return config, policy_model.build_model(config, placement, parallel, precision_here())
 
 
 def megatron_logits(gpt, vocab_size: int, input_ids=INPUT_IDS) -> torch.Tensor:

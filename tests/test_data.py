@@ -7,8 +7,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from gdpo_megatron.data import encode_prompt, load_samples, render_prompt
-from gdpo_megatron.data.samples import CODE_SYSTEM_PROMPT, MATH_SYSTEM_PROMPT
 from gdpo_megatron.rewards.coding import code_no_bug, code_pass
+from gdpo_megatron.tasks.code import SYSTEM_PROMPT as CODE_SYSTEM_PROMPT
+from gdpo_megatron.tasks.math import SYSTEM_PROMPT as MATH_SYSTEM_PROMPT
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "data"
 TEMPLATE = (

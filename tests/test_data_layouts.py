@@ -13,10 +13,12 @@ import pyarrow.parquet as pq
 import pytest
 from datasets import Dataset, DatasetDict
 
-from gdpo_megatron.config import ConfigError, DataConfig, from_dict
-from gdpo_megatron.data.samples import MATH_SYSTEM_PROMPT, Fields, load_samples
+from gdpo_megatron.config import ConfigError, DataConfig, TrainConfig, from_dict, load_config
+from gdpo_megatron.data.samples import Fields, load_samples
+from gdpo_megatron.preflight.validation import training_prompts
 from gdpo_megatron.rewards.coding import code_no_bug, code_pass
 from gdpo_megatron.rewards.math_answer import math_correctness
+from gdpo_megatron.tasks.math import SYSTEM_PROMPT as MATH_SYSTEM_PROMPT
 
 
 def write_parquet(path, rows):
@@ -120,14 +122,17 @@ def test_explicit_fields_and_their_errors_name_the_row(tmp_path):
         load_samples(lone, "math")
 
 
-def test_data_config_checks_family_and_field_names():
+def test_data_config_checks_field_names_and_preflight_the_family():
     base = {"train_path": "x.parquet", "family": "toolrl", "prompt_key": "prompt",
             "ground_truth_key": "reward_model.ground_truth"}
     config = from_dict(DataConfig, base, "data")
     assert (config.prompt_key, config.system_key, config.ground_truth_key) == ("prompt", None,
                                                                               "reward_model.ground_truth")
-    with pytest.raises(ConfigError, match=r"data.family: expected one of \('math', 'tool', 'code', 'toolrl'\)"):
-        from_dict(DataConfig, {**base, "family": "poetry"}, "data")
+    # The family names a registered task: preflight checks it before it reads the data.
+    unknown = load_config(TrainConfig, "configs/tiny_cpu.yaml", ["data.family=poetry", "data.train_path=nowhere"])
+    with pytest.raises(ConfigError, match=r"^data.family: expected one of \('math', 'tool', 'code', 'toolrl'\), "
+                                          r"got 'poetry'$"):
+        training_prompts(unknown)
     with pytest.raises(ConfigError, match="data.ground_truth_key: expected a field name"):
         from_dict(DataConfig, {**base, "ground_truth_key": "reward_model..ground_truth"}, "data")
 

@@ -8,7 +8,7 @@ from gdpo_megatron.advantages import Condition, compute_advantages
 from gdpo_megatron.config import AdvantageConfig
 from gdpo_megatron.distributed.advantages import AllReduce
 
-SETTINGS = ("mode", "batch_norm", "eps", "nonfinite", "leave_one_out", "normalize_rewards")
+SETTINGS = ("mode", "filter", "batch_norm", "eps", "nonfinite", "leave_one_out", "normalize_rewards")
 
 
 def advantages(rewards, groups, mask=None, kwargs=(), reduction=None):
@@ -34,6 +34,7 @@ def _on_rank(rewards, groups, mask, owner, kwargs):
         "num_nonfinite": res.num_nonfinite,
         "group_count": res.group_count,
         "moments": (res.mean, res.abs_mean),
+        "kept_group_fraction": res.kept_group_fraction,
     }
 
 
@@ -70,6 +71,7 @@ def _check_equal(results, rewards, groups, mask, kwargs):
         assert r["distinct_per_group"] == pytest.approx(want.distinct_per_group)
         assert r["batch"] == pytest.approx((want.batch_mean, want.batch_std), abs=1e-9)
         assert r["num_nonfinite"] == want.num_nonfinite
+        assert r["kept_group_fraction"] == want.kept_group_fraction
         valid = want.advantages[want.mask]
         assert r["moments"] == pytest.approx((valid.mean().item(), valid.abs().mean().item()), abs=1e-9)
         # ranks see every prompt id 0..P-1; the local result only the ones present
@@ -159,6 +161,23 @@ def test_large_offset_across_ranks(gloo_world_2):
     want = torch.tensor(reference_advantages(rewards.tolist(), groups.tolist(), [True] * 64, [1.0] * 3, "gdpo", True,
                                              eps=0.0), dtype=torch.float64)
     assert (got - want).abs().max() <= 1e-6 * want.abs().max()
+
+
+@pytest.mark.parametrize("mode", ["gdpo", "grpo"])
+def test_informative_groups_filter_over_two_ranks_matches_single_process(gloo_world_2, mode):
+    rewards, groups, mask, gen = _random_batch(seed=8, num_prompts=8, group_size=4, k=2, masked_fraction=0.0)
+    rewards[groups == 1] = 1.0  # no reward varies in prompts 1 and 5, whose rollouts sit on both ranks
+    rewards[groups == 5] = torch.tensor([0.0, 3.0], dtype=torch.float64)
+    rewards[(groups == 6).nonzero()[0]] = float("nan")  # and the step's NaN rollout is still counted
+    owner = torch.arange(32) % 2
+    kwargs = dict(mode=mode, filter="informative_groups", nonfinite="mask", conditions=[(1, 0, 0.5)])
+    results = gloo_world_2.run(_on_rank, rewards, groups, mask, owner, kwargs)
+    got = _check_equal(results, rewards, groups, mask, kwargs)
+    kept = mask & (groups != 1) & (groups != 5) & torch.isfinite(rewards).all(dim=1)
+    expected = reference_advantages(rewards.tolist(), groups.tolist(), kept.tolist(), [1.0, 1.0], mode,
+                                    mode == "gdpo", conditions=[(1, 0, 0.5)])
+    assert got.tolist() == pytest.approx(expected, abs=1e-9)
+    assert [(r["kept_group_fraction"], r["num_nonfinite"]) for r in results] == [(6 / 8, 1)] * 2
 
 
 def test_masked_nonfinite_rollouts_are_counted_globally(gloo_world_2):

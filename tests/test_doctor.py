@@ -175,6 +175,29 @@ def test_the_sandbox_row_says_the_level_a_config_gets_and_why(monkeypatch, tmp_p
         sandbox.isolation.cache_clear()
 
 
+@pytest.mark.parametrize("recipe, runs_on", [
+    ("delayed", {(8, 9), (9, 0), (10, 0), (12, 0)}),  # Ada and later; not the A100 (8.0) nor 8.6
+    ("tensorwise", {(8, 9), (9, 0), (10, 0), (12, 0)}),
+    ("blockwise", {(9, 0), (10, 0), (12, 0)}),  # Hopper and later
+    ("mxfp8", {(10, 0)}),  # Blackwell data-center parts, not sm_120
+])
+def test_the_fp8_row_checks_the_recipe_against_the_compute_capability(recipe, runs_on):
+    """The doctor's FP8 row, for each capability from Ampere to sm_120, says what the recipe needs."""
+    from gdpo_megatron.config.policy import PrecisionConfig
+    from gdpo_megatron.preflight.doctor import fp8_capability_row
+
+    precision = PrecisionConfig(dtype="bf16", fp8="hybrid", fp8_recipe=recipe, transformer_engine=True)
+    needed = {"delayed": "8.9 or higher", "tensorwise": "8.9 or higher", "blockwise": "9.0 or higher",
+              "mxfp8": "10.0 or higher, below 12.0"}[recipe]
+    for capability in [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)]:
+        row = fp8_capability_row(precision, capability)
+        assert row.status == (OK if capability in runs_on else MISMATCH), capability
+        assert row.found == f"compute capability {capability[0]}.{capability[1]}"
+        assert row.expected == f"{needed} for fp8_recipe {recipe}"
+    off = fp8_capability_row(PrecisionConfig(dtype="bf16"), (8, 0))
+    assert (off.status, off.expected) == (NOT_RUN, "policy.precision.fp8 is off")
+
+
 def test_the_memory_plan_is_gdpo_plans_verdict_with_its_override_named():
     config = load_config(TrainConfig, CONFIG, [])
     # 1 GiB is below the plan's fixed 3 GiB allowance alone; the tiny model fits in 512 GiB.
@@ -184,6 +207,15 @@ def test_the_memory_plan_is_gdpo_plans_verdict_with_its_override_named():
         assert row.status == status
         assert row.found.startswith(f"peak {plan.peak(plan.distributed_optimizer) / GIB:.1f} GiB of {memory_gib:.1f}")
         assert (f"{SKIP_ENV}=memory runs anyway" in row.expected) == (status == MISMATCH)
+
+
+def test_the_memory_row_counts_the_log_prob_steps_bytes():
+    """toolrl_qwen2.5_1.5b on 8 H100s: micro-batches of up to 12,288 tokens x 151,936 vocabulary
+    rows (TP 1) x 14 bytes (bf16 logits, the step's three fp32 buffers) = 24.3 GiB."""
+    config = load_config(TrainConfig, "configs/toolrl_qwen2.5_1.5b.yaml", [])
+    row = memory_row(config, 8, 79.2)
+    assert f"(logits and log-prob step {12_288 * 151_936 * 14 / GIB:.1f}); " in row.found
+    assert "(logits and log-prob step 24.3); " in row.found
 
 
 def test_the_memory_row_names_the_utilization_the_engine_gives_vllm():
@@ -221,11 +253,13 @@ def _build_only(overrides):
 
     from gdpo_megatron.preflight.validation import check_training
     from gdpo_megatron.trainer import Trainer
+    from support.placement import this_rank
 
     config = load_config(TrainConfig, CONFIG, overrides)
-    inputs = check_training(config, dist.get_world_size())
+    placement = this_rank()
+    inputs = check_training(config, placement.machine, dist.get_world_size())
     preflight(config, dist.get_world_size())
-    Trainer(config, inputs).close()
+    Trainer(config, inputs, placement).close()
 
 
 @cpu_only

@@ -9,6 +9,7 @@ from gdpo_megatron.data.samples import load_samples
 from gdpo_megatron.commands.eval import main
 from gdpo_megatron.evaluate import evaluate
 from gdpo_megatron.config.rewards import RewardSpec
+from gdpo_megatron.device import this_machine
 from gdpo_megatron.rewards.tool_call import tool_correctness, tool_format
 
 pytestmark = pytest.mark.slow
@@ -17,7 +18,8 @@ pytestmark = pytest.mark.slow
 def test_reward_means_match_the_reward_functions(demo_base_model):
     samples = load_samples("examples/data/tool_demo.jsonl", "tool", "")[:6]
     rewards = [RewardSpec("tool_format"), RewardSpec("tool_correctness")]
-    metrics, texts = evaluate(demo_base_model, samples, rewards, max_new_tokens=80, max_model_len=1024)
+    metrics, texts = evaluate(demo_base_model, samples, rewards, machine=this_machine(), max_new_tokens=80,
+                              max_model_len=1024)
     assert len(texts) == 6 and metrics["eval/prompts"] == 6 and metrics["eval/skipped_too_long"] == 0
     truths = [s.ground_truth for s in samples]
     assert metrics["eval/tool_format/mean"] == pytest.approx(

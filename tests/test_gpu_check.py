@@ -30,7 +30,7 @@ def report(tmp_path_factory):
 
 def test_every_part_ran_without_an_error(report):
     assert report["dry_run"] is True and report["device"]["cuda"] is False
-    for part in ("tests", "logprobs", "weight_stream", "checkpoint", "sleep_copy", *report["update"]):
+    for part in ("tests", "logprob_peak", "logprobs", "weight_stream", "checkpoint", "sleep_copy", *report["update"]):
         assert "error" not in (report[part] if isinstance(part, str) else part), part
     tests = report["tests"]
     assert tests["returncode"] == 0 and tests["failed"] == 0
@@ -42,12 +42,21 @@ def test_update_figures_agree_with_each_other(report):
     assert update["model"] == "tiny" and update["micro_batches"] >= 2  # the token budget splits the rows
     assert update["seconds_per_step"] == statistics.median(update["seconds"])
     assert update["tokens_per_s"] == pytest.approx(update["tokens_per_step"] / update["seconds_per_step"])
-    # at least 6 x parameters x tokens (the attention term comes on top); no bf16 peak on a CPU
+    # at least 6 x parameters x tokens (causal attention's term comes on top); no bf16 peak on a CPU
     flops = update["tflops"] * 1e12 * update["seconds_per_step"]
     assert flops >= 6 * update["parameters"] * update["tokens_per_step"] * 0.99
     assert update["mfu"] is None and update["peak_allocated_gib"] is None
     # the plan holds at least the bf16 weights, fp32 gradients and Adam's fp32 state of the model
     assert update["plan_gib"] * GIB >= (2 + 4 + 12) * update["parameters"]
+
+
+def test_the_log_prob_step_holds_what_the_plan_counts(report):
+    """bf16 logits (2 bytes) and three fp32 buffers per element, planned and measured."""
+    peak = report["logprob_peak"]
+    assert peak["model"] == "tiny" and peak["positions"] == report["update"][0]["micro_batch_tokens"]
+    assert peak["plan_bytes_per_logit"] == 2 + 3 * 4
+    assert peak["measured_over_plan"] == pytest.approx(peak["measured_bytes_per_logit"] / peak["plan_bytes_per_logit"])
+    assert 0.9 <= peak["measured_over_plan"] <= 1.1
 
 
 def test_the_policy_matches_transformers_and_the_weights_travel_exactly(report):

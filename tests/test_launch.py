@@ -9,9 +9,9 @@ import textwrap
 
 import pytest
 
+from gdpo_megatron.device import cuda_device_for
 from gdpo_megatron.distributed.launch import (
     LaunchEnv,
-    cuda_device_for,
     expand_nodelist,
     exported_env,
     resolve_launch_env,
@@ -124,11 +124,13 @@ def test_exported_local_rank_is_the_device_vllm_will_select():
 WORKER = textwrap.dedent(
     """
     import json, os, torch, torch.distributed as dist
+    from gdpo_megatron.device import CPU
     from gdpo_megatron.distributed.launch import init_distributed
-    launch = init_distributed()
-    t = torch.tensor([float(dist.get_rank() + 1)])
+    launch, placement = init_distributed(CPU)
+    t = torch.tensor([float(dist.get_rank() + 1)], device=placement.device)
     dist.all_reduce(t)
-    print(json.dumps({"launch": list(launch.__dict__.values()), "backend": dist.get_backend(),
+    print(json.dumps({"launch": list(launch.__dict__.values()), "device": str(placement.device),
+                      "backend": dist.get_backend(),
                       "world": dist.get_world_size(), "sum": t.item(), "MASTER_PORT": os.environ["MASTER_PORT"]}))
     dist.destroy_process_group()
     """
@@ -179,16 +181,17 @@ def test_two_srun_tasks_start_a_gloo_world():
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     port = 12000 + job_id % 20000
     for r, res in enumerate(results):
-        assert res["launch"] == [r, 2, r, "localhost", port, "slurm"]
+        assert res["launch"] == [r, 2, r, "localhost", port, "slurm"] and res["device"] == "cpu"
         assert (res["backend"], res["world"], res["sum"], res["MASTER_PORT"]) == ("gloo", 2, 3.0, str(port))
 
 
 GPU_WORKER = textwrap.dedent(
     """
     import json, os, torch, torch.distributed as dist
+    from gdpo_megatron.device import CUDA
     from gdpo_megatron.distributed.launch import init_distributed
-    init_distributed()
-    t = torch.ones(2, device="cuda")
+    _, placement = init_distributed(CUDA)
+    t = torch.ones(2, device=placement.device)
     dist.all_reduce(t)
     print(json.dumps({"backend": dist.get_backend(), "device": torch.cuda.current_device(), "sum": t.sum().item(),
                       "LOCAL_RANK": os.environ["LOCAL_RANK"]}))

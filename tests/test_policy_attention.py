@@ -7,6 +7,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 
 from gdpo_megatron.policy.attention import SDPAttention
+from support.placement import this_rank
 
 
 def config(heads=4, groups=4, head_dim=8, hidden=None, **overrides) -> TransformerConfig:
@@ -114,12 +115,13 @@ def policy_logits_and_grads(megatron_attention: bool) -> tuple[torch.Tensor, dic
 
     config = ModelConfig(vocab_size=96, hidden_size=64, ffn_hidden_size=128, num_layers=2, num_attention_heads=4,
                          num_query_groups=2, max_position_embeddings=64)
+    placement = this_rank()
     model.initialize_model_parallel(ParallelConfig(), seed=3)
     project_attention = model.SDPAttention
     try:
         if megatron_attention:
             model.SDPAttention = DotProductAttention
-        gpt = model.build_model(config, ParallelConfig(), precision_here())
+        gpt = model.build_model(config, placement, ParallelConfig(), precision_here())
         kinds = {type(layer.self_attention.core_attention) for layer in gpt.decoder.layers}
         assert kinds == {DotProductAttention if megatron_attention else project_attention}
         tokens = torch.randint(0, config.vocab_size, (3, 24), generator=torch.Generator().manual_seed(0))

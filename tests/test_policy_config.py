@@ -12,7 +12,7 @@ from gdpo_megatron.config.policy import (
     PolicyConfig,
     PrecisionConfig,
 )
-from gdpo_megatron.device import CPU, CUDA, this_machine
+from gdpo_megatron.device import CPU, CUDA
 from gdpo_megatron.policy.batch import PolicyBatch
 from gdpo_megatron.resolve import check_model_split, data_parallel_size, resolve_policy, resolve_precision
 
@@ -90,10 +90,10 @@ def resolved(policy: PolicyConfig, machine) -> PolicyConfig:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only errors")
 def test_fp8_and_transformer_engine_on_cpu_are_clear_errors():
     with pytest.raises(ConfigError, match="policy.precision.fp8='e4m3': FP8 needs a CUDA GPU"):
-        resolve_precision(PrecisionConfig(fp8="e4m3"), this_machine())
+        resolve_precision(PrecisionConfig(fp8="e4m3"), CPU)
     with pytest.raises(ConfigError, match="policy.precision.transformer_engine: the Transformer Engine spec needs CUDA"):
-        resolve_precision(PrecisionConfig(transformer_engine=True), this_machine())
-    resolve_precision(PrecisionConfig(), this_machine())  # the defaults run here
+        resolve_precision(PrecisionConfig(transformer_engine=True), CPU)
+    resolve_precision(PrecisionConfig(), CPU)  # the defaults run here
 
 
 def test_old_logprobs_come_from_the_rollout_only_where_numerics_are_the_same():

@@ -1,16 +1,55 @@
-"""The CPU compatibility module: megatron's RNG tracker on the CPU generator, device mapping."""
+"""The CPU compatibility module: installed explicitly, megatron's RNG tracker on the CPU
+generator, device mapping."""
+import subprocess
+import sys
+
 import pytest
 import torch
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
+from gdpo_megatron.device import CPU
 from gdpo_megatron.policy import cpu_compat
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the shim is off with CUDA")
 
 
+def test_nothing_is_patched_until_the_launch_installs_the_shim():
+    """A fresh process: importing the module changes nothing, megatron calls outside an
+    installed shim are refused, and one process is never installed for two machines."""
+    script = """
+import torch
+from gdpo_megatron.device import CPU, CUDA
+from gdpo_megatron.policy import cpu_compat
+try:
+    torch.cuda.current_device()
+except (AssertionError, RuntimeError):
+    print("cuda untouched")
+try:
+    with cpu_compat.device_scope():
+        pass
+except RuntimeError as e:
+    print(e)
+cpu_compat.install(CPU)
+print(torch.cuda.current_device())
+try:
+    cpu_compat.install(CUDA)
+except RuntimeError as e:
+    print(e)
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == [
+        "cuda untouched",
+        "cpu_compat.install(machine) has not been called in this process (the launch calls it once, "
+        "after init_distributed)",
+        "cpu",
+        "cpu_compat.install('cuda'): already installed for 'cpu'",
+    ]
+
+
 def test_rng_tracker_forks_its_own_stream_and_restores_the_outer_one():
-    cpu_compat.install()
-    cpu_compat.install()  # idempotent
+    cpu_compat.install(CPU)
+    cpu_compat.install(CPU)  # idempotent
     tracker = get_cuda_rng_tracker()
     assert isinstance(tracker, cpu_compat.CpuRNGStatesTracker)
     tracker.reset()
@@ -35,6 +74,7 @@ def test_rng_tracker_forks_its_own_stream_and_restores_the_outer_one():
 
 
 def test_device_scope_maps_cuda_requests_to_the_cpu():
+    cpu_compat.install(CPU)
     with cpu_compat.device_scope():
         made = torch.zeros(2, device="cuda")
         moved = made.cuda()
@@ -55,6 +95,7 @@ def test_megatrons_fused_swiglu_runs_eagerly_and_matches_autograd():
     torch.manual_seed(0)
     y = torch.randn(6, 5, 16, dtype=torch.float64, requires_grad=True)
     grad = torch.randn(6, 5, 8, dtype=torch.float64)
+    cpu_compat.install(CPU)
     compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     with cpu_compat.device_scope():
         fused = bias_swiglu_impl(y, None)

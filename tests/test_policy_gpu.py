@@ -1,9 +1,10 @@
-"""The GPU path: Transformer Engine layer spec in bf16, FP8 train steps (with sequence parallelism),
-TE's own FP8 recipe checks, and sequence parallelism without Transformer Engine."""
+"""The GPU path: Transformer Engine layer spec in bf16 (with TE's fused RoPE), FP8 train steps (with
+sequence parallelism), TE's own FP8 recipe checks, and sequence parallelism without Transformer Engine."""
 import pytest
 import torch
 
 from support.local_world import LocalWorld
+from support.placement import this_rank
 from gdpo_megatron.policy.batch import PolicyBatch
 from gdpo_megatron.config.policy import (
     FP8_RECIPES,
@@ -13,7 +14,7 @@ from gdpo_megatron.config.policy import (
     PolicyConfig,
     PrecisionConfig,
 )
-from gdpo_megatron.device import this_machine, transformer_engine_available
+from gdpo_megatron.device import CUDA, transformer_engine_available
 from gdpo_megatron.resolve import resolve_precision
 
 pytestmark = pytest.mark.gpu
@@ -37,7 +38,7 @@ def te_step(fp8, recipe):
 
     config = PolicyConfig(model=ModelConfig.preset("tiny"), optim=OptimConfig(lr=1e-5), micro_batch_size=MICRO,
                           precision=PrecisionConfig(dtype="bf16", fp8=fp8, fp8_recipe=recipe))
-    with PolicyWorker(resolved_here(config)) as worker:
+    with PolicyWorker(resolved_here(config), this_rank()) as worker:
         names = [name for name, _ in worker.gpt_model.named_parameters()]
         batch = make_batch()
         logprobs = worker.compute_logprobs(batch).cpu()
@@ -57,6 +58,39 @@ def te_step(fp8, recipe):
 def gpu_world():
     with LocalWorld(1, backend="nccl") as world:
         yield world
+
+
+def rotations(fused_too: bool):
+    """RoPE on one bf16 query tensor through megatron's unfused path and, with the Transformer
+    Engine spec's config, through TE's fused kernel."""
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from gdpo_megatron.policy.model import destroy_model_parallel, initialize_model_parallel, transformer_config
+
+    model = ModelConfig.preset("tiny")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    initialize_model_parallel(ParallelConfig())
+    try:
+        configs = [transformer_config(model, ParallelConfig(), PrecisionConfig(dtype="bf16", transformer_engine=te))
+                   for te in ((False, True) if fused_too else (False,))]
+        freqs = RotaryEmbedding(kv_channels=model.head_dim, rotary_percent=1.0,
+                                rotary_base=int(model.rotary_base))(T).to(device)
+        t = torch.randn(T, MICRO, model.num_attention_heads, model.head_dim, generator=torch.Generator().manual_seed(0))
+        t = t.to(device, torch.bfloat16)
+        return [(config.apply_rope_fusion, apply_rotary_pos_emb(t, freqs, config).float().cpu()) for config in configs]
+    finally:
+        destroy_model_parallel()
+
+
+@needs_te
+def test_transformer_engine_spec_fuses_rope_as_megatron_rotates(gpu_world):
+    """With Transformer Engine the config turns on TE's fused RoPE; it rotates as megatron's
+    unfused torch path does, to bf16 rounding (the unfused path rounds cos, sin and both
+    products to bf16: a few units in the last place of inputs up to about 4.5, 2 ulp = 1/16)."""
+    (plain_flag, plain), (fused_flag, fused) = gpu_world.run(rotations, True)[0]
+    assert fused_flag and not plain_flag
+    torch.testing.assert_close(fused, plain, rtol=1.6e-2, atol=1 / 16)
 
 
 @needs_te
@@ -89,7 +123,7 @@ def one_row_fp8_step(recipe):
 
     config = PolicyConfig(model=ModelConfig.preset("tiny"), optim=OptimConfig(lr=1e-5), micro_batch_size=1,
                           precision=PrecisionConfig(dtype="bf16", fp8="e4m3", fp8_recipe=recipe))
-    with PolicyWorker(resolved_here(config)) as worker:
+    with PolicyWorker(resolved_here(config), this_rank()) as worker:
         return config.sequence_multiple(), worker.train_step(make_batch(config.sequence_multiple()).slice(0, 1))
 
 
@@ -112,12 +146,12 @@ def recipe_verdicts(recipe):
 
     precision = PrecisionConfig(dtype="bf16", fp8="hybrid", fp8_recipe=recipe)
     try:
-        resolve_precision(precision, this_machine())
+        resolve_precision(precision, CUDA)
         ours = True
     except ValueError:
         ours = False
     try:
-        config = transformer_config(ModelConfig.preset("tiny"), ParallelConfig(), precision)
+        config = transformer_config(ModelConfig.preset("tiny"), ParallelConfig(), precision, CUDA)
         check_recipe_support(get_fp8_recipe(config))
         return ours, True, ""
     except AssertionError as e:
@@ -146,7 +180,7 @@ def sequence_parallel_step(tp: int, fp8, transformer_engine: bool, seq_length: i
                           precision=PrecisionConfig(dtype="bf16", fp8=fp8, transformer_engine=transformer_engine),
                           optim=OptimConfig(lr=1e-5), micro_batch_size=micro_batch_size)
     assert seq_length % config.sequence_multiple() == 0
-    with PolicyWorker(resolved_here(config)) as worker:
+    with PolicyWorker(resolved_here(config), this_rank()) as worker:
         norms = sorted({type(m).__name__ for name, m in worker.gpt_model.named_modules() if name.endswith("norm")})
         return norms, worker.train_step(make_batch(seq_length))
 

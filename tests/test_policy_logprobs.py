@@ -1,9 +1,13 @@
-"""Vocab-parallel logprobs and entropy equal log_softmax of the full logits (TP=1 and TP=2)."""
+"""Vocab-parallel logprobs and entropy equal log_softmax of the full logits (TP=1 and TP=2),
+bit for bit the plain out-of-place computation, within the memory gdpo-plan counts for them."""
 import pytest
 import torch
 import torch.distributed as dist
 
+from gdpo_megatron.config import TrainConfig, load_config
 from gdpo_megatron.policy.logprobs import vocab_parallel_logprobs
+from gdpo_megatron.preflight.plan import Cluster, plan_memory
+from support.memory import logprob_step_bytes_per_logit
 
 VOCAB, PADDED = 61, 64  # the last 3 rows are padding (as when the embedding is padded for TP)
 
@@ -68,3 +72,53 @@ def test_bad_arguments_are_named():
         vocab_parallel_logprobs(logits, targets[:, :-1], VOCAB)
     with pytest.raises(ValueError, match="temperature"):
         vocab_parallel_logprobs(logits, targets, VOCAB, temperature=0.0)
+
+
+def plain_out_of_place(logits, targets, vocab_size, temperature, weights):
+    """The same arithmetic as one out-of-place expression per step: cast, divide, mask the
+    padding, shift by the max, exp, normalize, entropy over p > 0; and the gradient of
+    ``sum(weights * logprobs)``, ``(one_hot(target) - p) * weight`` through the division and the cast."""
+    x = logits.float() / temperature
+    padding = torch.arange(x.shape[-1]) >= vocab_size
+    x = x.masked_fill(padding, float("-inf"))
+    shifted = x - x.max(dim=-1).values.unsqueeze(-1)
+    exp = shifted.exp()
+    sum_exp = exp.sum(dim=-1)
+    softmax = exp / sum_exp.unsqueeze(-1)
+    log_z = sum_exp.log()
+    logprobs = shifted.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - log_z
+    entropy = log_z - torch.where(softmax > 0, softmax * shifted, 0.0).sum(dim=-1)
+    one_hot = torch.nn.functional.one_hot(targets, x.shape[-1]).float()
+    grad = ((one_hot - softmax) * weights.unsqueeze(-1)).masked_fill(padding, 0.0) / temperature
+    return logprobs, entropy, grad.to(logits.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_in_place_steps_change_no_bit(dtype, temperature):
+    """Logprobs, entropy and the logits' gradient equal the out-of-place computation exactly,
+    with padding rows, a logit whose probability underflows to 0, and a sliced input (as the
+    worker passes ``logits[:, :-1]``)."""
+    logits, targets, weights = make_inputs(seed=1)
+    logits = torch.cat([logits, logits[:, -1:]], dim=1).to(dtype)
+    logits[0, 0, 7] = -300.0
+    leaf = logits.clone().requires_grad_(True)
+    logprobs, entropy = vocab_parallel_logprobs(leaf[:, :-1], targets, VOCAB, temperature=temperature)
+    (logprobs * weights).sum().backward()
+    exp_logprobs, exp_entropy, exp_grad = plain_out_of_place(logits[:, :-1], targets, VOCAB, temperature, weights)
+    assert exp_entropy[0, 0].isfinite()  # the underflow's term is 0, not nan
+    assert torch.equal(logprobs, exp_logprobs) and torch.equal(entropy, exp_entropy)
+    assert leaf.grad.dtype == dtype and torch.equal(leaf.grad[:, :-1], exp_grad)
+    assert not leaf.grad[:, -1].any()
+
+
+def test_measured_peak_per_logit_is_what_the_plan_counts():
+    """One update's log-prob step on bf16 logits made by an output-layer matmul: forward,
+    backward, the worker's slice. Its peak of live bytes per logit element is within 10% of
+    the bytes per element gdpo-plan counts for the last stage's logits."""
+    plan = plan_memory(load_config(TrainConfig, "configs/tiny_cpu.yaml"), Cluster(1, 8, 80.0))
+    model = plan.config.policy.model
+    assert plan.config.policy.precision.dtype == "bf16"  # planned as on a GPU
+    planned = plan.stage.logits / (plan.micro_batch_tokens * model.padded_vocab_size(1))
+    measured = logprob_step_bytes_per_logit(positions=130, hidden_size=32, vocab_rows=50_048, vocab_size=50_000)
+    assert abs(measured - planned) <= 0.1 * planned, (measured, planned)

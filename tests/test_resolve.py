@@ -28,13 +28,13 @@ def test_the_layout_splits_the_step_over_the_data_parallel_replicas():
 
 
 def test_machine_dependent_settings_are_decided_for_the_machine():
-    cpu = resolve(config(), CPU, 1).policy
+    on_cpu, on_cuda = resolve(config(), CPU, 1), resolve(config(), CUDA, 1, runs_here=False)
+    cpu, cuda = on_cpu.policy, on_cuda.policy
     assert (cpu.config.precision.dtype, cpu.config.precision.transformer_engine,
             cpu.config.optim.use_distributed_optimizer, cpu.config.old_logprobs) == ("fp32", False, False, "rollout")
-    cuda = resolve(config(), CUDA, 1, runs_here=False).policy
     assert (cuda.config.precision.dtype, cuda.config.optim.use_distributed_optimizer, cuda.config.old_logprobs) == (
         "bf16", True, "policy")
-    assert (cpu.machine, cuda.machine) == (CPU, CUDA)
+    assert (on_cpu.machine, on_cuda.machine) == (CPU, CUDA)
 
 
 def test_the_model_trained_is_the_one_given_else_policy_model():

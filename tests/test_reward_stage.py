@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gdpo_megatron.config.rewards import RewardSpec
+from gdpo_megatron.config import from_dict
+from gdpo_megatron.config.rewards import RewardsConfig, RewardSpec
 from gdpo_megatron.rewards import get_reward, sandbox
 from gdpo_megatron.rewards.stage import RewardStage
 
@@ -162,6 +163,30 @@ def _live_processes_with(word):
 def test_a_missing_reward_file_is_named():
     with pytest.raises(FileNotFoundError, match="rewards.py"):
         RewardStage([RewardSpec("length")], reward_files=["/nonexistent/rewards.py"])
+
+
+def test_a_stage_built_from_a_rewards_section_takes_its_settings(tmp_path):
+    path = tmp_path / "hangs.py"
+    path.write_text(
+        "import time\n"
+        "from gdpo_megatron.rewards import register_reward\n"
+        "@register_reward('stage_section_hangs_on_1')\n"
+        "def hangs_on_1(completion, num_tokens, ground_truth):\n"
+        "    if ground_truth['i'] == 1:\n"
+        "        time.sleep(3600)\n"
+        "    return float(ground_truth['i'])\n"
+    )
+    section = from_dict(RewardsConfig, {
+        "rewards": [{"name": "stage_section_hangs_on_1", "failure_value": -1.0},
+                    {"name": "length", "kwargs": {"max_tokens": 3}}],
+        "num_workers": 1, "timeout_s": 1.0, "reward_files": [str(path)],
+    }, "rewards")
+    with RewardStage.from_config(section) as stage:
+        assert stage.names == ["stage_section_hangs_on_1", "length"] and len(stage._workers) == 1
+        rewards, metrics = stage.score(["a", "b", "c"], [1, 5, 3], [{"i": 0}, {"i": 1}, {"i": 2}])
+    # rollout 1 runs past the section's timeout_s (its spec sets none) and scores its failure_value
+    assert rewards.tolist() == [[0.0, 1.0], [-1.0, 0.0], [2.0, 1.0]]
+    assert metrics["reward/stage_section_hangs_on_1/timeouts"] == 1
 
 
 def worker_only_failure(tmp_path) -> RewardStage:

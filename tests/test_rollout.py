@@ -4,11 +4,15 @@ One engine serves the whole module. Two tiny random Llamas share a tokenizer: ``
 what the engine starts with, ``other`` what ``update_weights`` loads. Every expected value is
 computed here from the transformers model with plain forward passes.
 """
+import dataclasses
+
 import pytest
 import torch
 
+from gdpo_megatron.config.rollout import RolloutConfig
 from gdpo_megatron.rollout import SamplingConfig, VLLMEngine, VLLMEngineConfig
-from gdpo_megatron.rollout.vllm_engine import CPU_BLOCK_SIZE, kv_cache_gib
+from gdpo_megatron.rollout.vllm_engine import CPU_BLOCK_SIZE, sequences_kv_cache_gib
+from gdpo_megatron.device import CPU
 
 # Longer than a KV-cache block, so a stale prefix cache after a weight update would be hit.
 LONG_PROMPT = [(7 * i) % 500 + 1 for i in range(300)]
@@ -22,7 +26,8 @@ def models(tiny_llamas):
 
 @pytest.fixture(scope="module")
 def engine(models):
-    eng = VLLMEngine(VLLMEngineConfig(models["paths"]["base"], dtype="float32", max_model_len=512, kv_cache_gib=0.25))
+    eng = VLLMEngine(VLLMEngineConfig(models["paths"]["base"], dtype="float32", max_model_len=512, kv_cache_gib=0.25),
+                     CPU)
     yield eng
     eng.close()
 
@@ -238,6 +243,75 @@ def test_the_samples_of_a_prompt_share_its_prefill_until_the_weights_change(engi
     assert counts() == (n * len(prompt), (n - 1) * cacheable)
 
 
+def trajectories(engine, prompts, tool_tokens):
+    """Each prompt, a greedy first turn of 12 tokens, then ``tool_tokens`` (what a tool returned)."""
+    first = engine.generate(prompts, 1, SamplingConfig(temperature=0.0, max_new_tokens=12))
+    return [list(p) + g[0].token_ids + list(tool_tokens) for p, g in zip(prompts, first)]
+
+
+def test_a_continuation_samples_from_the_whole_trajectory(engine, models):
+    """A continued trajectory is sampled as if the whole sequence were its prompt: greedy
+    tokens and sampled logprobs are those of transformers on prompt + turn + tool tokens."""
+    eos = models["base"].config.eos_token_id
+    sequences = trajectories(engine, PROMPTS, [300, 301, 302, 303])
+    greedy_turn = engine.continue_sequences(sequences, SamplingConfig(temperature=0.0, max_new_tokens=8))
+    assert [c.token_ids for c in greedy_turn] == [greedy(models["base"], s, 8, eos) for s in sequences]
+
+    sampled = engine.continue_sequences(sequences, SamplingConfig(temperature=0.7, max_new_tokens=10, seed=4))
+    for sequence, c in zip(sequences, sampled):
+        expected = token_logprobs(models["base"], sequence, c.token_ids, temperature=0.7)
+        torch.testing.assert_close(torch.tensor(c.logprobs, dtype=torch.float64), expected, atol=1e-4, rtol=0)
+
+
+def test_continuations_reuse_the_trajectories_prefix_cache_and_advance_together(engine):
+    """Each trajectory finds in the prefix cache the whole blocks its first turn computed: its
+    prompt and every generated token but the last, which was sampled, never fed back. One
+    call runs every trajectory in the same batch: the first finishes while others still run."""
+    block = engine._llm.llm_engine.vllm_config.cache_config.block_size
+    prompts = [[(13 * i + k) % 500 + 1 for i in range(70 + 25 * k)] for k in range(4)]  # in no other test
+    tool = list(range(400, 400 + block))  # a whole block: the continuation's own tokens are never the hit
+    sequences = trajectories(engine, prompts, tool)
+    computed = [len(s) - len(tool) - 1 for s in sequences]  # prompt + first turn, less its last token
+    before = engine.prefix_cache
+    engine.continue_sequences(sequences, SamplingConfig(max_new_tokens=2, seed=2))
+    counts = engine.prefix_cache - before
+    assert counts.queries == sum(map(len, sequences))
+    assert counts.hits == sum(c // block * block for c in computed)
+
+    llm_engine, unfinished_then, seen = engine._llm.llm_engine, [], []
+
+    def on_completion(k, completion):
+        seen.append((k, completion))
+        unfinished_then.append(llm_engine.get_num_unfinished_requests())
+
+    # the 4th token of the first continuation stops it early, while the others run on
+    sampling = SamplingConfig(max_new_tokens=40, seed=2)
+    stop = engine.continue_sequences(sequences[:1], sampling)[0].token_ids[3]
+    continued = engine.continue_sequences(sequences, dataclasses.replace(sampling, stop_token_ids=(stop,)),
+                                          on_completion=on_completion)
+    assert sorted(k for k, _ in seen) == [0, 1, 2, 3] and all(continued[k] is c for k, c in seen)
+    lengths = [len(c.token_ids) for _, c in seen]
+    assert lengths[0] <= 4 < max(lengths) and unfinished_then[0] > 0  # the first came while others ran
+
+
+def test_a_continuation_is_seeded_by_its_key_whatever_the_batch(engine):
+    sequences = trajectories(engine, PROMPTS, [300, 301])
+    sampling = SamplingConfig(max_new_tokens=10, seed=9)
+    tokens = lambda completions: [c.token_ids for c in completions]
+    batch = engine.continue_sequences(sequences, sampling, keys=[(0, 1), (1, 0), (2, 3)])
+    alone = engine.continue_sequences(sequences[1:2], sampling, keys=[(1, 0)])
+    assert tokens(alone) == tokens(batch)[1:2]
+    assert tokens(engine.continue_sequences(sequences, sampling, keys=[(0, 1), (1, 0), (2, 3)])) == tokens(batch)
+    same = [sequences[0]] * 3  # one trajectory under three keys: three different samples
+    assert len({tuple(t) for t in tokens(engine.continue_sequences(same, sampling, keys=["a", "b", "c"]))}) == 3
+    with pytest.raises(ValueError, match=r"keys: expected one per sequence \(3\), got 2"):
+        engine.continue_sequences(sequences, sampling, keys=[0, 1])
+    with pytest.raises(ValueError, match="keys: expected each trajectory's own"):
+        engine.continue_sequences(sequences, sampling, keys=[0, 1, 0])
+    with pytest.raises(ValueError, match=r"sequences\[1\]: empty sequence"):
+        engine.continue_sequences([[1], []], sampling)
+
+
 def test_bad_input_is_named(engine, tmp_path):
     with pytest.raises(ValueError, match="n: expected >= 1"):
         engine.generate(PROMPTS, 0, SamplingConfig())
@@ -247,36 +321,45 @@ def test_bad_input_is_named(engine, tmp_path):
 
 def test_cpu_cache_blocks_are_the_size_the_sizing_assumes(engine, models):
     from gdpo_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
-    from gdpo_megatron.rollout.vllm_engine import kv_cache_bytes_per_token
 
     cache = engine._llm.llm_engine.vllm_config.cache_config
     assert cache.block_size == CPU_BLOCK_SIZE
     model = model_config_from_hf(read_hf_config(models["paths"]["base"]))
-    block_bytes = kv_cache_bytes_per_token(model, 1, element_bytes=4) * CPU_BLOCK_SIZE
+    block_bytes = VLLMEngine.kv_cache_bytes_per_token(model, RolloutConfig(), element_bytes=4) * CPU_BLOCK_SIZE
     assert cache.num_gpu_blocks == int(0.25 * 2**30) // block_bytes  # the engine's 0.25 GiB, in blocks
 
 
 def test_kv_cache_for_a_step_holds_its_sequences_in_whole_blocks():
-    from gdpo_megatron.rollout.vllm_engine import kv_cache_bytes_per_token
     from gdpo_megatron.config.policy import ModelConfig
+    from gdpo_megatron.device import CPU, CUDA
 
     model = ModelConfig(vocab_size=128, hidden_size=512, ffn_hidden_size=1024, num_layers=4, num_attention_heads=8,
                         num_query_groups=2)
     per_token = 2 * 4 * 2 * 64  # keys and values, layers, KV heads, head_dim
-    assert kv_cache_bytes_per_token(model, 1, element_bytes=4) == per_token * 4
-    assert kv_cache_bytes_per_token(model, 2, element_bytes=4) == per_token * 4 // 2  # one KV head per rank
-    assert kv_cache_bytes_per_token(model, 4, element_bytes=2) == per_token * 2 // 2  # KV heads replicate
+    per_rank = lambda tp, element_bytes: VLLMEngine.kv_cache_bytes_per_token(
+        model, RolloutConfig(tensor_parallel_size=tp), element_bytes)
+    assert per_rank(1, 4) == per_token * 4
+    assert per_rank(2, 4) == per_token * 4 // 2  # one KV head per rank
+    assert per_rank(4, 2) == per_token * 2 // 2  # KV heads replicate
     # 64 sequences of up to 100 tokens: four 32-token blocks each, and the block pool's null block
-    assert kv_cache_gib(per_token * 4, 64, 100, 512) * 2**30 == (64 * 4 + 1) * 32 * per_token * 4
+    assert sequences_kv_cache_gib(per_token * 4, 64, 100, 512) * 2**30 == (64 * 4 + 1) * 32 * per_token * 4
     # 3 sequences of up to 130 tokens: five blocks each
-    assert kv_cache_gib(per_token * 2, 3, 130, 256) * 2**30 == (3 * 5 + 1) * 32 * per_token * 2
+    assert sequences_kv_cache_gib(per_token * 2, 3, 130, 256) * 2**30 == (3 * 5 + 1) * 32 * per_token * 2
     # at least one sequence of max_model_len (vLLM's own requirement)
-    assert kv_cache_gib(per_token * 4, 1, 10, 1000) * 2**30 == (32 + 1) * 32 * per_token * 4
+    assert sequences_kv_cache_gib(per_token * 4, 1, 10, 1000) * 2**30 == (32 + 1) * 32 * per_token * 4
     # other block sizes
-    assert kv_cache_gib(per_token * 4, 3, 130, 256, block_size=128) * 2**30 == (6 + 1) * 128 * per_token * 4
+    assert sequences_kv_cache_gib(per_token * 4, 3, 130, 256, block_size=128) * 2**30 == (6 + 1) * 128 * per_token * 4
+
+    # What the engine asks for before it is built: on CPU the cache of a step's sequences (the
+    # CPU engine's KV cache is fp32); on GPU vLLM's own sizing; a configured size wherever it is set.
+    rollout = RolloutConfig(max_model_len=512)
+    assert VLLMEngine.kv_cache_gib(rollout, model, CPU, 64, 100) * 2**30 == (64 * 4 + 1) * 32 * per_token * 4
+    assert VLLMEngine.kv_cache_gib(rollout, model, CUDA, 64, 100) is None
+    for machine in (CPU, CUDA):
+        assert VLLMEngine.kv_cache_gib(RolloutConfig(kv_cache_gib=3.5), model, machine, 64, 100) == 3.5
 
 
-def test_the_pinned_vllm_cannot_load_a_qwen2_head_dim_that_check_vllm_can_load_refuses(tmp_path):
+def test_the_pinned_vllm_cannot_load_a_qwen2_head_dim_that_check_model_refuses(tmp_path):
     """vLLM's Qwen2 derives head_dim from hidden / heads: a checkpoint with another one fails at
     the engine's weight load, which is why training and gdpo-eval refuse it before anything
     starts. If this vLLM loads it, the check is out of date."""
@@ -288,7 +371,6 @@ def test_the_pinned_vllm_cannot_load_a_qwen2_head_dim_that_check_vllm_can_load_r
 
     from gdpo_megatron.errors import InputError
     from support.tiny_model import build_tokenizer
-    from gdpo_megatron.rollout.vllm_engine import check_vllm_can_load
 
     tokenizer = build_tokenizer(512)
     config = Qwen2Config(vocab_size=512, hidden_size=128, num_attention_heads=1, num_key_value_heads=1, head_dim=64,
@@ -298,11 +380,12 @@ def test_the_pinned_vllm_cannot_load_a_qwen2_head_dim_that_check_vllm_can_load_r
     tokenizer.save_pretrained(tmp_path)
     with pytest.raises(InputError, match="head_dim: vLLM's Qwen2 uses hidden_size / num_attention_heads = 128 "
                                          "and cannot load head_dim=64"):
-        check_vllm_can_load(json.loads((tmp_path / "config.json").read_text()))
+        VLLMEngine.check_model(json.loads((tmp_path / "config.json").read_text()))
     # vLLM's Llama reads head_dim: the same shape as a Llama passes
-    check_vllm_can_load({**config.to_dict(), "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
-    start = ("from gdpo_megatron.rollout import VLLMEngine, VLLMEngineConfig; "
-             f"VLLMEngine(VLLMEngineConfig({str(tmp_path)!r}, dtype='float32', max_model_len=256, kv_cache_gib=0.01))")
+    VLLMEngine.check_model({**config.to_dict(), "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    start = ("from gdpo_megatron.device import CPU; from gdpo_megatron.rollout import VLLMEngine, VLLMEngineConfig; "
+             f"VLLMEngine(VLLMEngineConfig({str(tmp_path)!r}, dtype='float32', max_model_len=256, kv_cache_gib=0.01), "
+             "CPU)")
     run = subprocess.run([sys.executable, "-c", start], capture_output=True, text=True, timeout=300)
     assert run.returncode != 0, "this vLLM loads a Qwen2 head_dim other than hidden / heads: drop the check"
     # its q_proj shard is sized hidden / heads = 128 rows; the checkpoint's has head_dim = 64
@@ -352,17 +435,53 @@ def test_the_utilization_given_to_vllm_passes_its_start_up_check():
 
     with pytest.raises(ValueError, match="less than desired GPU memory utilization"):
         vllm_start(0.5)
-    derived = gpu_memory_utilization(weights, kv_cache, 0.5, free, total)
+    derived = gpu_memory_utilization(weights, kv_cache, 0.5, free, total, 1)
     assert derived == (weights + kv_cache + VLLM_RUNTIME_GIB * gib) / total
     assert vllm_start(derived) <= free
     with pytest.raises(InputError, match=r"rollout.kv_cache_gib=20: vLLM needs 37.0 GiB free at start-up "
                                          r"\(weights 15.0 \+ KV cache 20.0 \+ runtime 2 GiB\) and 33.0 GiB of 80.0"):
-        gpu_memory_utilization(weights, 20 * gib, 0.5, free, total)
+        gpu_memory_utilization(weights, 20 * gib, 0.5, free, total, 1)
     # without a fixed KV cache the configured share stands, and is checked the same way
-    assert gpu_memory_utilization(weights, None, 0.4, free, total) == 0.4
+    assert gpu_memory_utilization(weights, None, 0.4, free, total, 1) == 0.4
     assert vllm_start(0.4) <= free
     with pytest.raises(InputError, match=r"rollout.gpu_memory_utilization=0.5: vLLM starts only with 40.0 GiB"):
-        gpu_memory_utilization(weights, None, 0.5, free, total)
+        gpu_memory_utilization(weights, None, 0.5, free, total, 1)
+
+
+@pytest.mark.parametrize("kv_cache_gib", [None, 10])
+@pytest.mark.parametrize("free_gib", [32.0, 33.0, 33.5, 34.0])
+def test_an_engine_of_several_ranks_keeps_room_for_vllms_communicators(free_gib, kv_cache_gib):
+    """At rollout TP 2 vLLM builds its communicators before it measures the free memory: the
+    engine accepts exactly where vLLM's own rule passes on what is left after them, and names
+    that share when it refuses; at TP 1 vLLM builds none and the rule is vLLM's."""
+    from vllm.utils.mem_utils import MemorySnapshot
+    from vllm.v1.worker.utils import request_memory
+
+    from gdpo_megatron.errors import InputError
+    from gdpo_megatron.rollout.vllm_engine import VLLM_COMMUNICATORS_GIB, gpu_memory_utilization
+
+    gib = 2**30
+    free, total, weights = int(free_gib * gib), 80 * gib, 20 * gib
+    kv_cache = None if kv_cache_gib is None else kv_cache_gib * gib  # 20 + 10 + runtime 2 = 32 GiB, as 0.4 x 80
+
+    def vllm_accepts(utilization, free_then):
+        snapshot = MemorySnapshot(free_memory=free_then, total_memory=total, device="cpu", auto_measure=False)
+        try:
+            request_memory(snapshot, type("CacheConfig", (), {"gpu_memory_utilization": utilization})())
+        except ValueError:
+            return False
+        return True
+
+    utilization = 0.4  # configured, or derived from weights + KV cache + runtime: 32 of 80 GiB either way
+    for tp, taken in ((1, 0), (2, int(VLLM_COMMUNICATORS_GIB * gib))):
+        try:
+            assert gpu_memory_utilization(weights, kv_cache, 0.4, free, total, tp) == pytest.approx(utilization)
+            accepted = True
+        except InputError as e:
+            assert ("for vLLM's communicators at rollout.tensor_parallel_size 2" in str(e)) == (tp == 2)
+            accepted = False
+        assert accepted == vllm_accepts(utilization, free - taken)  # what vLLM sees after its communicators
+        assert accepted == (free_gib >= (32 if tp == 1 else 33.5))
 
 
 @pytest.mark.parametrize("temperature, accepted", [(0.005, False), (0.01, True), (2.0, True), (2.5, False)])
@@ -383,3 +502,18 @@ def test_rollout_temperature_is_bounded_where_vllm_bounds_it(temperature, accept
     with pytest.raises(Exception, match=f"temperature must be in \\[0, {high:g}\\]"):
         SamplingParams(temperature=high * 1.0001)
     assert SamplingParams(temperature=low / 2).temperature == low
+
+
+def test_each_value_of_rollout_engine_names_an_engine_class():
+    import typing
+
+    from gdpo_megatron.config import ConfigError, from_dict
+    from gdpo_megatron.rollout import RolloutEngine
+    from gdpo_megatron.rollout.factory import DEFAULT_ENGINE, ENGINES, engine_class
+
+    assert set(ENGINES) == set(typing.get_args(typing.get_type_hints(RolloutConfig)["engine"]))
+    assert all(issubclass(cls, RolloutEngine) and not getattr(cls, "__abstractmethods__") for cls in ENGINES.values())
+    assert engine_class(from_dict(RolloutConfig, {"engine": "vllm"}, "rollout").engine) is VLLMEngine
+    assert engine_class(DEFAULT_ENGINE) is VLLMEngine
+    with pytest.raises(ConfigError, match="rollout.engine"):
+        from_dict(RolloutConfig, {"engine": "sglang"}, "rollout")

@@ -12,6 +12,8 @@ import torch
 
 from gdpo_megatron.distributed.launch import free_port
 from gdpo_megatron.rollout import SamplingConfig
+from gdpo_megatron.device import this_machine
+from support.placement import this_rank
 
 PROMPTS = [[5, 17, 42, 99, 3], [250, 251, 252], [(7 * i) % 500 + 1 for i in range(40)]]
 pytestmark = pytest.mark.slow  # importing vLLM in two processes and starting engines: ~40-60 s
@@ -26,7 +28,7 @@ def start_engine(model_path: str, tensor_parallel_size: int) -> None:
     config = VLLMEngineConfig(
         model_path, tensor_parallel_size=tensor_parallel_size, dtype="float32", max_model_len=256, kv_cache_gib=0.25
     )
-    _ENGINE["engine"] = VLLMEngine(config)
+    _ENGINE["engine"] = VLLMEngine(config, this_machine())
 
 
 def generate(prompts_by_rank, n: int, sampling_by_rank):
@@ -80,7 +82,7 @@ def policy_consistency(base_path: str, training_tp: int, temperature: float):
         parallel=ParallelConfig(tensor_model_parallel_size=training_tp),
     )
     engine = _ENGINE["engine"]
-    with PolicyWorker(resolved_here(config), seed=77, temperature=temperature) as worker:
+    with PolicyWorker(resolved_here(config), this_rank(), seed=77, temperature=temperature) as worker:
         engine.update_weights(iter_hf_weights(worker.gpt_model, config.model))
         # the same prompts and seed on both ranks: one batch for the TP=2 policy
         sampling = SamplingConfig(temperature=temperature, max_new_tokens=12, seed=21)
@@ -124,7 +126,8 @@ def update_from_perturbed_rollouts(base_path: str, old_logprobs: str, tis_cap):
     model = model_config_from_hf(read_hf_config(base_path))
     config = PolicyConfig(model=model, old_logprobs=old_logprobs, loss=LossConfig(tis_cap=tis_cap))
     engine = LogitScaledEngine(_ENGINE["engine"], scale=1.3)
-    with PolicyWorker(resolved_here(config), seed=5, init_weights=lambda m: load_hf_weights(m, model, base_path)) as worker:
+    with PolicyWorker(resolved_here(config), this_rank(), seed=5,
+                      init_weights=lambda m: load_hf_weights(m, model, base_path)) as worker:
         engine.update_weights(iter_hf_weights(worker.gpt_model, config.model))
         completions = [c for g in engine.generate(PROMPTS, 2, SamplingConfig(max_new_tokens=12, seed=3)) for c in g]
         n = len(completions)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from support.local_world import LocalWorld
+from gdpo_megatron.device import CUDA
 from gdpo_megatron.rollout import SamplingConfig
 
 pytestmark = pytest.mark.gpu
@@ -46,7 +47,7 @@ def _engine(model_path: str, **kwargs):
     from gdpo_megatron.rollout import VLLMEngine, VLLMEngineConfig
 
     torch.cuda.set_device(torch.distributed.get_rank())  # before NCCL's first collective
-    return VLLMEngine(VLLMEngineConfig(model_path, max_model_len=256, gpu_memory_utilization=0.3, **kwargs))
+    return VLLMEngine(VLLMEngineConfig(model_path, max_model_len=256, gpu_memory_utilization=0.3, **kwargs), CUDA)
 
 
 def _generate(engine, n: int, sampling: SamplingConfig):

@@ -91,7 +91,7 @@ def test_data_parallel_run_resumes_and_exports(base_model, tmp_path):
 
 
 @pytest.mark.parametrize("layout", [
-    ("policy.parallel.tensor_model_parallel_size=2", "advantage.mode=grpo", "dynamic_sampling=true",
+    ("policy.parallel.tensor_model_parallel_size=2", "advantage.mode=grpo", "advantage.filter=informative_groups",
      "policy.old_logprobs=policy", "policy.loss.tis_cap=2", "policy.optim.use_distributed_optimizer=true",
      "policy.offload_grads_and_optimizer=true"),
     # also token-budget micro-batches under 1F1B, and the KV cache sized to the step's rollouts
@@ -103,6 +103,10 @@ def test_model_parallel_runs_export_loadable_checkpoints(base_model, tmp_path, l
     results = run_local(_train, 2, _overrides(base_model, run_dir, 1, *layout))
     assert results == [(0, "done"), (0, "done")]
     record = _check_run(run_dir, 1, world_size=2)[0]
+    if "advantage.filter=informative_groups" in layout:  # the share of the step's 4 prompt groups kept
+        assert record["advantage/kept_group_frac"] in (0.0, 0.25, 0.5, 0.75, 1.0)
+    else:
+        assert "advantage/kept_group_frac" not in record
     if "policy.old_logprobs=policy" in layout:  # the update starts at ratio 1; fp32 engines: weights ~1
         assert record["train/ratio_min"] == pytest.approx(1.0, abs=1e-6) == record["train/ratio_max"]
         assert record["train/tis_weight"] == pytest.approx(1.0, abs=1e-4) and record["train/tis_truncated"] == 0
@@ -159,7 +163,7 @@ def _kv_cache_gib_of_the_engine(overrides):
 def test_the_cpu_kv_cache_holds_one_step_of_the_datas_longest_prompts(base_model, tmp_path):
     from transformers import AutoTokenizer
 
-    from gdpo_megatron.rollout.vllm_engine import CPU_BLOCK_SIZE, kv_cache_gib
+    from gdpo_megatron.rollout.vllm_engine import CPU_BLOCK_SIZE, sequences_kv_cache_gib
     from gdpo_megatron.preflight.validation import training_prompts
 
     config = load_config(TrainConfig, CONFIG, _overrides(base_model, tmp_path / "kv", 1))
@@ -176,8 +180,8 @@ def test_the_cpu_kv_cache_holds_one_step_of_the_datas_longest_prompts(base_model
     hf = json.loads((Path(base_model) / "config.json").read_text())
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     per_token = 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * head_dim * 4  # K and V, fp32
-    expected = kv_cache_gib(per_token, 4 * 4, longest + new_tokens, config.rollout.max_model_len)
-    assert expected > kv_cache_gib(per_token, 4 * 4, longest - 1 + new_tokens, config.rollout.max_model_len)
+    expected = sequences_kv_cache_gib(per_token, 4 * 4, longest + new_tokens, config.rollout.max_model_len)
+    assert expected > sequences_kv_cache_gib(per_token, 4 * 4, longest - 1 + new_tokens, config.rollout.max_model_len)
     assert run_local(_kv_cache_gib_of_the_engine, 1, overrides) == [expected]  # 4 prompts x 4 rollouts
 
 

@@ -57,7 +57,7 @@ from gdpo_megatron.checkpoint.state import (
     complete_steps, read_training_state, step_dir,
 )
 from gdpo_megatron.checkpoint.weight_stream import unwrap
-from gdpo_megatron.device import this_machine
+from gdpo_megatron.device import cuda_rng_state, set_cuda_rng_state
 from gdpo_megatron.policy import cpu_compat
 
 LATEST = "latest"
@@ -108,24 +108,30 @@ def _write_json_atomic(path: Path, value: Any) -> None:
     os.replace(tmp, path)
 
 
-def rng_state() -> dict:
-    """The RNG states of this process: python, numpy, torch, CUDA and megatron's tracker."""
+def on_cuda(model) -> bool:
+    """Whether ``model`` (this rank's stage, wrapped or not) lives on a CUDA device."""
+    return next(unwrap(model).parameters()).is_cuda
+
+
+def rng_state(cuda: bool) -> dict:
+    """The RNG states of this process: python, numpy, torch, megatron's tracker and, with
+    ``cuda``, the current CUDA device's."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if this_machine().cuda:
-        state["cuda"] = torch.cuda.get_rng_state()
+    if cuda:
+        state["cuda"] = cuda_rng_state()
     tracker = tensor_parallel.get_cuda_rng_tracker()
     if tracker.is_initialized():
         state["tracker"] = tracker.get_states()
     return state
 
 
-def set_rng_state(state: dict) -> None:
-    """Restore what :func:`rng_state` returned."""
+def set_rng_state(state: dict, cuda: bool) -> None:
+    """Restore what :func:`rng_state` returned (the CUDA device's state with ``cuda``)."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and this_machine().cuda:
-        torch.cuda.set_rng_state(state["cuda"])
+    if "cuda" in state and cuda:
+        set_cuda_rng_state(state["cuda"])
     if "tracker" in state:
         tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
@@ -240,7 +246,7 @@ class CheckpointManager:
             if scheduler is not None:
                 sharded["scheduler"] = scheduler.state_dict()
             dist_checkpointing.save(sharded, str(tmp / DIST_DIR), sharded_strategy=InProcessTorchDistSave())
-        torch.save(rng_state(), tmp / RNG_DIR / f"rank_{_rank()}.pt")
+        torch.save(rng_state(on_cuda(model)), tmp / RNG_DIR / f"rank_{_rank()}.pt")
         if _rank() == 0:
             (tmp / STATE_FILE).write_text(state_text + "\n")
         _barrier()
@@ -301,17 +307,17 @@ class CheckpointManager:
                 raise CheckpointError(f"{directory / DIST_DIR}: saved without a scheduler state")
             scheduler.load_state_dict(loaded["scheduler"])
         if restore_rng:
-            self._restore_rng(directory, state.world_size)
+            self._restore_rng(directory, state.world_size, on_cuda(model))
         return state
 
-    def _restore_rng(self, directory: Path, saved_world_size: int) -> None:
+    def _restore_rng(self, directory: Path, saved_world_size: int, cuda: bool) -> None:
         if saved_world_size != _world_size():
             warnings.warn(f"{directory}: RNG states not restored (saved by {saved_world_size} ranks, "
                           f"loading on {_world_size()})")
             return
         path = directory / RNG_DIR / f"rank_{_rank()}.pt"
         try:
-            set_rng_state(torch.load(path, weights_only=False))
+            set_rng_state(torch.load(path, weights_only=False), cuda)
         except Exception as e:
             raise CheckpointError(f"{path}: cannot read the RNG states: {e}") from e
 

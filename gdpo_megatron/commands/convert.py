@@ -120,12 +120,12 @@ def check(args, parallel: ParallelConfig, world_size: int) -> Plan:
     return Plan(model, saved.get("hf_config"), step, tokenizer)
 
 
-def _hf_to_megatron(args, plan: Plan, parallel: ParallelConfig, precision: PrecisionConfig) -> None:
+def _hf_to_megatron(args, plan: Plan, placement, parallel: ParallelConfig, precision: PrecisionConfig) -> None:
     from gdpo_megatron.checkpoint.hf_io import load_hf_weights
     from gdpo_megatron.checkpoint.manager import CheckpointManager
     from gdpo_megatron.policy.model import build_model
 
-    model = build_model(plan.model, parallel, precision)
+    model = build_model(plan.model, placement, parallel, precision)
     load_hf_weights(model, plan.model, args.hf_dir, progress=True)
     state = {"model": dataclasses.asdict(plan.model), "hf_config": plan.hf_config, "hf_dir": str(args.hf_dir.resolve())}
     path = CheckpointManager(args.checkpoint_root, keep_last=None).save(0, model, config=state)
@@ -133,12 +133,12 @@ def _hf_to_megatron(args, plan: Plan, parallel: ParallelConfig, precision: Preci
         print(f"wrote {path}")
 
 
-def _megatron_to_hf(args, plan: Plan, parallel: ParallelConfig, precision: PrecisionConfig) -> None:
+def _megatron_to_hf(args, plan: Plan, placement, parallel: ParallelConfig, precision: PrecisionConfig) -> None:
     from gdpo_megatron.checkpoint.hf_io import save_hf_checkpoint
     from gdpo_megatron.checkpoint.manager import CheckpointManager
     from gdpo_megatron.policy.model import build_model
 
-    model = build_model(plan.model, parallel, precision)
+    model = build_model(plan.model, placement, parallel, precision)
     CheckpointManager(args.checkpoint_root, keep_last=None).load(model, step=plan.step, restore_rng=False)
     path = save_hf_checkpoint(model, plan.model, args.out_dir, base_hf_config=plan.hf_config,
                               tokenizer_dir=plan.tokenizer, max_shard_bytes=int(args.max_shard_gb * 2**30),
@@ -152,19 +152,25 @@ def main(argv: list[str]) -> int:
     """Entry point; uses the process group if one exists, else starts one from the launcher env."""
     args = parse(argv)
     parallel = ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
-    precision = resolve_precision(PrecisionConfig(dtype=args.dtype or "auto"), this_machine())
+    machine = this_machine()
+    precision = resolve_precision(PrecisionConfig(dtype=args.dtype or "auto"), machine)
     started = not dist.is_initialized()
     plan = check(args, parallel, launch_world_size() if started else dist.get_world_size())
 
-    from gdpo_megatron.distributed.launch import init_distributed
+    from gdpo_megatron.device import place_rank
+    from gdpo_megatron.distributed.launch import init_distributed, resolve_launch_env
+    from gdpo_megatron.policy import cpu_compat
     from gdpo_megatron.policy.model import destroy_model_parallel, initialize_model_parallel
 
     if started:
-        init_distributed()
+        _, placement = init_distributed(machine)
+    else:
+        placement = place_rank(machine, resolve_launch_env().local_rank)
+    cpu_compat.install(machine)
     initialize_model_parallel(parallel)
     try:
         convert = _hf_to_megatron if args.command == "hf-to-megatron" else _megatron_to_hf
-        convert(args, plan, parallel, precision)
+        convert(args, plan, placement, parallel, precision)
     finally:
         destroy_model_parallel()
         if started:

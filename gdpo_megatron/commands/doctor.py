@@ -12,6 +12,7 @@ import torch
 
 from gdpo_megatron.commands.console import ArgumentParser, console_entry, positive_int, quiet_defaults
 from gdpo_megatron.config import TrainConfig, load_config
+from gdpo_megatron.device import cuda_device_count
 from gdpo_megatron.preflight.doctor import CHECKS, SKIP_ENV, Target, format_table, mismatches, run_checks
 from gdpo_megatron.preflight.pins import PIN_FILE, read_pins
 
@@ -39,7 +40,7 @@ def main(argv: list[str]) -> int:
     quiet_defaults()
     config = load_config(TrainConfig, args.config, args.overrides) if args.config else None
     pins = read_pins()
-    world_size = args.nodes * max(torch.cuda.device_count(), 1)
+    world_size = args.nodes * max(cuda_device_count(), 1)
     rows = run_checks(Target(pins, config, world_size), args.only)
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU"
     print(f"gdpo-doctor: pins {PIN_FILE}; torch {torch.__version__} ({build} build); "

@@ -3,8 +3,10 @@
 ``gdpo-eval --model runs/x/hf --bfcl`` reports BFCL accuracy per category (exact calls,
 BFCL's string normalization); ``--data FILE --family F --rewards a,b`` reports each reward's
 mean on any prompt file or dataset directory (ToolRL's test split: ``--data
-rlla_4k/test.parquet --family toolrl --rewards toolrl_format,toolrl_correctness``). Every input
-is checked before the engine starts.
+rlla_4k/test.parquet --family toolrl --rewards toolrl_format,toolrl_correctness``). ``--data``
+and its options are the config's ``data`` section (``--prompt-key`` is ``data.prompt_key``),
+built and checked by the config loader as a training config's is. Every input is checked
+before the engine starts.
 """
 from __future__ import annotations
 
@@ -14,9 +16,21 @@ import sys
 from pathlib import Path
 
 from gdpo_megatron.commands.console import ArgumentParser, console_entry, positive_int, quiet_defaults
-from gdpo_megatron.data.samples import FAMILIES, FAMILY_REWARDS, Fields
+from gdpo_megatron.config import DataConfig, from_dict
 from gdpo_megatron.errors import UsageError
 from gdpo_megatron.config.rewards import RewardSpec
+from gdpo_megatron.tasks import get_task, task_names
+
+# The options that go with --data, each a key of the data section, and their help.
+DATA_OPTIONS = {
+    "--family": ("family", f"with --data: the task family ({', '.join(task_names())})"),
+    "--system-prompt": ("system_prompt", "with --data: instructions ('' for none)"),
+    "--split": ("split", "with --data: the split of a datasets directory (default: train of a DatasetDict, all "
+                         "of a single dataset)"),
+    "--prompt-key": ("prompt_key", "with --data: the prompt field"),
+    "--system-key": ("system_key", "with --data: the system field"),
+    "--ground-truth-key": ("ground_truth_key", "with --data: the ground truth field"),
+}
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -27,12 +41,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     source.add_argument("--bfcl", action="store_true", help="the BFCL single-turn categories")
     source.add_argument("--data", help="a prompt file (.jsonl, .json, .parquet) or datasets directory "
                                        "(see gdpo_megatron.data.samples)")
-    parser.add_argument("--family", choices=FAMILIES, help="with --data")
-    parser.add_argument("--system-prompt", default=None, help="with --data: instructions ('' for none)")
-    parser.add_argument("--split", default=None, help="with --data: the split of a datasets directory "
-                                                      "(default: train of a DatasetDict, all of a single dataset)")
-    for key in ("prompt", "system", "ground-truth"):
-        parser.add_argument(f"--{key}-key", default=None, help=f"with --data: the {key.replace('-', ' ')} field")
+    for flag, (_, help_text) in DATA_OPTIONS.items():
+        parser.add_argument(flag, default=None, help=help_text)
     parser.add_argument("--rewards", default=None,
                         help="comma-separated reward names to report (with --data, default: the family's rewards)")
     parser.add_argument("--limit", type=positive_int, default=None,
@@ -47,13 +57,19 @@ def parse(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.data is not None and args.family is None:
         parser.error("--data needs --family")
-    data_options = {"--family": args.family, "--system-prompt": args.system_prompt, "--split": args.split,
-                    "--prompt-key": args.prompt_key, "--system-key": args.system_key,
-                    "--ground-truth-key": args.ground_truth_key}
-    given = [flag for flag, value in data_options.items() if value is not None]
+    given = [flag for flag, (key, _) in DATA_OPTIONS.items() if getattr(args, key) is not None]
     if args.bfcl and given:
         parser.error(f"{given[0]} goes with --data, not --bfcl")
     return args
+
+
+def data_section(args: argparse.Namespace) -> DataConfig:
+    """``--data`` and its options as the config's ``data`` section, converted and checked by the
+    config loader and the task registry as gdpo-train's are (a ConfigError names the ``data.*`` key)."""
+    values = {"train_path": args.data, **{key: getattr(args, key) for key, _ in DATA_OPTIONS.values()}}
+    data = from_dict(DataConfig, {key: value for key, value in values.items() if value is not None}, "data")
+    get_task(data.family, "data.family")
+    return data
 
 
 @console_entry
@@ -61,36 +77,40 @@ def main(argv: list[str]) -> int:
     args = parse(argv)
 
     from gdpo_megatron.preflight.validation import (about, check_code_sandbox, check_output_file, check_reward_specs,
-                                                    check_weights, load_prompts, prompt_lengths, read_model_config)
-    from gdpo_megatron.rollout.vllm_engine import check_vllm_can_load
+                                                    check_weights, data_prompts, prompt_lengths, read_model_config)
+    from gdpo_megatron.rollout.factory import DEFAULT_ENGINE, engine_class
 
     quiet_defaults()
     # Every check before the engine starts.
+    data = None if args.bfcl else data_section(args)
     hf_config = read_model_config(args.model, "--model")
     with about("--model"):
-        check_vllm_can_load(hf_config)
+        engine_class(DEFAULT_ENGINE).check_model(hf_config)
     max_model_len = _max_model_len(hf_config, args.max_model_len, args.max_new_tokens)
     check_weights(args.model, "--model")
-    names = args.rewards.split(",") if args.rewards is not None else FAMILY_REWARDS.get(args.family, ())
+    if args.rewards is not None:
+        names = args.rewards.split(",")
+    else:
+        names = get_task(data.family).rewards if data is not None else ()
     rewards = [RewardSpec(name) for name in names if name]
     check_reward_specs(rewards, "--rewards", in_config=False)
     check_code_sandbox(rewards, "--rewards", args.allow_weaker_sandbox, "pass --allow-weaker-sandbox")
     if args.out:
         check_output_file(args.out, "--out")
-    if args.bfcl:
+    if data is None:
         from gdpo_megatron.data.bfcl import load_bfcl
 
         samples = load_bfcl(limit=args.limit)
     else:
-        fields = Fields(args.prompt_key, args.system_key, args.ground_truth_key)
-        samples = load_prompts(args.data, args.family, args.system_prompt, "--data", fields=fields,
-                               split=args.split)[: args.limit]
+        samples = data_prompts(data, "--data")[: args.limit]
     tell_what_does_not_fit(samples, prompt_lengths(samples, args.model, "--model"), max_model_len, args.max_new_tokens)
 
+    from gdpo_megatron.device import this_machine
     from gdpo_megatron.evaluate import evaluate
 
-    metrics, _ = evaluate(args.model, samples, rewards, bfcl=args.bfcl, max_new_tokens=args.max_new_tokens,
-                          max_model_len=max_model_len, allow_weaker_sandbox=args.allow_weaker_sandbox)
+    metrics, _ = evaluate(args.model, samples, rewards, machine=this_machine(), bfcl=args.bfcl,
+                          max_new_tokens=args.max_new_tokens, max_model_len=max_model_len,
+                          allow_weaker_sandbox=args.allow_weaker_sandbox)
     text = json.dumps(metrics, indent=2, sort_keys=True)
     print(text)
     if args.out:

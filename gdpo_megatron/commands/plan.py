@@ -10,7 +10,7 @@ import argparse
 
 from gdpo_megatron.commands.console import ArgumentParser, console_entry
 from gdpo_megatron.config import TrainConfig, load_config
-from gdpo_megatron.preflight.plan import DEFAULT_OVERHEAD_GIB, VLLM_RUNTIME_GIB, Cluster, format_plan, plan_memory
+from gdpo_megatron.preflight.plan import DEFAULT_OVERHEAD_GIB, ENGINE_RUNTIME_GIB, Cluster, format_plan, plan_memory
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -24,7 +24,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--overhead", type=float, default=DEFAULT_OVERHEAD_GIB, metavar="GIB",
                         help="per-GPU allowance for the CUDA context, NCCL and fragmentation")
-    parser.add_argument("--vllm-runtime", type=float, default=VLLM_RUNTIME_GIB, metavar="GIB",
+    parser.add_argument("--vllm-runtime", type=float, default=ENGINE_RUNTIME_GIB, metavar="GIB",
                         help="per-GPU allowance for what vLLM holds besides weights and KV cache (CUDA graphs, "
                              "NCCL, activations), awake or asleep; the engine sizes its start-up with the default")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted overrides of the config")

@@ -52,10 +52,12 @@ def main(argv: list[str]) -> int:
     quiet_defaults()
 
     from gdpo_megatron.config import TrainConfig, load_config
+    from gdpo_megatron.device import this_machine
     from gdpo_megatron.preflight.validation import check_training, launch_world_size
 
     config = load_config(TrainConfig, args.config, args.overrides)
-    inputs = check_training(config, launch_world_size())
+    machine = this_machine()
+    inputs = check_training(config, machine, launch_world_size())
     if inputs.resume_step >= config.steps:
         say(f"gdpo-train: {config.run_dir} has finished step {inputs.resume_step} of {config.steps}: nothing to "
             "train (raise steps to train on)")
@@ -63,7 +65,7 @@ def main(argv: list[str]) -> int:
     say(f"gdpo-train: resuming {config.run_dir} from step {inputs.resume_step} of {config.steps}" if inputs.resume_step
         else f"gdpo-train: a new run in {config.run_dir}, {config.steps} steps")
     try:
-        outcome = run(config, inputs)
+        outcome = run(config, inputs, machine)
     except PeerLostError:  # reported by run()
         return EXIT_PEER_LOST
     except KeyboardInterrupt:
@@ -80,31 +82,33 @@ def program() -> int:
     return main()
 
 
-def run(config, inputs) -> str:
-    """Join the launcher's process group (torchrun, srun, or a single process), check this
-    machine, train, clean up; what :meth:`Trainer.train` returned. A lost peer raises
-    :class:`PeerLostError`."""
+def run(config, inputs, machine) -> str:
+    """Place this rank on ``machine`` and join the launcher's process group (torchrun, srun, or a
+    single process), install the CPU shim there, check this machine, train, clean up; what
+    :meth:`Trainer.train` returned. A lost peer raises :class:`PeerLostError`."""
     import torch.distributed as dist
 
     from gdpo_megatron.distributed.launch import init_distributed
     from gdpo_megatron.distributed.peers import Peers, is_lost_peer
+    from gdpo_megatron.policy import cpu_compat
     from gdpo_megatron.preflight.doctor import preflight
     from gdpo_megatron.trainer import Trainer
 
     peers = trainer = None
     try:
-        init_distributed(timeout=config.distributed.timeout)
+        _, placement = init_distributed(machine, timeout=config.distributed.timeout)
+        cpu_compat.install(machine)
         peers = Peers.gather()
         # Libraries against the pins, GPU, precision, NCCL, memory plan: gdpo-doctor's checks, on
         # every rank, with the device set and the model that base_model holds.
         preflight(dataclasses.replace(config, policy=dataclasses.replace(config.policy, model=inputs.model)),
                   dist.get_world_size())
-        trainer = Trainer(config, inputs)
+        trainer = Trainer(config, inputs, placement)
         return trainer.train()
     except Exception as e:
         if not is_lost_peer(e):
             raise
-        line = _lost_peer_line(e, peers, config)
+        line = _lost_peer_line(e, peers, config, trainer.step_started if trainer else None)
         # Now, on every rank left (rank 0 may be the lost one), before the clean-up below.
         print(f"error: {line}", file=sys.stderr, flush=True)
         raise PeerLostError(line) from None
@@ -131,8 +135,9 @@ def finish(config, outcome: str) -> int:
     return status
 
 
-def _lost_peer_line(error: BaseException, peers, config) -> str:
-    """Who lost whom, where, why, and what a rerun resumes from."""
+def _lost_peer_line(error: BaseException, peers, config, step: int | None) -> str:
+    """Who lost whom, where (``step``: the trainer's step in progress, 0-based), why, and what a
+    rerun resumes from."""
     from gdpo_megatron.checkpoint.state import complete_steps
     from gdpo_megatron.distributed.peers import LostPeer, describe, reason
     from gdpo_megatron.run_dir import CHECKPOINT_DIR
@@ -144,12 +149,13 @@ def _lost_peer_line(error: BaseException, peers, config) -> str:
         warnings.simplefilter("ignore")
         steps = complete_steps(root)
     resume = f"the last complete checkpoint is step {steps[-1]} in {root}" if steps else f"no checkpoint yet in {root}"
-    return f"{me} lost {describe(lost)} {_where(error)}: {lost.reason}; {resume}"
+    return f"{me} lost {describe(lost)} {_where(error, step)}: {lost.reason}; {resume}"
 
 
-def _where(error: BaseException) -> str:
-    """``in step 4 (Trainer.step > fail_together)``: the trainer's innermost method in the
-    traceback, the function of the package it called, and the step."""
+def _where(error: BaseException, step: int | None) -> str:
+    """``in step 4 (Trainer.step > fail_together)``: the step (``step`` + 1; None: the loop had
+    not started), the trainer's innermost method in the traceback and the function of the
+    package it called."""
     import gdpo_megatron
     from gdpo_megatron import trainer
 
@@ -163,7 +169,5 @@ def _where(error: BaseException) -> str:
     below = [f for f in frames[innermost + 1:] if f.f_code.co_filename.startswith(package)]
     if below:
         path.append(below[0].f_code.co_qualname)
-    steps = [frames[i].f_locals["step"] for i in in_trainer
-             if frames[i].f_code.co_name == "train" and "step" in frames[i].f_locals]
     where = " > ".join(path)
-    return f"in step {steps[0] + 1} ({where})" if steps else f"in {where}"
+    return f"in step {step + 1} ({where})" if step is not None else f"in {where}"

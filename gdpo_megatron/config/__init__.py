@@ -10,7 +10,8 @@ as written; :func:`gdpo_megatron.resolve.resolve` decides them, once per run.
 Sections: :mod:`.policy` (model shape, parallelism, precision, optimizer, loss),
 :mod:`.rollout`, :mod:`.rewards`, :mod:`.advantage`, :mod:`.data`, :mod:`.checkpoint`,
 :mod:`.distributed` (how long ranks wait for each other), and
-:mod:`.train` (the whole run). The schema imports nothing of the rest of the package.
+:mod:`.train` (the whole run). Of the rest of the package the schema imports only
+:mod:`gdpo_megatron.errors` (a :class:`ConfigError` is a user error).
 """
 from gdpo_megatron.config.advantage import AdvantageConfig, ConditionConfig
 from gdpo_megatron.config.checkpoint import CheckpointConfig

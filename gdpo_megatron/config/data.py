@@ -1,11 +1,9 @@
 """Prompt data of one task family, in a published layout (:mod:`gdpo_megatron.data.samples`)."""
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Optional
 
 from gdpo_megatron.config.loader import require, require_path, section
-
-Family = Literal["math", "tool", "code", "toolrl"]
 
 
 @section
@@ -13,7 +11,9 @@ class DataConfig:
     """Where the prompts are, which fields hold what, and how many a step takes."""
 
     train_path: str  # .jsonl, .json, .parquet, or a Hugging Face datasets directory (save_to_disk)
-    family: Family
+    # A task family's name (math, tool, code, toolrl: gdpo_megatron.tasks.registry, which
+    # preflight checks it against before the data is read).
+    family: str
     # The split of a datasets directory; None: "train" of a DatasetDict, all of a single dataset.
     split: Optional[str] = None
     # Field names, as verl's data.prompt_key; dotted names reach into nested fields. None: the

@@ -4,6 +4,8 @@ A section is declared with :func:`section` (a dataclass whose fields are convert
 annotations whenever it is built, from YAML or from Python) and checks its own rules in
 ``__post_init__`` with :func:`require`, naming its fields relative to itself; :func:`from_dict`
 prefixes the message with where the section sits, so every error names the full dotted key.
+A key that moved is listed in the section's ``REPLACED_KEYS`` (old key -> what replaces it),
+and the error says so.
 """
 from __future__ import annotations
 
@@ -158,6 +160,9 @@ def from_dict(cls: type, data: Any, path: str = ""):
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     data = dict(data)
     preset = data.pop("preset", None) if hasattr(cls, "preset") else None
+    replaced = sorted(set(data) & set(getattr(cls, "REPLACED_KEYS", {})))
+    if replaced:  # a key that was moved: say where to, not just that it is unknown
+        raise ConfigError(f"{_join(path, replaced[0])}: replaced by {cls.REPLACED_KEYS[replaced[0]]}")
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = f"{path}." if path else ""

@@ -6,7 +6,6 @@ decides them, with the model's split over the world, once per run.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import field
 from typing import Literal, Optional, Union, get_args

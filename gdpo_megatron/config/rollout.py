@@ -1,4 +1,5 @@
-"""Sampling and the colocated vLLM engine (:mod:`gdpo_megatron.rollout.vllm_engine`)."""
+"""Sampling and the colocated rollout engine (:mod:`gdpo_megatron.rollout.factory` builds the one
+``engine`` names; vLLM, :mod:`gdpo_megatron.rollout.vllm_engine`, is the only one today)."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,6 +17,7 @@ TEMPERATURE_RANGE = (0.01, 2.0)
 class RolloutConfig:
     """How completions are sampled, and how the engine is laid out and sized."""
 
+    engine: Literal["vllm"] = "vllm"  # which rollout engine (rollout/factory.py); the keys below are vLLM's
     group_size: int = 8  # completions per prompt (G); GDPO and GRPO normalize inside the group
     temperature: float = 1.0
     top_p: float = 1.0

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import ClassVar, Optional
 
 from gdpo_megatron.config.advantage import AdvantageConfig
 from gdpo_megatron.config.checkpoint import CheckpointConfig
@@ -35,13 +35,16 @@ class TrainConfig:
     rewards: RewardsConfig
     steps: int = 100
     seed: int = 1234
-    dynamic_sampling: bool = False  # drop (not refill) prompt groups in which no reward has any spread
     policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     advantage: AdvantageConfig = dataclasses.field(default_factory=AdvantageConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+
+    REPLACED_KEYS: ClassVar[dict[str, str]] = {
+        "dynamic_sampling": "advantage.filter (dynamic_sampling: true is advantage.filter: informative_groups)",
+    }
 
     def __post_init__(self):
         require_path(self.run_dir, "run_dir")

@@ -11,6 +11,10 @@ Two launchers are understood, torchrun first:
   agrees on it without talking.
 
 A process with neither is a world of one on 127.0.0.1.
+
+:func:`init_distributed` is where a rank is launched: given the machine its command decided
+on, it places the rank (``device.place_rank``), joins the process group and returns the
+placement that the builders take.
 """
 from __future__ import annotations
 
@@ -22,10 +26,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
-from gdpo_megatron.device import this_machine
+from gdpo_megatron.device import Machine, Placement, place_rank
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 SLURM_TASK_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
@@ -101,22 +104,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(backend: str | None = None, timeout: timedelta | None = None) -> LaunchEnv:
-    """Start the default process group from the launcher's environment.
+def init_distributed(machine: Machine, backend: str | None = None,
+                     timeout: timedelta | None = None) -> tuple[LaunchEnv, Placement]:
+    """Place this rank on ``machine`` and start the default process group from the launcher's
+    environment; the launch facts and the rank's placement.
 
-    Backend: ``nccl`` when CUDA is available, else ``gloo`` (unless given). With CUDA the
-    current device is set from the local rank first. The resolved values are exported
+    Backend: ``machine.backend`` (``nccl`` with CUDA, else ``gloo``) unless given. With CUDA
+    the current device is set from the local rank first. The resolved values are exported
     under torchrun's names (see :func:`exported_env`), so libraries that read them (vLLM,
     megatron-core) agree with this process on its rank and its device.
     """
     launch = resolve_launch_env()
     if dist.is_initialized():
         raise RuntimeError("init_distributed: torch.distributed is already initialized in this process")
-    machine, device = this_machine(), None
-    if machine.cuda:
-        device = cuda_device_for(launch.local_rank, torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    os.environ.update(exported_env(launch, device))
+    placement = place_rank(machine, launch.local_rank)
+    os.environ.update(exported_env(launch, placement.device.index if machine.cuda else None))
     dist.init_process_group(
         backend or machine.backend,
         init_method="env://",
@@ -124,7 +126,7 @@ def init_distributed(backend: str | None = None, timeout: timedelta | None = Non
         world_size=launch.world_size,
         timeout=timeout,
     )
-    return launch
+    return launch, placement
 
 
 def exported_env(launch: LaunchEnv, cuda_device: int | None) -> dict[str, str]:
@@ -141,22 +143,6 @@ def exported_env(launch: LaunchEnv, cuda_device: int | None) -> dict[str, str]:
     if cuda_device is not None:
         env["LOCAL_RANK"] = str(cuda_device)
     return env
-
-
-def cuda_device_for(local_rank: int, device_count: int) -> int:
-    """The CUDA device of a local rank.
-
-    All of a node's GPUs visible (``--gpus-per-node``): device ``local_rank``. One GPU bound
-    to each task (``--gpus-per-task=1``): device 0.
-    """
-    if device_count == 1:
-        return 0
-    if not 0 <= local_rank < device_count:
-        raise RuntimeError(
-            f"local rank {local_rank} has no GPU: this task sees {device_count} CUDA devices; "
-            "launch at most one task per GPU on each node (tasks per node = GPUs per node)"
-        )
-    return local_rank
 
 
 def expand_nodelist(nodelist: str) -> list[str]:

@@ -1,8 +1,11 @@
-"""Run megatron-core on a machine without CUDA (fp32, gloo). A no-op when CUDA is available.
+"""Run megatron-core on a machine without CUDA (fp32, gloo). Nothing changes on a CUDA machine.
 
 megatron-core assumes a GPU in a handful of places; this module is the only one that knows
-about them. :func:`install` (idempotent) patches the process-wide functions that a CPU-only
-torch build cannot answer:
+about them. :func:`install` is called once per process, explicitly, by whatever launches it
+(``gdpo-train`` and ``gdpo-convert`` right after ``init_distributed``; a test's process after
+its process group), with the machine that launch decided on; nothing installs it implicitly.
+On a CPU machine it patches, for the whole process, the functions that a CPU-only torch build
+cannot answer:
 
 * ``torch.cuda.current_device()`` -> the CPU device (``device=torch.cuda.current_device()``
   appears at ~100 sites, e.g. the global memory buffer);
@@ -14,7 +17,8 @@ Everything that megatron-core creates with a literal ``"cuda"`` device (pipeline
 gradient clipping, optimizer scalars, ``.cuda()`` copies) or checks with
 ``tensor.type() == "torch.cuda.FloatTensor"`` is handled by :func:`device_scope`, a torch
 function mode to enter around model building, forward-backward and optimizer steps. It is
-scoped rather than global because it adds Python work to every torch call.
+scoped rather than global because it adds Python work to every torch call; it needs
+:func:`install` first, and is a no-op on a CUDA machine.
 """
 from __future__ import annotations
 
@@ -26,9 +30,9 @@ from megatron.core.tensor_parallel import random as mpu_random
 from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 from torch.overrides import TorchFunctionMode
 
-from gdpo_megatron.device import this_machine
+from gdpo_megatron.device import Machine
 
-_installed = False
+_installed_for: Machine | None = None  # the machine install() was called with
 
 
 class CpuRNGStatesTracker(CudaRNGStatesTracker):
@@ -96,27 +100,34 @@ class _CudaOnCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def install() -> None:
-    """Make megatron-core runnable on this CPU-only process (no-op with CUDA; idempotent)."""
-    global _installed
-    if _installed or this_machine().cuda:
+def install(machine: Machine) -> None:
+    """Make megatron-core runnable in this process on ``machine``: on the CPU, patch
+    ``torch.cuda`` and megatron's RNG tracker (see the module docstring); with CUDA, nothing.
+    Called once per process, at launch; calling it again with the same machine does nothing."""
+    global _installed_for
+    if _installed_for is not None:
+        if _installed_for != machine:
+            raise RuntimeError(f"cpu_compat.install({machine.kind!r}): already installed for {_installed_for.kind!r}")
         return
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    torch.cuda.synchronize = lambda *args, **kwargs: None
-    torch.cuda.current_stream = lambda *args, **kwargs: _InertStream()
-    mpu_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
-    mpu_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-    _installed = True
+    if not machine.cuda:
+        torch.cuda.current_device = lambda: torch.device("cpu")
+        torch.cuda.synchronize = lambda *args, **kwargs: None
+        torch.cuda.current_stream = lambda *args, **kwargs: _InertStream()
+        mpu_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+        mpu_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    _installed_for = machine
 
 
 @contextlib.contextmanager
 def device_scope() -> Iterator[None]:
-    """Context for megatron-core calls: maps CUDA device literals to the CPU, and runs megatron's
-    ``torch.compile``d fusions eagerly (inductor would build C++ kernels for seconds at each
-    first call, more than they save at CPU sizes). A no-op with CUDA."""
-    if this_machine().cuda:
+    """Context for megatron-core calls: on the CPU, maps CUDA device literals to the CPU and
+    runs megatron's ``torch.compile``d fusions eagerly (inductor would build C++ kernels for
+    seconds at each first call, more than they save at CPU sizes). A no-op with CUDA."""
+    if _installed_for is None:
+        raise RuntimeError("cpu_compat.install(machine) has not been called in this process (the launch calls "
+                           "it once, after init_distributed)")
+    if _installed_for.cuda:
         yield
         return
-    install()
     with _CudaOnCpuMode(), torch.compiler.set_stance("force_eager"):
         yield

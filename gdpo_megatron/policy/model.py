@@ -29,7 +29,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from gdpo_megatron.policy import cpu_compat
 from gdpo_megatron.policy.attention import SDPAttention
 from gdpo_megatron.config.policy import ModelConfig, ParallelConfig, PrecisionConfig
-from gdpo_megatron.device import this_machine
+from gdpo_megatron.device import Machine, Placement
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -53,7 +53,6 @@ def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234, timeou
     if parallel_state.model_parallel_is_initialized():
         raise RuntimeError("initialize_model_parallel: megatron's parallel state is already "
                            "initialized in this process (call destroy_model_parallel first)")
-    cpu_compat.install()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
@@ -61,7 +60,8 @@ def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234, timeou
         **({"distributed_timeout_minutes": timeout.total_seconds() / 60} if timeout else {}),
     )
     torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    with cpu_compat.device_scope():  # on the CPU, the shim's tracker (installed at launch) takes the seeds
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def destroy_model_parallel() -> None:
@@ -69,9 +69,10 @@ def destroy_model_parallel() -> None:
     parallel_state.destroy_model_parallel()
 
 
-def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig) -> TransformerConfig:
+def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig,
+                       machine: Machine) -> TransformerConfig:
     """megatron-core's TransformerConfig for a Llama/Qwen2-style decoder under these (resolved) settings."""
-    on_gpu = this_machine().cuda
+    on_gpu = machine.cuda
     fp8 = {"fp8": precision.fp8, "fp8_recipe": precision.fp8_recipe} if precision.fp8 else {}
     return TransformerConfig(
         num_layers=model.num_layers,
@@ -107,7 +108,12 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, precision: 
         # attention is TE's or SDPAttention.)
         bias_activation_fusion=True,
         bias_dropout_fusion=on_gpu,
-        apply_rope_fusion=False,
+        # Transformer Engine's fused RoPE kernel with its spec: megatron-core takes it for our
+        # inputs (bshd, no mRoPE, mscale 1); without TE it has none and rotates in torch.
+        apply_rope_fusion=precision.transformer_engine,
+        # Off: TE's linear layers would accumulate weight gradients into megatron's fp32 buffer
+        # in their GEMM, but GPTModel's output layer is megatron's own ColumnParallelLinear,
+        # which refuses the flag without Apex's fused_weight_gradient_mlp_cuda (not in the stack).
         gradient_accumulation_fusion=False,
         **fp8,
     )
@@ -151,13 +157,16 @@ def layer_spec(config: TransformerConfig, precision: PrecisionConfig) -> ModuleS
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=TorchNorm)
 
 
-def build_model(model: ModelConfig, parallel: ParallelConfig, precision: PrecisionConfig) -> GPTModel:
-    """This rank's pipeline stage of the model, TP-sharded, on this rank's device.
+def build_model(model: ModelConfig, placement: Placement, parallel: ParallelConfig,
+                precision: PrecisionConfig) -> GPTModel:
+    """This rank's pipeline stage of the model, TP-sharded, on ``placement``'s device.
 
     Needs :func:`initialize_model_parallel` with the same ``parallel`` settings, under which
-    ``model`` splits, and ``precision`` resolved (:mod:`gdpo_megatron.resolve`). The embedding
-    and output layers have ``model.padded_vocab_size(tp)`` rows.
+    ``model`` splits, and ``precision`` resolved for the placement's machine
+    (:mod:`gdpo_megatron.resolve`). The embedding and output layers have
+    ``model.padded_vocab_size(tp)`` rows.
     """
+    machine = placement.machine
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("build_model: call initialize_model_parallel first")
     for name, size in (("tensor_model_parallel_size", parallel_state.get_tensor_model_parallel_world_size()),
@@ -165,7 +174,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, precision: Precisi
         if getattr(parallel, name) != size:
             raise ValueError(f"parallel.{name}={getattr(parallel, name)} but megatron's parallel state "
                              f"was initialized with {size}")
-    config = transformer_config(model, parallel, precision)
+    config = transformer_config(model, parallel, precision, machine)
     with cpu_compat.device_scope():
         gpt = GPTModel(
             config=config,
@@ -185,8 +194,8 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, precision: Precisi
     for param in gpt.parameters():
         if param.dtype != dtype:
             param.data = param.data.to(dtype)
-    if this_machine().cuda:
-        gpt.cuda(torch.cuda.current_device())
+    if machine.cuda:
+        gpt.cuda(placement.device)
     return gpt
 
 

@@ -26,12 +26,13 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from gdpo_megatron.policy import cpu_compat
 from gdpo_megatron.policy.batch import PolicyBatch, merge_rows
+from gdpo_megatron.device import Placement, release_cached_memory
 from gdpo_megatron.distributed.collectives import all_reduce_sums
 from gdpo_megatron.policy.logprobs import vocab_parallel_logprobs
 from gdpo_megatron.policy.loss import TOKEN_METRICS, policy_loss
 from gdpo_megatron.policy.model import (build_model, destroy_model_parallel, initialize_model_parallel, logits_from,
                                         torch_dtype)
-from gdpo_megatron.resolve import ResolvedPolicy
+from gdpo_megatron.policy.resolved import ResolvedPolicy
 
 # Order of the per-micro-batch sums carried from the loss function to the metrics.
 _SUMS = ("loss_sum", "count", "num_tokens", *TOKEN_METRICS)
@@ -42,9 +43,10 @@ class PolicyWorker:
     Adam optimizer and the LR schedule; runs :meth:`train_step` and :meth:`compute_logprobs`,
     and gives memory back to a colocated rollout engine with :meth:`release_memory`."""
 
-    def __init__(self, policy: ResolvedPolicy, *, seed: int = 1234, temperature: float = 1.0,
+    def __init__(self, policy: ResolvedPolicy, placement: Placement, *, seed: int = 1234, temperature: float = 1.0,
                  init_weights: Optional[Callable[[GPTModel], None]] = None, timeout: Optional[timedelta] = None):
-        """``policy``: the policy section resolved for this machine and world. ``seed``
+        """``policy``: the policy section resolved for this machine and world; the model lives
+        on ``placement``'s device (the launch's, ``init_distributed``). ``seed``
         seeds megatron's RNGs; logprobs are of the logits divided by ``temperature`` (the
         rollouts' sampling temperature). ``init_weights(model)``, when given, sets the freshly
         built (random) weights of this rank's model, e.g. from a checkpoint; the reference
@@ -54,7 +56,7 @@ class PolicyWorker:
             raise RuntimeError("PolicyWorker: torch.distributed is not initialized")
         config = policy.config
         self.config, self.micro_batches, self.temperature = config, policy.micro_batches, temperature
-        self.device = torch.device("cuda", torch.cuda.current_device()) if policy.machine.cuda else torch.device("cpu")
+        self.placement, self.device = placement, placement.device
         initialize_model_parallel(config.parallel, seed, timeout)
         try:
             self._build(init_weights)
@@ -68,12 +70,12 @@ class PolicyWorker:
     def _build(self, init_weights) -> None:
         """Model (and reference), DDP, optimizer and scheduler; hooks them into megatron's schedules."""
         config = self.config
-        model = build_model(config.model, config.parallel, config.precision)
+        model = build_model(config.model, self.placement, config.parallel, config.precision)
         if init_weights is not None:
             init_weights(model)
         self.reference: Optional[GPTModel] = None
         if config.loss.kl_coef > 0:
-            self.reference = build_model(config.model, config.parallel, config.precision)
+            self.reference = build_model(config.model, self.placement, config.parallel, config.precision)
             self.reference.load_state_dict(model.state_dict())
             self.reference.requires_grad_(False).eval()
 
@@ -178,9 +180,9 @@ class PolicyWorker:
                 self.model.offload_grad_buffers(synchronize=True, empty_cache=False)
                 self.optimizer.offload_to_cpu()
             self.offloaded = True
-        if self.device.type == "cuda":
+        if self.placement.machine.cuda:
             gc.collect()  # tensors held only by reference cycles hold their blocks too
-            torch.cuda.empty_cache()
+            release_cached_memory()
 
     # ---- internals ----------------------------------------------------------------------
 

@@ -10,14 +10,16 @@ e.g. no CUDA device here). The checks, by name:
   wheel is built for.
 * ``driver``: the CUDA version the NVIDIA driver supports (``cuDriverGetVersion`` of
   ``libcuda.so.1``), against torch's CUDA build.
-* ``gpu``: the device and its compute capability; that Transformer Engine's torch extension
+* ``gpu``: the device and its compute capability, and whether that capability runs the
+  config's FP8 recipe (:func:`fp8_capability_row`); that Transformer Engine's torch extension
   loads; the config's precision settings through the project's own check,
   :func:`gdpo_megatron.resolve.resolve_precision` (Transformer Engine, FP8 recipe).
 * ``vllm``: the installed vLLM's workers accept the in-place weight reload the rollout engine
   calls, and the reload module the engine imports exists.
 * ``nccl``: NCCL is available to torch, at least in the version torch was released with (a
   newer NCCL, e.g. a cluster's own on ``LD_LIBRARY_PATH``, is fine).
-* ``memory``: ``gdpo-plan``'s estimate of the config against this GPU's memory, with the
+* ``memory``: ``gdpo-plan``'s estimate of the config against this GPU's memory (naming its
+  share for the logits and the log-prob step, the bytes per logit element that step holds), with the
   ``gpu_memory_utilization`` the rollout engine will give vLLM (derived from
   ``rollout.kv_cache_gib`` where set), which vLLM wants free at start-up. It is an estimate
   (``gdpo-plan`` prints its assumptions): where it is wrong for a config,
@@ -49,7 +51,9 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from gdpo_megatron.config import ConfigError, TrainConfig
-from gdpo_megatron.device import nvidia_driver, this_machine, transformer_engine_available
+from gdpo_megatron.config.policy import PrecisionConfig
+from gdpo_megatron.device import (current_gpu, fp8_capability_needed, nccl_version, nvidia_driver, runs_fp8_recipe,
+                                  this_machine, transformer_engine_available)
 from gdpo_megatron.errors import UsageError, UserError
 from gdpo_megatron.preflight.pins import Pin, cuda_major, read_pins
 from gdpo_megatron.resolve import precision_for, resolve_precision
@@ -163,12 +167,26 @@ def transformer_engine_import_row() -> Check:
     return Check("TE import", OK, "transformer_engine.pytorch loads", "")
 
 
+def fp8_capability_row(precision: PrecisionConfig, capability: tuple[int, int]) -> Check:
+    """Whether a GPU of compute ``capability`` runs the config's FP8 recipe (Ada's sm_89 for the
+    tensor-scaled recipes, Hopper's sm_90 for block scaling, Blackwell for MXFP8); asked
+    without Transformer Engine, which may not load where the GPU is too old."""
+    found = f"compute capability {capability[0]}.{capability[1]}"
+    if not precision.fp8:
+        return Check("FP8 capability", NOT_RUN, found, "policy.precision.fp8 is off")
+    expected = f"{fp8_capability_needed(precision.fp8_recipe)} for fp8_recipe {precision.fp8_recipe}"
+    return Check("FP8 capability", OK if runs_fp8_recipe(precision.fp8_recipe, capability) else MISMATCH,
+                 found, expected)
+
+
 def check_gpu(target: Target) -> list[Check]:
-    """The device, and the config's precision on it (the project's own runtime check)."""
+    """The device, the config's FP8 recipe against its compute capability, and the config's
+    precision on it (the project's own runtime check)."""
     rows = []
-    if this_machine().cuda:
-        major, minor = torch.cuda.get_device_capability()
-        rows.append(Check("GPU", OK, f"{torch.cuda.get_device_name()}, compute capability {major}.{minor}", ""))
+    machine = this_machine()
+    gpu = current_gpu() if machine.cuda else None
+    if gpu is not None:
+        rows.append(Check("GPU", OK, f"{gpu.name}, compute capability {gpu.capability[0]}.{gpu.capability[1]}", ""))
         if transformer_engine_available():
             rows.append(transformer_engine_import_row())
     else:
@@ -176,12 +194,14 @@ def check_gpu(target: Target) -> list[Check]:
     if target.config is None:
         rows.append(Check("precision", NOT_RUN, "", "no --config"))
         return rows
-    precision = precision_for(target.config.policy.precision, this_machine())
+    precision = precision_for(target.config.policy.precision, machine)
+    if gpu is not None:
+        rows.append(fp8_capability_row(precision, gpu.capability))
     found = (f"{precision.dtype}, fp8 {precision.fp8 or 'off'}"
              + (f" ({precision.fp8_recipe})" if precision.fp8 else "")
              + f", {'Transformer Engine' if precision.transformer_engine else 'local'} spec")
     try:
-        resolve_precision(target.config.policy.precision, this_machine())
+        resolve_precision(target.config.policy.precision, machine)
     except (ValueError, RuntimeError) as e:
         rows.append(Check("precision", MISMATCH, found, str(e)))
     else:
@@ -225,7 +245,7 @@ def check_nccl(target: Target) -> list[Check]:
         return [Check("NCCL", MISMATCH, "not available to torch", "torch's NCCL")]
     wanted = next((spec.version for r in map(Requirement, importlib.metadata.requires("torch") or [])
                    if r.name.startswith("nvidia-nccl-") for spec in r.specifier if spec.operator == "=="), None)
-    return [nccl_row(torch.cuda.nccl.version()[:3], wanted)]
+    return [nccl_row(nccl_version(), wanted)]
 
 
 def nccl_row(found: tuple[int, int, int], wanted: Optional[str]) -> Check:
@@ -248,7 +268,7 @@ def check_memory(target: Target) -> list[Check]:
         return [Check("memory plan", NOT_RUN, "", f"{NO_CUDA} (gdpo-plan --gpu-memory plans for a named GPU)")]
     from gdpo_megatron.preflight.plan import GIB
 
-    memory_gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GIB
+    memory_gib = current_gpu().memory / GIB
     return [memory_row(target.config, target.world_size, memory_gib)]
 
 
@@ -262,7 +282,8 @@ def memory_row(config: TrainConfig, world_size: int, memory_gib: float) -> Check
         return Check("memory plan", MISMATCH, str(e), "a layout that splits")
     distributed = plan.distributed_optimizer
     fits = plan.fits(distributed)
-    found = (f"peak {plan.peak(distributed) / GIB:.1f} GiB of {memory_gib:.1f}; vLLM gets "
+    found = (f"peak {plan.peak(distributed) / GIB:.1f} GiB of {memory_gib:.1f} (logits and log-prob step "
+             f"{plan.stage.logits / GIB:.1f}); vLLM gets "
              f"gpu_memory_utilization {plan.gpu_memory_utilization:.3f}; KV cache {plan.kv_cache_tokens:,} tokens")
     expected = (f"fits (vLLM's share free next to the policy at start-up), KV cache >= rollout.max_model_len "
                 f"{config.rollout.max_model_len} tokens")

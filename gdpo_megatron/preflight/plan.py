@@ -13,15 +13,16 @@ What is counted, per GPU (the assumptions are printed with the table):
 * a frozen reference copy of the weights when ``loss.kl_coef > 0``;
 * activations of the in-flight micro-batches (1F1B keeps ``PP - stage`` of them), no activation
   recompute, flash/fused attention (no ``s x s`` scores), no dropout; on the last stage also
-  the logits in the parameter dtype plus their fp32 copy and the fp32 softmax kept for the
-  backward pass. A row is ``data.max_prompt_tokens + rollout.max_new_tokens`` tokens padded to
+  the log-prob step's peak: the logits in the parameter dtype and three fp32 working buffers
+  per logit element (:func:`gdpo_megatron.policy.logprobs.peak_bytes_per_logit`, measured by a
+  CPU test). A row is ``data.max_prompt_tokens + rollout.max_new_tokens`` tokens padded to
   ``policy.sequence_multiple()``; a micro-batch holds ``micro_batch_size`` rows, or with
   ``policy.micro_batch_tokens`` up to that many tokens (one row alone when it is longer);
-* vLLM, colocated: while generating, its weights (bf16, or FP8 linear layers with
-  ``rollout.quantization: fp8``, split over the rollout TP size), its KV cache and
-  :data:`~gdpo_megatron.rollout.vllm_engine.VLLM_RUNTIME_GIB` for its activations, sampler,
-  CUDA graphs and NCCL buffers (``--vllm-runtime``). All of it is ``gpu_memory_utilization``
-  of the GPU, which vLLM wants free at start-up; with ``rollout.kv_cache_gib`` the engine
+* the rollout engine (vLLM), colocated: while generating, its weights (bf16, or FP8 linear
+  layers with ``rollout.quantization: fp8``, split over the rollout TP size, as the engine
+  counts them: ``RolloutEngine.weight_bytes``), its KV cache and the engine's ``RUNTIME_GIB``
+  for its activations, sampler, CUDA graphs and NCCL buffers (``--vllm-runtime``). All of it
+  is ``gpu_memory_utilization`` of the GPU, which vLLM wants free at start-up; with ``rollout.kv_cache_gib`` the engine
   passes the utilization that weights + KV cache + runtime make (printed). While the policy
   trains vLLM sleeps; the runtime allowance stays counted (sleep frees neither the CUDA-graph
   pool nor NCCL buffers), and so do the update's activations until they go back to the driver
@@ -42,13 +43,18 @@ from gdpo_megatron.config import TrainConfig
 from gdpo_megatron.device import CUDA
 from gdpo_megatron.errors import UsageError
 from gdpo_megatron.config.policy import ModelConfig, ParallelConfig
-from gdpo_megatron.resolve import MicroBatches, resolve
-from gdpo_megatron.rollout.vllm_engine import VLLM_RUNTIME_GIB, kv_cache_bytes_per_token, vllm_weight_bytes
+from gdpo_megatron.config.rollout import RolloutConfig
+from gdpo_megatron.policy.logprobs import peak_bytes_per_logit
+from gdpo_megatron.policy.resolved import MicroBatches
+from gdpo_megatron.resolve import resolve
+from gdpo_megatron.rollout.factory import DEFAULT_ENGINE, engine_class
 
 GIB = 2**30
 FP32_BYTES = 4
 PARAM_BYTES = {"bf16": 2, "fp32": 4}
-VLLM_DTYPE_BYTES = 2  # bf16: vLLM's weights and KV cache for a bf16 checkpoint
+ENGINE_DTYPE_BYTES = 2  # bf16: the engine's weights and KV cache for a bf16 checkpoint
+# What the engine holds besides weights and KV cache, awake or asleep (--vllm-runtime's default).
+ENGINE_RUNTIME_GIB = engine_class(DEFAULT_ENGINE).RUNTIME_GIB
 ADAM_MOMENTS = 2
 DEFAULT_OVERHEAD_GIB = 3.0
 
@@ -61,7 +67,7 @@ class Cluster:
     gpus_per_node: int
     gpu_memory_gib: float
     overhead_gib: float = DEFAULT_OVERHEAD_GIB  # CUDA context, NCCL buffers, fragmentation
-    vllm_runtime_gib: float = VLLM_RUNTIME_GIB  # vLLM's besides weights and KV cache, awake or asleep
+    vllm_runtime_gib: float = ENGINE_RUNTIME_GIB  # vLLM's besides weights and KV cache, awake or asleep
 
     def __post_init__(self):
         for name in ("nodes", "gpus_per_node"):
@@ -125,10 +131,12 @@ def activation_bytes_per_token_layer(model: ModelConfig, parallel: ParallelConfi
     return (hidden + sharded) * param_bytes
 
 
-def vllm_weights(model: ModelConfig, rollout_tp: int, quantization: Optional[str]) -> int:
-    """vLLM's weights on one rank (bf16, FP8 transformer layers with ``fp8``), as the engine counts them."""
+def engine_weights(model: ModelConfig, rollout: RolloutConfig) -> int:
+    """The rollout engine's weights on one rank (bf16, FP8 transformer layers with
+    ``rollout.quantization: fp8``), as the engine counts them."""
     layers = model.num_layers * layer_params(model, 1)
-    return vllm_weight_bytes(layers, total_params(model) - layers, VLLM_DTYPE_BYTES, quantization, rollout_tp)
+    engine = engine_class(rollout.engine)
+    return engine.weight_bytes(layers, total_params(model) - layers, ENGINE_DTYPE_BYTES, rollout)
 
 
 # ---- the plan ----------------------------------------------------------------------------
@@ -243,7 +251,7 @@ def plan_memory(config: TrainConfig, cluster: Cluster) -> MemoryPlan:
     for stage in range(pp):
         params = stage_params(model, parallel, stage)
         in_flight = min(pp - stage, micro_batches)
-        logits = (tokens * model.padded_vocab_size(tp) // tp * (param_bytes + 2 * FP32_BYTES)
+        logits = (tokens * model.padded_vocab_size(tp) // tp * peak_bytes_per_logit(param_bytes)
                   if stage == pp - 1 else 0)
         stages.append(StagePlan(
             stage=stage,
@@ -256,7 +264,7 @@ def plan_memory(config: TrainConfig, cluster: Cluster) -> MemoryPlan:
             activations=in_flight * (model.num_layers // pp) * per_layer,
             logits=logits,
         ))
-    weights = vllm_weights(model, rollout.tensor_parallel_size, rollout.quantization)
+    weights = engine_weights(model, rollout)
     runtime = int(cluster.vllm_runtime_gib * GIB)
     if rollout.kv_cache_gib is not None:
         vllm_total = weights + int(rollout.kv_cache_gib * GIB) + runtime
@@ -266,7 +274,7 @@ def plan_memory(config: TrainConfig, cluster: Cluster) -> MemoryPlan:
         config=config, cluster=cluster, data_parallel_size=dp, sequence_length=sequence,
         micro_batch_tokens=tokens, micro_batches_per_step=micro_batches, stage=stage, vllm_weights=weights,
         vllm_total=vllm_total, vllm_runtime=runtime,
-        kv_cache_per_token=kv_cache_bytes_per_token(model, rollout.tensor_parallel_size, VLLM_DTYPE_BYTES),
+        kv_cache_per_token=engine_class(rollout.engine).kv_cache_bytes_per_token(model, rollout, ENGINE_DTYPE_BYTES),
         overhead=int(cluster.overhead_gib * GIB),
     ) for stage in stages]
     return max(plans, key=lambda plan: plan.peak(plan.distributed_optimizer))
@@ -296,7 +304,7 @@ def format_plan(plan: MemoryPlan) -> str:
         ("reference model (kl_coef > 0)", s.reference, s.reference),
         (f"activations ({min(pp - s.stage, plan.micro_batches_per_step)} micro-batch(es) in flight)",
          s.activations, s.activations),
-        ("logits + fp32 softmax (last stage)", s.logits, s.logits),
+        ("logits + log-prob step (last stage)", s.logits, s.logits),
         (f"vLLM weights (TP {rollout.tensor_parallel_size})", plan.vllm_weights, plan.vllm_weights),
         ("vLLM KV cache", plan.kv_cache, plan.kv_cache),
         ("vLLM runtime (CUDA graphs, NCCL, activations)", plan.vllm_runtime, plan.vllm_runtime),

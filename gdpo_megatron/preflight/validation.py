@@ -27,18 +27,19 @@ from gdpo_megatron.checkpoint.layout import hf_shapes
 from gdpo_megatron.checkpoint.state import (
     LAYOUT_KEYS, check_files, check_reshardable, complete_steps, model_section, read_training_state, step_dir,
 )
-from gdpo_megatron.config import ConfigError, TrainConfig, to_dict
+from gdpo_megatron.config import ConfigError, DataConfig, TrainConfig, to_dict
 from gdpo_megatron.data.samples import Fields, Sample, load_samples
 from gdpo_megatron.errors import InputError, UserError
-from gdpo_megatron.device import this_machine
+from gdpo_megatron.device import Machine
 from gdpo_megatron.inputs import TrainingInputs
 from gdpo_megatron.config.policy import SHAPE_FIELDS, ModelConfig, ParallelConfig
 from gdpo_megatron.config.rewards import RewardSpec
 from gdpo_megatron.rewards import sandbox
 from gdpo_megatron.rewards.registry import load_reward_file, registered_rewards, runs_code, validate_specs
 from gdpo_megatron.resolve import Resolved, check_model_split, data_parallel_size, resolve
-from gdpo_megatron.rollout.vllm_engine import check_vllm_can_load
+from gdpo_megatron.rollout.factory import engine_class
 from gdpo_megatron.run_dir import CHECKPOINT_DIR
+from gdpo_megatron.tasks import get_task
 
 
 
@@ -269,8 +270,14 @@ def check_settings(config: TrainConfig) -> list[Condition]:
 
 def training_prompts(config: TrainConfig) -> list[Sample]:
     """The samples of ``data.train_path``, every row checked."""
-    data = config.data
-    return load_prompts(data.train_path, data.family, data.system_prompt, "data.train_path",
+    return data_prompts(config.data, "data.train_path")
+
+
+def data_prompts(data: DataConfig, key: str) -> list[Sample]:
+    """The samples a ``data`` section names, every row checked (``data.family`` first); errors
+    name ``key``."""
+    get_task(data.family, "data.family")
+    return load_prompts(data.train_path, data.family, data.system_prompt, key,
                         fields=Fields(data.prompt_key, data.system_key, data.ground_truth_key), split=data.split)
 
 
@@ -303,7 +310,7 @@ def check_base_model(config: TrainConfig, hf_config: dict) -> ModelConfig:
     model = model_shape(hf_config, "base_model",
                         make_vocab_size_divisible_by=config.policy.model.make_vocab_size_divisible_by)
     with about("base_model"):
-        check_vllm_can_load(hf_config)
+        engine_class(config.rollout.engine).check_model(hf_config)
     if config.rollout.max_model_len > model.max_position_embeddings:
         raise ConfigError(f"rollout.max_model_len: expected <= {model.max_position_embeddings}, the "
                           f"max_position_embeddings of base_model, got {config.rollout.max_model_len}")
@@ -311,9 +318,9 @@ def check_base_model(config: TrainConfig, hf_config: dict) -> ModelConfig:
     return model
 
 
-def check_training(config: TrainConfig, world_size: int) -> TrainingInputs:
-    """Every check of a training run that needs no model, and the run resolved for this
-    machine, ``world_size`` ranks and the base model's shape. Checks that do not depend on each
+def check_training(config: TrainConfig, machine: Machine, world_size: int) -> TrainingInputs:
+    """Every check of a training run that needs no model, and the run resolved for ``machine``
+    (the command's, this one), ``world_size`` ranks and the base model's shape. Checks that do not depend on each
     other all run; their errors come as one line (:class:`Problems`)."""
     problems = Problems()
     conditions = hf_config = model = samples = lengths = resolved = resume_step = None
@@ -331,7 +338,7 @@ def check_training(config: TrainConfig, world_size: int) -> TrainingInputs:
             lengths = check_prompt_lengths(samples, config)
     if model is not None and lengths is not None:
         with problems.check():
-            resolved = resolve(config, this_machine(), world_size, model, max(lengths))
+            resolved = resolve(config, machine, world_size, model, max(lengths))
     if resolved is not None:
         with problems.check():
             resume_step = check_resume(config, model, resolved)

@@ -38,7 +38,7 @@ from typing import Sequence
 import torch
 
 from gdpo_megatron.rewards import sandbox
-from gdpo_megatron.config.rewards import RewardSpec
+from gdpo_megatron.config.rewards import RewardSpec, RewardsConfig
 from gdpo_megatron.rewards.registry import failure_score, get_reward, load_reward_file, reward_bounds
 
 log = logging.getLogger(__name__)
@@ -96,34 +96,18 @@ class _Worker:
     started: float = 0.0  # when the current reward call began
 
 
-@dataclass
-class _Scores:
-    """What one ``score`` call has collected: values, and failures per reward."""
-
-    failure_scores: list[float]
-    values: list[list[float]]
-    failures: list[int]
-    timeouts: list[int]
-    first_error: list[str | None]
-
-    @classmethod
-    def empty(cls, n: int, failure_scores: list[float]) -> "_Scores":
-        K = len(failure_scores)
-        return cls(failure_scores, [[math.nan] * K for _ in range(n)], [0] * K, [0] * K, [None] * K)
-
-    def fail(self, i: int, k: int, why: str, timed_out: bool = False) -> None:
-        self.values[i][k] = self.failure_scores[k]
-        self.failures[k] += 1
-        self.timeouts[k] += timed_out
-        self.first_error[k] = self.first_error[k] or why
-
-
 class RewardStage:
     """``score`` returns ``[n, K]`` float32 rewards in config order plus per-reward metrics.
 
     >>> with RewardStage([RewardSpec("math_correctness"), RewardSpec("length", kwargs={"max_tokens": 512})]) as stage:
     ...     rewards, metrics = stage.score(completions, num_tokens, ground_truths)
     """
+
+    @classmethod
+    def from_config(cls, config: RewardsConfig) -> "RewardStage":
+        """The stage a config's ``rewards`` section describes."""
+        return cls(config.rewards, config.num_workers, config.timeout_s, config.reward_files,
+                   config.allow_weaker_sandbox)
 
     def __init__(
         self,
@@ -190,29 +174,22 @@ class RewardStage:
         self._dispatch(batch)  # to the workers that just answered
         self._expire(batch)
 
-    def finish(self, batch: "RewardBatch") -> tuple[torch.Tensor, dict[str, float]]:
-        """Wait until every reward of every rollout of ``batch`` is in; ``[n, K]`` rewards and the metrics."""
-        while batch.pending or self._busy():
+    def complete(self, batch: "RewardBatch") -> None:
+        """Wait until every reward of every rollout submitted to ``batch`` is in."""
+        while batch.waiting() or self._busy():
             self.advance(batch, block=True)
-        scores = batch.scores
-        for k, why in enumerate(scores.first_error):
-            if why is not None:
-                log.warning("reward %s failed on %d of %d rollouts; first failure:\n%s",
-                            self.names[k], scores.failures[k], batch.n, why)
-        rewards = torch.tensor(scores.values, dtype=torch.float32).reshape(batch.n, len(self.specs))
-        return rewards, self._metrics(rewards, scores)
 
     def _dispatch(self, batch: "RewardBatch") -> None:
         """Send waiting rollouts to idle workers."""
         for w in list(self._workers):
-            if w.ready and w.rollout is None and batch.pending:
-                i, indices = batch.pending[0]
+            if w.ready and w.rollout is None and batch.waiting():
+                i, indices = batch.next_waiting()
                 try:
-                    w.conn.send((i, *batch.inputs[i], list(indices)))
+                    w.conn.send(batch.task(i, indices))
                 except OSError:  # it died while idle: the rollout waits for the next worker
+                    batch.put_back(i, indices)
                     self._replace(w, batch, "worker process died")
                     continue
-                batch.pending.popleft()
                 w.rollout, w.indices, w.started = i, indices, time.monotonic()
 
     def _busy(self) -> bool:
@@ -265,9 +242,9 @@ class RewardStage:
             else:
                 kind, i, k, payload = message
                 if kind == _VALUE:
-                    batch.scores.values[i][k] = payload
+                    batch.record(i, k, payload)
                 else:
-                    batch.scores.fail(i, k, payload)
+                    batch.fail(i, k, payload)
                 worker.indices.popleft()
                 worker.started = time.monotonic()
                 if not worker.indices:
@@ -281,16 +258,6 @@ class RewardStage:
                 limit = self.timeouts[worker.indices[0]]
                 if now >= worker.started + limit:
                     self._replace(worker, batch, f"timed out after {limit} s", timed_out=True)
-
-    def _metrics(self, rewards: torch.Tensor, scores: _Scores) -> dict[str, float]:
-        out = {}
-        for k, name in enumerate(self.names):
-            column = rewards[:, k].to(torch.float64)
-            out[f"reward/{name}/mean"] = column.mean().item() if column.numel() else 0.0
-            out[f"reward/{name}/std"] = column.std(correction=0).item() if column.numel() else 0.0
-            out[f"reward/{name}/failures"] = float(scores.failures[k])
-            out[f"reward/{name}/timeouts"] = float(scores.timeouts[k])
-        return out
 
     def _start_worker(self) -> _Worker:
         parent, child = self._ctx.Pipe()
@@ -314,9 +281,9 @@ class RewardStage:
         was answered), requeue the rest, start a new one."""
         if worker.rollout is not None:
             if fail_current:
-                batch.scores.fail(worker.rollout, worker.indices.popleft(), why, timed_out)
+                batch.fail(worker.rollout, worker.indices.popleft(), why, timed_out)
             if worker.indices:
-                batch.pending.appendleft((worker.rollout, worker.indices))
+                batch.put_back(worker.rollout, worker.indices)
         self._kill(worker)
         worker.conn.close()
         self._workers[self._workers.index(worker)] = self._start_worker()
@@ -335,32 +302,84 @@ class RewardBatch:
     in the replies that have already arrived, so the workers score while the caller goes on
     (e.g. generating). An error of the stage itself (workers that cannot start) is raised by
     ``collect``, never in the middle of the caller's work.
+
+    The batch holds what its rollouts are, which of them wait for a worker (each with the
+    rewards still to compute, in config order), and the scores so far; the stage takes work
+    from it and gives values and failures back through the methods below ``collect``.
     """
 
     def __init__(self, stage: RewardStage, n: int):
-        self.stage, self.n = stage, n
-        self.scores = _Scores.empty(n, stage.failure_scores)
-        self.inputs: dict[int, tuple[str, int, dict]] = {}
-        self.pending: deque = deque()
+        self.n = n
+        self._stage = stage
+        K = len(stage.specs)
+        self._inputs: dict[int, tuple[str, int, dict]] = {}
+        self._waiting: deque[tuple[int, deque[int]]] = deque()
+        self._values = [[math.nan] * K for _ in range(n)]
+        self._failures, self._timeouts = [0] * K, [0] * K
+        self._first_error: list[str | None] = [None] * K
         self._error: BaseException | None = None
 
     def submit(self, i: int, completion: str, num_tokens: int, metadata: dict) -> None:
         """Rollout ``i`` (in ``[0, n)``, each once) is ready to be scored."""
-        if not 0 <= i < self.n or i in self.inputs:
+        if not 0 <= i < self.n or i in self._inputs:
             raise ValueError(f"reward stage: rollout {i} is out of [0, {self.n}) or was submitted twice")
-        self.inputs[i] = (completion, num_tokens, metadata)
-        self.pending.append((i, deque(range(len(self.stage.specs)))))
+        self._inputs[i] = (completion, num_tokens, metadata)
+        self._waiting.append((i, deque(range(len(self._stage.specs)))))
         if self._error is not None:
             return
         try:
-            self.stage.advance(self)
+            self._stage.advance(self)
         except Exception as e:  # raised again by collect()
             self._error = e
 
     def collect(self) -> tuple[torch.Tensor, dict[str, float]]:
-        """Wait for every reward of every rollout; ``[n, K]`` rewards and the stage's metrics."""
+        """Wait for every reward of every rollout; ``[n, K]`` rewards and
+        ``reward/<name>/{mean,std,failures,timeouts}``."""
         if self._error is not None:
             raise self._error
-        if len(self.inputs) != self.n:
-            raise ValueError(f"reward stage: collect() after {len(self.inputs)} of {self.n} rollouts were submitted")
-        return self.stage.finish(self)
+        if len(self._inputs) != self.n:
+            raise ValueError(f"reward stage: collect() after {len(self._inputs)} of {self.n} rollouts were submitted")
+        self._stage.complete(self)
+        names = self._stage.names
+        for k, why in enumerate(self._first_error):
+            if why is not None:
+                log.warning("reward %s failed on %d of %d rollouts; first failure:\n%s",
+                            names[k], self._failures[k], self.n, why)
+        rewards = torch.tensor(self._values, dtype=torch.float32).reshape(self.n, len(names))
+        metrics = {}
+        for k, name in enumerate(names):
+            column = rewards[:, k].to(torch.float64)
+            metrics[f"reward/{name}/mean"] = column.mean().item() if column.numel() else 0.0
+            metrics[f"reward/{name}/std"] = column.std(correction=0).item() if column.numel() else 0.0
+            metrics[f"reward/{name}/failures"] = float(self._failures[k])
+            metrics[f"reward/{name}/timeouts"] = float(self._timeouts[k])
+        return rewards, metrics
+
+    # ---- the stage's side
+
+    def waiting(self) -> bool:
+        """Whether a rollout waits for a worker."""
+        return bool(self._waiting)
+
+    def next_waiting(self) -> tuple[int, deque[int]]:
+        """The rollout that has waited longest, and the rewards (indices) it still needs."""
+        return self._waiting.popleft()
+
+    def put_back(self, i: int, indices: deque[int]) -> None:
+        """Rollout ``i``'s ``indices`` go to the next worker, before any other rollout."""
+        self._waiting.appendleft((i, indices))
+
+    def task(self, i: int, indices: deque[int]) -> tuple:
+        """What a worker receives to compute rewards ``indices`` of rollout ``i``."""
+        return (i, *self._inputs[i], list(indices))
+
+    def record(self, i: int, k: int, value: float) -> None:
+        """Reward ``k`` of rollout ``i`` is ``value``."""
+        self._values[i][k] = value
+
+    def fail(self, i: int, k: int, why: str, timed_out: bool = False) -> None:
+        """Reward ``k`` of rollout ``i`` failed (``why``): it scores the reward's failure score."""
+        self._values[i][k] = self._stage.failure_scores[k]
+        self._failures[k] += 1
+        self._timeouts[k] += timed_out
+        self._first_error[k] = self._first_error[k] or why

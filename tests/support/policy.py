@@ -3,7 +3,8 @@ import torch.distributed as dist
 
 from gdpo_megatron.config.policy import PolicyConfig, PrecisionConfig
 from gdpo_megatron.device import this_machine
-from gdpo_megatron.resolve import ResolvedPolicy, resolve_policy, resolve_precision
+from gdpo_megatron.policy.resolved import ResolvedPolicy
+from gdpo_megatron.resolve import resolve_policy, resolve_precision
 
 
 def resolved_here(policy: PolicyConfig) -> ResolvedPolicy:

@@ -1,4 +1,5 @@
-"""A trainer built the way ``gdpo-train`` builds one, inside a test's process group."""
+"""A trainer built the way ``gdpo-train`` builds one, inside a test's process group (placed, the
+CPU shim installed)."""
 
 
 def make_trainer(config):
@@ -8,5 +9,7 @@ def make_trainer(config):
 
     from gdpo_megatron.preflight.validation import check_training
     from gdpo_megatron.trainer import Trainer
+    from support.placement import this_rank
 
-    return Trainer(config, check_training(config, dist.get_world_size()))
+    placement = this_rank()
+    return Trainer(config, check_training(config, placement.machine, dist.get_world_size()), placement)

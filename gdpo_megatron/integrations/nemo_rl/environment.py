@@ -86,8 +86,7 @@ class RewardStageEnvironment:
         check_reward_specs(rewards.rewards, f"{CONFIG_PATH}.rewards")
         check_code_sandbox(rewards.rewards, f"{CONFIG_PATH}.rewards", rewards.allow_weaker_sandbox,
                            f"set {CONFIG_PATH}.allow_weaker_sandbox: true")
-        self._stage = RewardStage(rewards.rewards, rewards.num_workers, rewards.timeout_s, rewards.reward_files,
-                                  rewards.allow_weaker_sandbox)
+        self._stage = RewardStage.from_config(rewards)
         try:
             from transformers import AutoTokenizer
 

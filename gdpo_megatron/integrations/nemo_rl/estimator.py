@@ -12,10 +12,10 @@ of B rollouts::
     )
 
 and stores the returned ``[B, T]`` tensor as the token advantages. This module maps those
-inputs onto :func:`gdpo_megatron.advantages.compute_advantages` (conditioned rewards,
-per-reward group normalization, weighted sum, batch normalization over the valid rollouts)
-and broadcasts each rollout's advantage over its tokens. The whole batch is in one process,
-so the local reduction is exact.
+inputs onto :func:`gdpo_megatron.advantages.compute_advantages` under the ``gdpo`` mode of
+``GROUP_NORMALIZERS`` (conditioned rewards, per-reward group normalization, weighted sum,
+batch normalization over the valid rollouts) and broadcasts each rollout's advantage over
+its tokens. The whole batch is in one process, so the local reduction is exact.
 
 NeMo-RL chooses its estimator by name inside ``nemo_rl.algorithms.grpo`` and has no
 registry; :func:`install` adds this one, selected by ``implementation: gdpo_megatron``.

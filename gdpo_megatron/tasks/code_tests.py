@@ -1,4 +1,4 @@
-"""Test cases of published code data sets, as the ``tests`` the code rewards run.
+"""Test cases of published code data sets, as the ``tests`` the code rewards run (the ``code`` task's ground truth).
 
 APPS and TACO (field ``input_output``) and Eurus-2-RL (verl's ``reward_model.ground_truth``)
 hold one JSON object, usually as a JSON string: ``{"inputs": [...], "outputs": [...]}``, plus

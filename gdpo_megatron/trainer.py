@@ -54,7 +54,7 @@ from gdpo_megatron.device import Placement
 from gdpo_megatron.policy.worker import PolicyWorker
 from gdpo_megatron.rewards.stage import RewardStage
 from gdpo_megatron.rollout.engine import RolloutEngine, SamplingConfig, derive_seed
-from gdpo_megatron.rollout.factory import build_engine, engine_class
+from gdpo_megatron.rollout.factory import build_engine
 from gdpo_megatron.run_dir import CHECKPOINT_DIR, HF_EXPORT_DIR
 
 # Signals that stop a run after the step in progress, with a checkpoint: Slurm's time-limit
@@ -68,7 +68,7 @@ DONE, STOPPED, PREEMPTED = "done", "stopped", "preempted"
 class Trainer:
     """Builds the policy, the engine, the reward stage and the data order; runs the loop.
 
-    ``inputs``: what preflight read and checked for ``config``
+    ``inputs``: what preflight read, checked and resolved for ``config``
     (:func:`~gdpo_megatron.preflight.validation.check_training`); ``placement``: this rank's
     machine and device, as the launch decided them
     (:func:`~gdpo_megatron.distributed.launch.init_distributed`).
@@ -95,7 +95,7 @@ class Trainer:
 
     def _build(self) -> None:
         config, inputs = self.config, self.inputs
-        _, rollouts_per_replica = config.layout(dist.get_world_size())
+        resolved = inputs.resolved
         use_rank_threads()  # before vLLM starts (it pins torch's thread count)
         rewards = config.rewards
         self.reward_names = rewards.names
@@ -109,7 +109,7 @@ class Trainer:
                                              optimizer_sharding=config.checkpoint.optimizer_sharding)
         latest = self.checkpoints.latest_step()  # resume and its data position are checked with the inputs
 
-        self.worker = PolicyWorker(self.policy_config, self.placement, seed=config.seed,
+        self.worker = PolicyWorker(resolved.policy, self.placement, seed=config.seed,
                                    temperature=config.rollout.temperature,
                                    init_weights=lambda m: load_hf_weights(m, model, config.base_model),
                                    timeout=config.distributed.timeout)
@@ -127,12 +127,8 @@ class Trainer:
             self.start_step = state.step
 
         self.worker.release_memory()  # before the engine sizes itself from the free memory, and the first rollout
-        rollout = config.rollout  # its KV cache: one step's rollouts, the data's longest prompt + max_new_tokens each
-        kv_cache = engine_class(rollout.engine).kv_cache_gib(rollout, self.policy_config.model, self.placement.machine,
-                                                             rollouts_per_replica,
-                                                             inputs.longest_prompt + rollout.max_new_tokens)
-        self.engine: RolloutEngine = build_engine(dataclasses.replace(rollout, kv_cache_gib=kv_cache),
-                                                  config.base_model, self.placement.machine, seed=config.seed)
+        rollout = dataclasses.replace(config.rollout, kv_cache_gib=resolved.kv_cache_gib)  # sized by preflight
+        self.engine: RolloutEngine = build_engine(rollout, config.base_model, self.placement.machine, seed=config.seed)
         self.tokenizer = self.engine.tokenizer
         if self.start_step:
             self._sync_weights()  # the engine started from base_model
@@ -235,12 +231,8 @@ class Trainer:
     # ---- pieces of a step ---------------------------------------------------------------
 
     def _encode(self, samples) -> list[list[int]]:
-        ids = [encode_prompt(self.tokenizer, s.messages) for s in samples]
-        limit = self.config.data.max_prompt_tokens
-        too_long = [f"{s.id!r} ({len(i)} tokens)" for s, i in zip(samples, ids) if len(i) > limit]
-        if too_long:
-            raise ValueError(f"data.max_prompt_tokens={limit}: longer prompts: {', '.join(too_long[:3])}")
-        return ids
+        """The prompts' token ids (preflight checked that each fits ``data.max_prompt_tokens``)."""
+        return [encode_prompt(self.tokenizer, s.messages) for s in samples]
 
     def _advantages(self, rewards: torch.Tensor, group_ids: torch.Tensor):
         """The step's advantages over every data-parallel replica's rollouts, after the group filter."""

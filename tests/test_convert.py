@@ -88,12 +88,13 @@ def build_megatron(hf_directory, tp: int, pp: int = 1):
     from gdpo_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
     from gdpo_megatron.policy import model as policy_model
     from gdpo_megatron.config.policy import ParallelConfig
+    from support.policy import precision_here
 
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     placement = this_rank()
     policy_model.initialize_model_parallel(parallel)
     config = model_config_from_hf(read_hf_config(hf_directory))
-    return config, policy_model.build_model(config, placement, parallel)
+    return config, policy_model.build_model(config, placement, parallel, precision_here())
 
 
 def megatron_logits(gpt, vocab_size: int, input_ids=INPUT_IDS) -> torch.Tensor:

@@ -23,7 +23,9 @@ from gdpo_megatron.checkpoint.state import check_files, complete_steps, model_se
 from gdpo_megatron.commands.console import ArgumentParser, console_entry, positive_float, positive_int
 from gdpo_megatron.errors import InputError, UsageError
 from gdpo_megatron.config.policy import DTYPES, ModelConfig, ParallelConfig, PrecisionConfig
-from gdpo_megatron.preflight.validation import (check_model_split, check_output_dir, check_weights, launch_world_size,
+from gdpo_megatron.device import this_machine
+from gdpo_megatron.resolve import resolve_precision
+from gdpo_megatron.preflight.validation import (check_layout, check_output_dir, check_weights, launch_world_size,
                                                 model_shape, read_model_config)
 
 
@@ -87,7 +89,7 @@ def check(args, parallel: ParallelConfig, world_size: int) -> Plan:
         check_output_dir(args.checkpoint_root, "CHECKPOINT_ROOT", empty=True)
         hf_config = read_model_config(args.hf_dir, "HF_DIR")
         model = model_shape(hf_config, "HF_DIR")
-        check_model_split(model, parallel, world_size, layout)
+        check_layout(model, parallel, world_size, layout)
         check_weights(args.hf_dir, "HF_DIR", model)
         return Plan(model, hf_config)
 
@@ -112,7 +114,7 @@ def check(args, parallel: ParallelConfig, world_size: int) -> Plan:
     saved = read_training_state(directory).config
     model = model_config_of(saved, str(directory))
     check_files(directory)
-    check_model_split(model, parallel, world_size, layout)
+    check_layout(model, parallel, world_size, layout)
     if tokenizer is None and "hf_dir" in saved and Path(saved["hf_dir"]).is_dir():
         tokenizer = Path(saved["hf_dir"])  # the imported model's, when it is still there
     return Plan(model, saved.get("hf_config"), step, tokenizer)
@@ -150,16 +152,16 @@ def main(argv: list[str]) -> int:
     """Entry point; uses the process group if one exists, else starts one from the launcher env."""
     args = parse(argv)
     parallel = ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
-    precision = PrecisionConfig(dtype=args.dtype or "auto")
+    machine = this_machine()
+    precision = resolve_precision(PrecisionConfig(dtype=args.dtype or "auto"), machine)
     started = not dist.is_initialized()
     plan = check(args, parallel, launch_world_size() if started else dist.get_world_size())
 
-    from gdpo_megatron.device import place_rank, this_machine
+    from gdpo_megatron.device import place_rank
     from gdpo_megatron.distributed.launch import init_distributed, resolve_launch_env
     from gdpo_megatron.policy import cpu_compat
     from gdpo_megatron.policy.model import destroy_model_parallel, initialize_model_parallel
 
-    machine = this_machine()
     if started:
         _, placement = init_distributed(machine)
     else:

@@ -54,7 +54,8 @@ def main(argv: list[str]) -> int:
     from gdpo_megatron.preflight.validation import check_training, launch_world_size
 
     config = load_config(TrainConfig, args.config, args.overrides)
-    inputs = check_training(config, launch_world_size())
+    machine = this_machine()
+    inputs = check_training(config, machine, launch_world_size())
     if inputs.resume_step >= config.steps:
         say(f"gdpo-train: {config.run_dir} has finished step {inputs.resume_step} of {config.steps}: nothing to "
             "train (raise steps to train on)")
@@ -62,7 +63,7 @@ def main(argv: list[str]) -> int:
     say(f"gdpo-train: resuming {config.run_dir} from step {inputs.resume_step} of {config.steps}" if inputs.resume_step
         else f"gdpo-train: a new run in {config.run_dir}, {config.steps} steps")
     try:
-        outcome = run(config, inputs, this_machine())
+        outcome = run(config, inputs, machine)
     except KeyboardInterrupt:
         say("gdpo-train: stopped at once by a second Ctrl-C; rerun the same command to resume from the last "
             "checkpoint")

@@ -58,6 +58,15 @@ def one_error_line(capsys, message: str) -> str:
     return err
 
 
+def error_lines(capsys) -> list[str]:
+    """The ``error: ...`` lines on stderr (nothing else there, nothing on stdout)."""
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.splitlines()
+    assert lines and all(line.startswith("error: ") for line in lines), err
+    return lines
+
+
 def expect_user_error(capsys, tmp_path: Path, call, message: str) -> str:
     """``call()`` returns status 2 with one line holding ``message`` and leaves ``tmp_path`` as it was."""
     before = files_under(tmp_path)
@@ -106,7 +115,7 @@ def test_train_config_mistakes(base_model, tmp_path, capsys, override, message):
     assert not (tmp_path / "run").exists()
 
 
-def test_independent_mistakes_come_together_in_one_line(base_model, tmp_path, capsys):
+def test_independent_mistakes_come_together_one_line_each(base_model, tmp_path, capsys):
     """The paper's ToolRL config on the demo model: too long a context for the model, and
     prompts longer than max_prompt_tokens, in one run, with the settings that would fit."""
     from transformers import AutoTokenizer
@@ -122,11 +131,49 @@ def test_independent_mistakes_come_together_in_one_line(base_model, tmp_path, ca
     over = sum(n > 2048 for n in lengths.values())
     call = lambda: train_main(["--config", "configs/toolrl_qwen2.5_1.5b.yaml", f"base_model={base_model}",
                                f"run_dir={tmp_path / 'run'}", f"data.train_path={data}"])  # noqa: E731
-    expect_user_error(capsys, tmp_path, call, (
-        "error: 2 problems: (1) rollout.max_model_len: expected <= 1024, the max_position_embeddings of base_model, "
-        f"got 3072; (2) data.max_prompt_tokens: {over} prompt(s) of {data} are longer than 2048 tokens, the longest "
+    assert call() == EXIT_USER_ERROR
+    assert error_lines(capsys) == [
+        "error: rollout.max_model_len: expected <= 1024, the max_position_embeddings of base_model, got 3072",
+        f"error: data.max_prompt_tokens: {over} prompt(s) of {data} are longer than 2048 tokens, the longest "
         f"{longest!r} with {lengths[longest]}; set data.max_prompt_tokens={lengths[longest]} and "
-        f"rollout.max_model_len={lengths[longest] + 1024} (or more), or drop them"))
+        f"rollout.max_model_len={lengths[longest] + 1024} (or more), or drop them"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_four_config_mistakes_in_one_run(base_model, tmp_path, capsys):
+    """Mistakes in different sections, and two in one section, are all named, one line each."""
+    config = tmp_path / "four.yaml"
+    config.write_text(open(CONFIG).read() + "stepz: 3\n")
+    call = lambda: train_main(["--config", str(config), f"base_model={base_model}",  # noqa: E731
+                               f"run_dir={tmp_path / 'run'}", "rollout.temperature=hot", "advantage.mode=ppo",
+                               "rewards.rewards.1.weight=[1]"])
+    assert call() == EXIT_USER_ERROR
+    assert sorted(error_lines(capsys)) == [
+        "error: advantage.mode: expected one of ('gdpo', 'grpo', 'grpo_no_std'), got 'ppo'",
+        "error: rewards.rewards.1.weight: expected a number, got [1]",
+        "error: rollout.temperature: expected a number, got 'hot'",
+        "error: stepz: unknown key (expected one of: advantage, base_model, checkpoint, data, distributed, "
+        "environment, logging, policy, rewards, rollout, run_dir, seed, steps)"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_every_malformed_row_and_a_bad_reward_together(base_model, tmp_path, capsys):
+    """Two malformed rows of the data file (among good ones) and a reward that is not
+    registered: three lines, each row named by its line."""
+    rows = [json.loads(line) for line in open("examples/data/tool_demo.jsonl")][:8]
+    lines = [json.dumps(row) for row in rows]
+    lines[2] = '{"messages": "unclosed'
+    lines[5] = json.dumps({k: v for k, v in rows[5].items() if k != "messages"} | {"messages": 7})
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    call = train(base_model, tmp_path / "run", f"data.train_path={data}", "rewards.rewards.0.name=nope_reward")
+    assert call() == EXIT_USER_ERROR
+    found = error_lines(capsys)
+    assert len(found) == 3, found
+    assert found[0].startswith("error: rewards.rewards.0.name: 'nope_reward' is not a registered reward")
+    assert found[1].startswith(f"error: data.train_path: {data}:3: not valid JSON (Unterminated string")
+    assert found[2] == (f"error: data.train_path: {data}:6: 'messages' must be a string or a non-empty list of "
+                        "{'role': str, 'content': str}")
 
 
 def test_train_config_file_and_command_line(base_model, tmp_path, capsys):

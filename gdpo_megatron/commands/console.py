@@ -1,7 +1,7 @@
 """What every console command shares: argument parsing, and one line per user error.
 
 Commands wrapped in :func:`console_entry` print a :class:`~gdpo_megatron.errors.UserError` as
-one line, ``error: <message>``, on rank 0 only (every rank of a torchrun or srun job meets the
+one line per mistake, ``error: <message>``, on rank 0 only (every rank of a torchrun or srun job meets the
 same error), and exit with :data:`EXIT_USER_ERROR`. Any other exception is a bug and keeps its
 traceback. ``--debug`` (or ``GDPO_DEBUG=1``) prints the traceback of a user error too, on
 every rank.
@@ -91,13 +91,15 @@ def console_entry(main: Callable[[list[str]], Optional[int]]) -> Callable[[Optio
 
 
 def report(error: UserError, debug: bool = False) -> None:
-    """Print ``error: <message>`` on rank 0 (the traceback too, on every rank, with ``debug``)."""
-    line = f"error: {' '.join(str(error).split())}"  # one line, whatever the message holds
+    """Print ``error: <message>`` for each of its mistakes on rank 0 (the traceback too, on every
+    rank, with ``debug``)."""
+    lines = [f"error: {line}" for line in error.lines()]  # one line each, whatever the messages hold
     if debug:
         traceback.print_exception(error, file=sys.stderr)
     rank = launch_rank()
     if rank == 0:
-        print(line, file=sys.stderr, flush=True)
+        print("\n".join(lines), file=sys.stderr, flush=True)
+    line = "\n".join(lines)
     error_file = os.environ.get(TORCHELASTIC_ERROR_FILE)
     if error_file:
         if rank != 0:

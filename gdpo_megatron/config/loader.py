@@ -5,21 +5,24 @@ annotations whenever it is built, from YAML or from Python) and checks its own r
 ``__post_init__`` with :func:`require`, naming its fields relative to itself; :func:`from_dict`
 prefixes the message with where the section sits, so every error names the full dotted key.
 A key that moved is listed in the section's ``REPLACED_KEYS`` (old key -> what replaces it),
-and the error says so.
+and the error says so. Every key's error in the whole tree is collected and raised together
+(:func:`~gdpo_megatron.errors.together`, one line each); a section's own rules run once its
+fields are good.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Iterator, Literal, Union
 
 import yaml
 
-from gdpo_megatron.errors import UserError
+from gdpo_megatron.errors import UserError, together
 
 
 class ConfigError(UserError, ValueError):
@@ -48,13 +51,29 @@ def section(cls=None, /, *, frozen: bool = False):
 
 def check_fields(config) -> None:
     """Convert every field of section ``config`` to its annotation in place; raise
-    :class:`ConfigError` ``"<field>: expected ..., got ..."`` for the first that does not fit."""
-    hints = _type_hints(type(config))
+    :class:`ConfigError` ``"<field>: expected ..., got ..."`` for every field that does not fit."""
+    hints, errors = _type_hints(type(config)), []
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
-        converted = _convert(hints[field.name], value, field.name)
-        if converted is not value:
-            object.__setattr__(config, field.name, converted)  # also for a frozen section
+        with _collect(errors):
+            converted = _convert(hints[field.name], value, field.name)
+            if converted is not value:
+                object.__setattr__(config, field.name, converted)  # also for a frozen section
+    _raise_any(errors)
+
+
+@contextlib.contextmanager
+def _collect(errors: list) -> Iterator[None]:
+    """Run the block; a ConfigError it raises is added to ``errors`` and the block is left."""
+    try:
+        yield
+    except ConfigError as e:
+        errors.append(e)
+
+
+def _raise_any(errors: list) -> None:
+    if errors:
+        raise together(errors)
 
 
 @functools.cache
@@ -116,8 +135,11 @@ def load_config(cls: type, path: str | Path | None = None, overrides: list[str] 
             raise ConfigError(f"config file {path}: not valid YAML: {e}") from e
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path}: expected a mapping at the top level, got {type(data).__name__}")
+    errors: list = []
     for item in overrides or ():
-        apply_override(data, item)
+        with _collect(errors):
+            apply_override(data, item)
+    _raise_any(errors)
     return from_dict(cls, data)
 
 
@@ -153,25 +175,30 @@ def _list_index(node: list, part: str, where: str) -> int:
 
 
 def from_dict(cls: type, data: Any, path: str = ""):
-    """Build dataclass ``cls`` from plain data, checking keys and types; errors name ``path``."""
+    """Build dataclass ``cls`` from plain data, checking keys and types; errors name ``path``,
+    every key's error of the section and the sections within together."""
     if not isinstance(data, dict):
         raise ConfigError(f"{path or 'config'}: expected a mapping, got {data!r}")
     hints = _type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     data = dict(data)
     preset = data.pop("preset", None) if hasattr(cls, "preset") else None
-    replaced = sorted(set(data) & set(getattr(cls, "REPLACED_KEYS", {})))
-    if replaced:  # a key that was moved: say where to, not just that it is unknown
-        raise ConfigError(f"{_join(path, replaced[0])}: replaced by {cls.REPLACED_KEYS[replaced[0]]}")
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        where = f"{path}." if path else ""
-        raise ConfigError(f"{where}{unknown[0]}: unknown key (expected one of: {', '.join(sorted(fields))})")
-    kwargs = {name: _convert(hints[name], value, _join(path, name)) for name, value in data.items()}
-    missing = [n for n, f in fields.items() if n not in kwargs and f.default is dataclasses.MISSING
+    replaced_keys = getattr(cls, "REPLACED_KEYS", {})
+    errors = []
+    for key in sorted(set(data) - set(fields)):
+        if key in replaced_keys:  # a key that was moved: say where to, not just that it is unknown
+            errors.append(ConfigError(f"{_join(path, key)}: replaced by {replaced_keys[key]}"))
+        else:
+            errors.append(ConfigError(f"{_join(path, key)}: unknown key (expected one of: {', '.join(sorted(fields))})"))
+    kwargs = {}
+    for name, value in data.items():
+        if name in fields:
+            with _collect(errors):
+                kwargs[name] = _convert(hints[name], value, _join(path, name))
+    errors += [ConfigError(f"{_join(path, name)}: required key is missing") for name, f in fields.items()
+               if name not in data and f.default is dataclasses.MISSING
                and f.default_factory is dataclasses.MISSING and preset is None]
-    if missing:
-        raise ConfigError(f"{_join(path, missing[0])}: required key is missing")
+    _raise_any(errors)
     try:
         return cls.preset(preset, **kwargs) if preset is not None else cls(**kwargs)
     except ConfigError as e:  # the section's own rules name its fields relative to it
@@ -199,6 +226,16 @@ def _qualify(path: str, message: str, fields=()) -> str:
     return f"{path}: {message}"
 
 
+def _convert_each(tp: Any, items: dict, path: str) -> dict:
+    """Each value of ``items`` (a mapping's, or a list's by index) converted to ``tp``; every item's error together."""
+    converted, errors = {}, []
+    for key, value in items.items():
+        with _collect(errors):
+            converted[key] = _convert(tp, value, f"{path}.{key}")
+    _raise_any(errors)
+    return converted
+
+
 def _convert(tp: Any, value: Any, path: str) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is Any:
@@ -212,18 +249,20 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             try:
                 return _convert(option, value, path)
             except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of {options}")
+                errors.append(e)
+        if len(errors) == 1:
+            raise errors[0]
+        raise ConfigError(f"{path}: {value!r} matches none of {options}")
     if dataclasses.is_dataclass(tp):
         return value if isinstance(value, tp) else from_dict(tp, value, path)
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{path}: expected a list, got {value!r}")
-        return [_convert(args[0], v, f"{path}.{i}") for i, v in enumerate(value)]
+        return list(_convert_each(args[0], dict(enumerate(value)), path).values())
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping, got {value!r}")
-        return {k: _convert(args[1], v, f"{path}.{k}") for k, v in value.items()}
+        return _convert_each(args[1], value, path)
     if origin is Literal:
         if value not in args:
             raise ConfigError(f"{path}: expected one of {args}, got {value!r}")

@@ -13,7 +13,9 @@ row (JSON lists and tables, counted from 0) for error messages. By ``path``:
   rows (a ``split`` is honored only where the dataset was saved from that split).
 
 A split that cannot be honored (one a directory does not hold, any split of a file) is an
-error naming the path and what it holds, never ignored.
+error naming the path and what it holds, never ignored. A row that cannot be read (a JSON
+Lines line that is not UTF-8 or not JSON, a record that is not an object) is a :class:`BadRow`:
+raised, or, given ``on_bad_row``, handed to it while the reading goes on to the next row.
 
 JSON is read with the standard library so that each record keeps its own keys (an Arrow
 schema would give every row the union of all rows' keys, filled with nulls); text must be
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 _PARQUET_BATCH_ROWS = 1024
@@ -40,9 +42,15 @@ class Where(NamedTuple):
         return f"{self.source}:{self.number}" if self.unit == "line" else f"{self.source} row {self.number}"
 
 
-def read_records(path: str | Path, split: str | None = None) -> Iterator[tuple[Where, dict[str, Any]]]:
+class BadRow(ValueError):
+    """One row that cannot be read; the message names the file and the line or row."""
+
+
+def read_records(path: str | Path, split: str | None = None, on_bad_row: Optional[Callable[[BadRow], None]] = None
+                 ) -> Iterator[tuple[Where, dict[str, Any]]]:
     """``(where, record)`` for every record of the file or dataset directory ``path`` (of
-    ``split``, for a directory; see the module docstring)."""
+    ``split``, for a directory; see the module docstring); a row that cannot be read goes to
+    ``on_bad_row`` (None: it is raised)."""
     path = Path(path)
     if path.is_dir():
         rows = _dataset_dir_rows(path, split)
@@ -61,9 +69,14 @@ def read_records(path: str | Path, split: str | None = None) -> Iterator[tuple[W
         raise ValueError(f"dataset {path}: expected a {', '.join(SUFFIXES)} file or a Hugging Face "
                          f"datasets directory (save_to_disk), got a {path.suffix or 'suffix-less'} file")
     for where, record in rows:
-        if not isinstance(record, dict):
-            raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-        yield where, record
+        if not isinstance(record, (dict, BadRow)):
+            record = BadRow(f"{where}: expected a JSON object, got {type(record).__name__}")
+        if isinstance(record, BadRow):
+            if on_bad_row is None:
+                raise record
+            on_bad_row(record)
+        else:
+            yield where, record
 
 
 def _decode(path: Path, data: bytes, first_line: int = 1) -> str:
@@ -73,19 +86,24 @@ def _decode(path: Path, data: bytes, first_line: int = 1) -> str:
     except UnicodeDecodeError as e:
         line = first_line + data[: e.start].count(b"\n")
         column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
-        raise ValueError(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at column {column})") from None
+        raise BadRow(f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at column {column})") from None
 
 
 def _json_lines(path: Path, data: bytes) -> Iterator[tuple[Where, Any]]:
+    """Each line's record, or the :class:`BadRow` saying why it has none."""
     for lineno, raw in enumerate(data.split(b"\n"), start=1):
-        line = _decode(path, raw, lineno)
+        where = Where(str(path), "line", lineno)
+        try:
+            line = _decode(path, raw, lineno)
+        except BadRow as e:
+            yield where, e
+            continue
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            yield where, json.loads(line)
         except (ValueError, RecursionError) as e:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({_json_error(e)})") from None
-        yield Where(str(path), "line", lineno), record
+            yield where, BadRow(f"{path}:{lineno}: not valid JSON ({_json_error(e)})")
 
 
 def _json_error(e: ValueError | RecursionError) -> str:

@@ -21,7 +21,8 @@ Files are read by :mod:`gdpo_megatron.data.readers` (JSON Lines, JSON, Parquet, 
 
 Every other field is kept as metadata, except fields named like a key of the sample's ground
 truth (e.g. ``answer``), which would shadow it; ``id`` defaults to ``<file stem>-<line or row>``.
-A malformed row is an error naming the file and the line or row. Rows that hold no usable
+Malformed rows are one error, :class:`BadRows`, naming the file and the line or row of each
+(the first :data:`LISTED_BAD_ROWS`, and how many in all). Rows that hold no usable
 ground truth (:class:`~gdpo_megatron.tasks.UnusableGroundTruth`: a ``math`` row whose answer
 is null or blank, a ``toolrl`` row whose reference is null or one ToolRL's reward cannot
 parse) are left out and named in one warning.
@@ -37,6 +38,29 @@ from gdpo_megatron.data.readers import Where, read_records
 from gdpo_megatron.tasks import Task, UnusableGroundTruth, get_task
 
 PROMPT_KEYS = ("messages", "prompt", "problem", "question")
+LISTED_BAD_ROWS = 20  # the malformed rows an error names one by one; the rest are counted
+
+
+class BadRows(ValueError):
+    """The malformed rows of a data file: one line each for the first :data:`LISTED_BAD_ROWS`,
+    then one line with how many more."""
+
+    def __init__(self, path: str | Path):
+        super().__init__()
+        self.path, self.listed, self.count = str(path), [], 0
+
+    def add(self, error: ValueError) -> None:
+        self.count += 1
+        if len(self.listed) < LISTED_BAD_ROWS:
+            self.listed.append(" ".join(str(error).split()))
+
+    def lines(self) -> list[str]:
+        more = self.count - len(self.listed)
+        return self.listed + ([f"{self.path}: {more} more malformed rows (the first {len(self.listed)} are "
+                               "listed above)"] if more else [])
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
 
 
 @dataclass
@@ -72,15 +96,19 @@ def load_samples(path: str | Path, family: str, system_prompt: str | None = None
     dataset; see :func:`gdpo_megatron.data.readers.read_records`).
     """
     task = get_task(family)
-    samples, rows = [], 0
+    samples, rows, bad = [], 0, BadRows(path)
     left_out: dict[str, list[str]] = {}  # why -> line or row numbers
-    for where, record in read_records(path, split):
+    for where, record in read_records(path, split, bad.add):
         rows += 1
         try:
             samples.append(_make_sample(record, task, f"{Path(path).stem}-{where.number}", where,
                                         system_prompt, fields))
         except UnusableGroundTruth as e:
             left_out.setdefault(e.why, []).append(str(where.number))
+        except ValueError as e:
+            bad.add(e)
+    if bad.count:
+        raise bad
     summary = ""
     if left_out:
         count = sum(map(len, left_out.values()))

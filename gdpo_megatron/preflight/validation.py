@@ -28,8 +28,8 @@ from gdpo_megatron.checkpoint.state import (
     LAYOUT_KEYS, check_files, check_reshardable, complete_steps, model_section, read_training_state, step_dir,
 )
 from gdpo_megatron.config import ConfigError, DataConfig, TrainConfig, to_dict
-from gdpo_megatron.data.samples import Fields, Sample, load_samples
-from gdpo_megatron.errors import InputError, UserError
+from gdpo_megatron.data.samples import BadRows, Fields, Sample, load_samples
+from gdpo_megatron.errors import InputError, UserError, together
 from gdpo_megatron.device import Machine
 from gdpo_megatron.inputs import TrainingInputs
 from gdpo_megatron.config.policy import SHAPE_FIELDS, ModelConfig, ParallelConfig
@@ -52,6 +52,27 @@ def about(key: str) -> Iterator[None]:
         yield
     except UserError as e:
         raise type(e)(f"{key}: {e}") from e
+
+
+class Problems:
+    """The user errors of independent checks, reported together: a run with several mistakes
+    learns them all at once."""
+
+    def __init__(self):
+        self.errors: list[UserError] = []
+
+    @contextlib.contextmanager
+    def check(self) -> Iterator[None]:
+        """Run the block; a UserError it raises is recorded and the block is left."""
+        try:
+            yield
+        except UserError as e:
+            self.errors.append(e)
+
+    def raise_any(self) -> None:
+        """Raise the errors recorded, together (one line each), if any."""
+        if self.errors:
+            raise together(self.errors)
 
 
 # ---- paths ---------------------------------------------------------------------------------
@@ -120,6 +141,8 @@ def load_prompts(path: str | os.PathLike, family: str, system_prompt: Optional[s
         raise InputError(f"{key}: {path} does not exist")
     try:
         return load_samples(path, family, system_prompt, fields=fields, split=split)
+    except BadRows as e:  # one line per malformed row
+        raise together([InputError(f"{key}: {line}") for line in e.lines()]) from e
     except ValueError as e:  # the readers' errors name the file and the line or row
         raise InputError(f"{key}: {e}") from e
 
@@ -167,14 +190,17 @@ def check_prompt_lengths(samples: Sequence[Sample], config: TrainConfig) -> list
 
 
 def load_reward_files(paths: Sequence[str], key: str) -> None:
-    """Import each reward file, so that its rewards are registered."""
+    """Import each reward file, so that its rewards are registered; every file's error together."""
+    problems = Problems()
     for i, path in enumerate(paths):
-        check_input_file(path, f"{key}.{i}")
-        try:
-            load_reward_file(path)
-        except (Exception, SystemExit) as e:  # whatever the user's module raises on import, or sys.exit()
-            what = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-            raise InputError(f"{key}.{i}: importing {path} failed: {what}") from e
+        with problems.check():
+            check_input_file(path, f"{key}.{i}")
+            try:
+                load_reward_file(path)
+            except (Exception, SystemExit) as e:  # whatever the user's module raises on import, or sys.exit()
+                what = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                raise InputError(f"{key}.{i}: importing {path} failed: {what}") from e
+    problems.raise_any()
 
 
 def check_environment(environment: EnvironmentConfig, key: str) -> None:
@@ -193,18 +219,21 @@ def check_environment(environment: EnvironmentConfig, key: str) -> None:
 
 def check_reward_specs(specs: Sequence[RewardSpec], key: str, *, in_config: bool = True) -> None:
     """Each reward is registered and takes its kwargs. ``in_config``: ``key`` is the config's list
-    of rewards (errors name ``key.<i>.name`` / ``key.<i>.kwargs``), else a command-line argument."""
-    known = registered_rewards()
+    of rewards (errors name ``key.<i>.name`` / ``key.<i>.kwargs``), else a command-line argument.
+    Every reward's error together."""
+    known, problems = registered_rewards(), Problems()
     for i, spec in enumerate(specs):
         name_key, kwargs_key = (f"{key}.{i}.name", f"{key}.{i}.kwargs") if in_config else (key, key)
-        if spec.name not in known:
-            hint = "; a reward of your own needs its file in rewards.reward_files" if in_config else ""
-            raise ConfigError(f"{name_key}: {spec.name!r} is not a registered reward "
-                              f"(registered: {', '.join(known)}){hint}")
-        try:
-            validate_specs([spec])
-        except ValueError as e:
-            raise ConfigError(f"{kwargs_key}: {e}") from e
+        with problems.check():
+            if spec.name not in known:
+                hint = "; a reward of your own needs its file in rewards.reward_files" if in_config else ""
+                raise ConfigError(f"{name_key}: {spec.name!r} is not a registered reward "
+                                  f"(registered: {', '.join(known)}){hint}")
+            try:
+                validate_specs([spec])
+            except ValueError as e:
+                raise ConfigError(f"{kwargs_key}: {e}") from e
+    problems.raise_any()
 
 
 def check_code_sandbox(specs: Sequence[RewardSpec], key: str, allow_weaker: bool, allow_with: str) -> None:
@@ -284,15 +313,22 @@ def launch_world_size() -> int:
 
 
 def check_settings(config: TrainConfig) -> list[Condition]:
-    """The checks of a training run that read neither the base model nor the data; the conditions."""
-    check_output_dir(config.run_dir, "run_dir")
-    rewards = config.rewards
-    load_reward_files(rewards.reward_files, "rewards.reward_files")
-    check_reward_specs(rewards.rewards, "rewards.rewards")
-    check_sandbox_python(rewards.sandbox_python, "rewards.sandbox_python")
-    check_environment(config.environment, "environment")
-    check_code_sandbox(rewards.rewards, "rewards.rewards", rewards.allow_weaker_sandbox,
-                       "set rewards.allow_weaker_sandbox=true")
+    """The checks of a training run that read neither the base model nor the data; the
+    conditions. Independent checks all run (the rewards are checked once their files imported,
+    their sandbox once they are known)."""
+    problems, rewards = Problems(), config.rewards
+    with problems.check():
+        check_output_dir(config.run_dir, "run_dir")
+    with problems.check():
+        check_sandbox_python(rewards.sandbox_python, "rewards.sandbox_python")
+    with problems.check():
+        load_reward_files(rewards.reward_files, "rewards.reward_files")
+        check_reward_specs(rewards.rewards, "rewards.rewards")
+        check_code_sandbox(rewards.rewards, "rewards.rewards", rewards.allow_weaker_sandbox,
+                           "set rewards.allow_weaker_sandbox=true")
+    with problems.check():
+        check_environment(config.environment, "environment")
+    problems.raise_any()
     return conditions_by_column(config.advantage.conditions, rewards.names)
 
 
@@ -307,29 +343,6 @@ def data_prompts(data: DataConfig, key: str) -> list[Sample]:
     get_task(data.family, "data.family")
     return load_prompts(data.train_path, data.family, data.system_prompt, key,
                         fields=Fields(data.prompt_key, data.system_key, data.ground_truth_key), split=data.split)
-
-
-class Problems:
-    """The user errors of independent checks, reported together: a run with several mistakes
-    learns them all at once."""
-
-    def __init__(self):
-        self.errors: list[UserError] = []
-
-    @contextlib.contextmanager
-    def check(self) -> Iterator[None]:
-        """Run the block; a UserError it raises is recorded and the block is left."""
-        try:
-            yield
-        except UserError as e:
-            self.errors.append(e)
-
-    def raise_any(self) -> None:
-        if len(self.errors) == 1:
-            raise self.errors[0]
-        if self.errors:
-            listed = "; ".join(f"({i}) {e}" for i, e in enumerate(self.errors, 1))
-            raise UserError(f"{len(self.errors)} problems: {listed}")
 
 
 def check_base_model(config: TrainConfig, hf_config: dict) -> ModelConfig:

@@ -17,7 +17,10 @@ first rank is its *leader*, whose rollouts and rewards the others receive. Per s
 
 SIGUSR1 / SIGTERM (Slurm's warning before the time limit, or a preemption) and Ctrl-C make the
 loop finish the step in progress, save a checkpoint and return; a rerun resumes from it. A
-second Ctrl-C stops at once.
+second Ctrl-C stops at once. SIGTERM bounds the wait: unless the step has finished within
+``checkpoint.stop_timeout_s`` (or at a second SIGTERM), the process ends its reward workers
+and exits with the status that resumes it from its last checkpoint, saving nothing new; a
+checkpoint being written is finished first.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -39,6 +43,8 @@ from tqdm import tqdm
 
 from gdpo_megatron.checkpoint.hf_io import load_hf_weights, save_hf_checkpoint
 from gdpo_megatron.checkpoint.manager import CheckpointManager
+from gdpo_megatron.checkpoint.state import complete_steps
+from gdpo_megatron.commands.train import EXIT_REQUEUE
 from gdpo_megatron.checkpoint.weight_stream import iter_hf_weights
 from gdpo_megatron.config import TrainConfig, to_dict
 from gdpo_megatron.data.chat import encode_prompt
@@ -85,6 +91,9 @@ class Trainer:
         self.is_rank0 = dist.get_rank() == 0
         # From here on a stop request is remembered, also one that arrives during start-up.
         self._stop_signal: int | None = None
+        self._stop_watchdog: threading.Thread | None = None  # started by SIGTERM
+        self._writing = threading.RLock()  # held while a checkpoint or the export is written
+        self._ended = threading.Event()  # the loop has stopped as asked, or the trainer closed
         self._previous_handlers = {s: signal.signal(s, self._request_stop) for s in STOP_SIGNALS}
         self.worker = self.engine = self.reward_stage = self.logger = None
         try:
@@ -157,7 +166,9 @@ class Trainer:
                     bar.set_postfix({n: f"{metrics[f'reward/{n}/mean']:.2f}" for n in self.reward_names})
                 last = step + 1 == self.config.steps
                 if any_rank(self._stop_signal is not None, self.device):  # every rank stops after the same step
-                    self.save(step + 1)
+                    with self._writing:
+                        self.save(step + 1)
+                        self._ended.set()
                     outcome = STOPPED if self._stop_signal == signal.SIGINT else PREEMPTED
                     break
                 every = self.config.checkpoint.save_every
@@ -284,20 +295,50 @@ class Trainer:
     def _request_stop(self, signum, frame) -> None:
         if signum == signal.SIGINT and self._stop_signal == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C: stop at once
-        if self._stop_signal is None:
-            self._stop_signal = signum
-            if self.is_rank0:
-                what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-                again = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""
-                tqdm.write(f"gdpo-train: {what}: finishing this step, then saving a checkpoint{again}",
-                           file=sys.stderr)
+        if signum == signal.SIGTERM and self._stop_watchdog is not None:
+            self._stop_now("interrupted by a second SIGTERM")
+        announce = self._stop_signal is None
+        self._stop_signal = self._stop_signal or signum
+        again = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""
+        if signum == signal.SIGTERM:  # also after SIGUSR1: Slurm's SIGTERM at the time limit
+            timeout = self.config.checkpoint.stop_timeout_s
+            self._stop_watchdog = threading.Thread(target=self._stop_after, args=(timeout,), daemon=True)
+            self._stop_watchdog.start()
+            announce, again = True, (f" (if the step finishes within {timeout:g} s, checkpoint.stop_timeout_s; "
+                                     "SIGTERM again stops at once)")
+        if announce and self.is_rank0:
+            what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+            tqdm.write(f"gdpo-train: {what}: finishing this step, then saving a checkpoint{again}", file=sys.stderr)
+
+    def _stop_after(self, seconds: float) -> None:
+        """SIGTERM's watchdog: unless the run has ended as asked within ``seconds``, stop it at
+        once, once a checkpoint being written is complete."""
+        if self._ended.wait(seconds):
+            return
+        with self._writing:
+            if not self._ended.is_set():
+                self._stop_now(f"not finished within {seconds:g} s (checkpoint.stop_timeout_s)")
+
+    def _stop_now(self, why: str) -> None:
+        """End the process at once, saving nothing new, with the status that resumes the run from
+        its last checkpoint (:meth:`abandon` ends what would outlive it)."""
+        if self.is_rank0:
+            where = "start-up" if self.step_started is None else f"step {self.step_started + 1}"
+            steps = complete_steps(self.run_dir / CHECKPOINT_DIR)
+            resume = f"the last checkpoint, step {steps[-1]}" if steps else "the start (no checkpoint yet)"
+            print(f"gdpo-train: SIGTERM: {where} {why}: stopped without saving it; rerun the same command to "
+                  f"resume from {resume}", file=sys.stderr, flush=True)
+        self.abandon()
+        sys.stdout.flush()
+        os._exit(EXIT_REQUEUE)
 
     def save(self, step: int) -> Path:
         """A training checkpoint; its config holds the model actually trained and where it came from."""
         config = {**to_dict(dataclasses.replace(self.config, policy=self.policy_config)),
                   "hf_config": self.hf_config, "hf_dir": str(Path(self.config.base_model).resolve())}
-        return self.checkpoints.save(step, self.worker.model, self.worker.optimizer, self.worker.scheduler,
-                                     data_position=step * self.config.data.prompts_per_step, config=config)
+        with self._writing:
+            return self.checkpoints.save(step, self.worker.model, self.worker.optimizer, self.worker.scheduler,
+                                         data_position=step * self.config.data.prompts_per_step, config=config)
 
     def export_hf(self, out_dir: Path) -> Path:
         """The current policy as a Hugging Face directory with the base model's tokenizer.
@@ -305,6 +346,10 @@ class Trainer:
         An export already there (from an earlier run of this run directory) is replaced only
         once the new one is complete.
         """
+        with self._writing:
+            return self._export_hf(out_dir)
+
+    def _export_hf(self, out_dir: Path) -> Path:
         new = out_dir.with_name(f"{out_dir.name}.new")
         if self.is_rank0:
             shutil.rmtree(new, ignore_errors=True)  # left by a crash during an export
@@ -323,6 +368,7 @@ class Trainer:
 
     def close(self) -> None:
         """Release whatever was built; vLLM's shutdown also ends the default process group, so it goes last."""
+        self._ended.set()
         for part in (self.reward_stage, self.logger, self.worker, self.engine):
             if part is not None:
                 part.close()

@@ -1,5 +1,6 @@
 """A run directory through gdpo-train as a user meets it: a new run and its summary, a finished
-run rerun, another config refused, a forced resume, Ctrl-C, and metrics after a crash."""
+run rerun, another config refused, a forced resume, Ctrl-C, SIGTERM during a long step, and
+metrics after a crash."""
 import json
 import os
 import signal
@@ -8,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from reference_run import CONFIG, ROOT, make_base
@@ -128,6 +130,33 @@ def test_ctrl_c_saves_after_the_step_and_a_resume_logs_each_step_once(base, tmp_
     assert logged == list(range(1, len(logged) + 1))  # every step once, those redone after the crash too
     assert "gdpo-train: stopped by Ctrl-C; rerun the same command to resume\n" in out
     assert f"checkpoint: {run_dir}/checkpoints/step_{logged[-1]}" in out.splitlines()
+
+
+def test_sigterm_during_a_long_step_stops_within_the_timeout_without_saving_it(base, tmp_path):
+    """Steps of 2048 rollouts, each longer than checkpoint.stop_timeout_s=1: SIGTERM after step 1
+    ends the run in step 2 within that bound (plus the exit), with the status that requeues it,
+    its reward workers gone, and step 1's checkpoint the one to resume from."""
+    run_dir = tmp_path / "run"
+    process = train(base, run_dir, "steps=1000", "data.prompts_per_step=256", "rollout.group_size=8",
+                    "policy.micro_batch_size=64", "checkpoint.stop_timeout_s=1", wait=False)
+    while not steps_so_far(run_dir) and process.poll() is None:
+        time.sleep(0.05)
+    children = psutil.Process(process.pid).children(recursive=True)
+    assert children  # the reward workers
+    signalled = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 75, err
+    assert time.monotonic() - signalled < 30
+    lines = err.splitlines()
+    assert ("gdpo-train: SIGTERM: finishing this step, then saving a checkpoint (if the step finishes within 1 s, "
+            "checkpoint.stop_timeout_s; SIGTERM again stops at once)") in lines
+    assert ("gdpo-train: SIGTERM: step 2 not finished within 1 s (checkpoint.stop_timeout_s): stopped without saving "
+            "it; rerun the same command to resume from the last checkpoint, step 1") in lines
+    assert "Traceback" not in err
+    assert steps_logged(run_dir) == [1]
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_1"]
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
 
 
 def test_the_papers_tool_prompts_train_on_the_cpu(tmp_path):

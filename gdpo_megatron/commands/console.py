@@ -14,7 +14,8 @@ Exit statuses of the console commands:
       the layout does not fit; ``gdpo-doctor``: a mismatch
 2     a user error (:data:`EXIT_USER_ERROR`)
 69    ``gdpo-train`` lost a peer rank: its host died or stopped answering (one line says which)
-75    ``gdpo-train`` stopped by SIGUSR1/SIGTERM after saving a checkpoint (requeue it)
+75    ``gdpo-train`` stopped by SIGUSR1/SIGTERM after saving a checkpoint, or without saving past
+      ``checkpoint.stop_timeout_s`` after SIGTERM (requeue it: it resumes from the last one)
 130   stopped by Ctrl-C (``gdpo-train``: after saving a checkpoint, unless pressed twice)
 ====  ==========================================================================
 

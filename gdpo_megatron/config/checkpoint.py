@@ -22,7 +22,12 @@ class CheckpointConfig:
     # (12 bytes a parameter) on its data-parallel rank 0, loading reads it on every rank.
     # The plain optimizer's state and the weights reshard either way.
     optimizer_sharding: Literal["dp_reshardable", "fully_reshardable"] = "dp_reshardable"
+    # After SIGTERM the step in progress has this long to finish (its checkpoint is then written
+    # however long that takes); past it the run stops without saving, resumable from its last
+    # checkpoint. Slurm sends SIGKILL 30 s (KillWait) after SIGTERM.
+    stop_timeout_s: float = 25.0
 
     def __post_init__(self):
         require(self.save_every >= 0, "checkpoint.save_every", ">= 0", self.save_every)
         require(self.keep_last >= 1, "checkpoint.keep_last", ">= 1", self.keep_last)
+        require(self.stop_timeout_s > 0, "checkpoint.stop_timeout_s", "> 0 seconds", self.stop_timeout_s)

@@ -108,6 +108,9 @@ def train(base_model, run_dir, *overrides):
     pytest.param("rollout.quantization=fp8", "rollout.quantization: 'fp8' rollouts need a CUDA GPU; use null on "
                  "this machine", marks=WITHOUT_CUDA),
     ("data.train_path=nowhere.jsonl", "data.train_path: nowhere.jsonl does not exist"),
+    ("data.prompts_per_step=100000", "data.prompts_per_step: 100000 is more than the 512 prompts of "
+                                     "examples/data/tool_demo.jsonl, so a step would repeat prompts; at most 512"),
+    pytest.param("rollout.kv_cache_gib=100000", "rollout.kv_cache_gib: 100000.0 needs 100000.", marks=WITHOUT_CUDA),
     ("rewards.reward_files=[nowhere.py]", "rewards.reward_files.0: nowhere.py does not exist"),
 ])
 def test_train_config_mistakes(base_model, tmp_path, capsys, override, message):
@@ -116,8 +119,9 @@ def test_train_config_mistakes(base_model, tmp_path, capsys, override, message):
 
 
 def test_independent_mistakes_come_together_one_line_each(base_model, tmp_path, capsys):
-    """The paper's ToolRL config on the demo model: too long a context for the model, and
-    prompts longer than max_prompt_tokens, in one run, with the settings that would fit."""
+    """The paper's ToolRL config on the demo model and ToolRL's 80-row test file: too long a
+    context for the model, more prompts per step than the file holds, and prompts longer than
+    max_prompt_tokens, in one run, with the settings that would fit."""
     from transformers import AutoTokenizer
 
     from gdpo_megatron.data.samples import load_samples
@@ -134,6 +138,8 @@ def test_independent_mistakes_come_together_one_line_each(base_model, tmp_path, 
     assert call() == EXIT_USER_ERROR
     assert error_lines(capsys) == [
         "error: rollout.max_model_len: expected <= 1024, the max_position_embeddings of base_model, got 3072",
+        f"error: data.prompts_per_step: 128 is more than the {len(lengths)} prompts of {data}, so a step would repeat "
+        f"prompts; at most {len(lengths)}",
         f"error: data.max_prompt_tokens: {over} prompt(s) of {data} are longer than 2048 tokens, the longest "
         f"{longest!r} with {lengths[longest]}; set data.max_prompt_tokens={lengths[longest]} and "
         f"rollout.max_model_len={lengths[longest] + 1024} (or more), or drop them"]
@@ -341,7 +347,7 @@ def no_bwrap(monkeypatch, tmp_path_factory):
     sandbox.isolation.cache_clear()
 
 
-CODE = ["data.family=code", "data.train_path=examples/data/code.jsonl", "advantage.conditions=[]",
+CODE = ["data.family=code", "data.train_path=examples/data/code.jsonl", "data.prompts_per_step=4", "advantage.conditions=[]",
         "rewards.rewards=[{name: code_pass}, {name: length, kwargs: {max_tokens: 50}}]"]
 NO_SANDBOX = ("run model-written code, and the strong sandbox cannot run here: bubblewrap (bwrap) is not installed; "
               "install or allow bubblewrap (docs/rewards.md), or ")

@@ -8,7 +8,7 @@ import pytest
 from datasets import Dataset, DatasetDict
 
 from gdpo_megatron.data.readers import read_records
-from gdpo_megatron.data.samples import Fields, load_samples
+from gdpo_megatron.data.samples import BadRows, Fields, load_samples
 
 GOOD = {"problem": "1 + 1?", "answer": "2"}
 DEEP = "[" * 100_000 + "]" * 100_000
@@ -75,3 +75,29 @@ def test_a_toolrl_reference_that_is_not_a_string_is_an_error_naming_the_row(tmp_
     path.write_text(json.dumps(rows), encoding="utf-8")
     with pytest.raises(ValueError, match=rf"^{re.escape(str(path))} row 1: 'reward_model.ground_truth' .*must be a string"):
         load_samples(path, "toolrl")
+
+
+def test_every_malformed_row_is_named_up_to_twenty_then_counted(tmp_path):
+    """Rows that are not JSON, not objects or lack a prompt, among good ones: one line each for
+    the first 20 in file order, then how many more; reading goes on past each."""
+    path = tmp_path / "rows.jsonl"
+    rows, bad = [], []
+    for i in range(60):
+        if i % 2:
+            rows.append(json.dumps(GOOD))
+        elif i % 4 == 0:
+            rows.append('{"problem": "x", "answer": ')
+            bad.append(f"{path}:{i + 1}: not valid JSON (Expecting value: line 1 column 28 (char 27))")
+        else:
+            rows.append(json.dumps([GOOD]))
+            bad.append(f"{path}:{i + 1}: expected a JSON object, got list")
+    path.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    with pytest.raises(BadRows) as refused:
+        load_samples(path, "math")
+    assert refused.value.count == 30
+    assert refused.value.lines() == bad[:20] + [f"{path}: 10 more malformed rows (the first 20 are listed above)"]
+    assert str(refused.value) == "\n".join(refused.value.lines())
+    path.write_text("\n".join(rows[:5]) + "\n", encoding="utf-8")  # three bad rows: each named, no count
+    with pytest.raises(BadRows) as refused:
+        load_samples(path, "math")
+    assert refused.value.lines() == bad[:3] and refused.value.count == 3

@@ -125,3 +125,42 @@ def test_resolve_is_the_only_caller_of_the_resolution_helpers(helper):
     allowed = {"resolve.py"} | ({"preflight/validation.py"} if helper in ("check_model_split", "data_parallel_size")
                                 else set()) | ({"preflight/doctor.py"} if helper == "precision_for" else set())
     assert set(calls(helper)) <= allowed
+
+
+def test_a_cpu_run_beyond_the_host_memory_is_refused_naming_what_fits():
+    """tiny on 2 CPU ranks with 8 GiB available: a 100 GiB KV cache is refused with the largest
+    that fits, which passes (and a little more does not); a step of more rollouts than fit, its
+    cache sized for them, is refused with the most prompts per step that fit, which pass."""
+    from gdpo_megatron.preflight.plan import GIB, plan_host_memory
+    from gdpo_megatron.preflight.validation import check_host_memory
+
+    available = 8 * GIB
+
+    def check(*overrides):
+        run = config(*overrides)
+        check_host_memory(run, resolve(run, CPU, 2), 2, available)
+
+    with pytest.raises(ConfigError) as refused:
+        check("rollout.kv_cache_gib=100")
+    run = config("rollout.kv_cache_gib=100")
+    plan = plan_host_memory(run, resolve(run, CPU, 2), 2)
+    assert plan.kv_cache == 100 * GIB and plan.total == 2 * (100 * GIB + plan.engine_weights + plan.policy)
+    message, fits = str(refused.value).rsplit("; at most ", 1)
+    assert message == (f"rollout.kv_cache_gib: 100.0 needs {plan.total / GIB:.2f} GiB of host memory (2 rank(s) x: "
+                       f"KV cache 100.00 GiB, engine weights {plan.engine_weights / GIB:.2f} GiB, policy "
+                       f"{plan.policy / GIB:.2f} GiB), 8.00 GiB is available here")
+    largest = float(fits.removesuffix(" would fit"))
+    assert largest < 4
+    check(f"rollout.kv_cache_gib={largest}")
+    with pytest.raises(ConfigError):
+        check(f"rollout.kv_cache_gib={largest + 0.02}")
+
+    with pytest.raises(ConfigError) as refused:
+        check("data.prompts_per_step=4096", "rollout.group_size=8")
+    assert str(refused.value).startswith("data.prompts_per_step: 4096 prompts x rollout.group_size 8 rollouts, with "
+                                         "the KV cache that holds them, needs ")
+    most = int(str(refused.value).rsplit("; at most ", 1)[1].removesuffix(" prompts per step would fit"))
+    assert 2 <= most < 4096 and most % 2 == 0
+    check(f"data.prompts_per_step={most}", "rollout.group_size=8")
+    with pytest.raises(ConfigError):
+        check(f"data.prompts_per_step={2 * most}", "rollout.group_size=8")

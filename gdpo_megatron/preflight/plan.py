@@ -33,6 +33,11 @@ What is counted, per GPU (the assumptions are printed with the table):
   peak while generating both ways (the weight sync, between the two, holds less than either);
 * a fixed allowance for the CUDA context, NCCL buffers and allocator fragmentation.
 
+Without CUDA everything is in host memory (:func:`plan_host_memory`, preflight's check of a CPU
+run against the memory available): on each rank, the policy's fullest stage while it trains,
+counted as above, next to the engine's fp32 weights and its KV cache, which stay allocated (no
+sleep mode without CUDA); the engine's own runtime is not counted.
+
 Host memory per node for the distributed optimizer's state in a checkpoint
 (:func:`checkpoint_host_memory`): ``fully_reshardable`` gathers each TP x PP shard's Adam state
 on its data-parallel rank 0 when saving and allocates it on every rank when loading;
@@ -51,7 +56,7 @@ from gdpo_megatron.config.policy import ModelConfig, ParallelConfig
 from gdpo_megatron.config.rollout import RolloutConfig
 from gdpo_megatron.policy.logprobs import peak_bytes_per_logit
 from gdpo_megatron.policy.resolved import MicroBatches
-from gdpo_megatron.resolve import resolve
+from gdpo_megatron.resolve import Resolved, resolve
 from gdpo_megatron.rollout.factory import DEFAULT_ENGINE, engine_class
 
 GIB = 2**30
@@ -136,12 +141,12 @@ def activation_bytes_per_token_layer(model: ModelConfig, parallel: ParallelConfi
     return (hidden + sharded) * param_bytes
 
 
-def engine_weights(model: ModelConfig, rollout: RolloutConfig) -> int:
-    """The rollout engine's weights on one rank (bf16, FP8 transformer layers with
-    ``rollout.quantization: fp8``), as the engine counts them."""
+def engine_weights(model: ModelConfig, rollout: RolloutConfig, element_bytes: int) -> int:
+    """The rollout engine's weights on one rank (``element_bytes`` each, FP8 transformer layers
+    with ``rollout.quantization: fp8``), as the engine counts them."""
     layers = model.num_layers * layer_params(model, 1)
     engine = engine_class(rollout.engine)
-    return engine.weight_bytes(layers, total_params(model) - layers, ENGINE_DTYPE_BYTES, rollout)
+    return engine.weight_bytes(layers, total_params(model) - layers, element_bytes, rollout)
 
 
 # ---- the plan ----------------------------------------------------------------------------
@@ -235,10 +240,19 @@ def micro_batch_tokens(micro_batches: MicroBatches, sequence_length: int) -> int
     return max(budget, sequence_length)
 
 
-def plan_memory(config: TrainConfig, cluster: Cluster) -> MemoryPlan:
-    """Per-GPU memory of ``config`` on ``cluster`` of CUDA GPUs; raises ConfigError if the layout is impossible."""
-    resolved = resolve(config, CUDA, cluster.world_size, runs_here=False)
-    config = dataclasses.replace(config, policy=resolved.policy.config)
+@dataclasses.dataclass(frozen=True)
+class PolicyStages:
+    """The policy's bytes on one rank of each pipeline stage, and the batch they were counted for."""
+
+    stages: list[StagePlan]
+    sequence_length: int  # one row, padded to policy.sequence_multiple()
+    micro_batch_tokens: int
+    micro_batches_per_step: int
+
+
+def policy_stages(config: TrainConfig, resolved: Resolved) -> PolicyStages:
+    """What the policy of ``config`` (its policy section resolved: ``resolved.policy.config``)
+    holds on one rank of each pipeline stage under ``resolved``'s layout."""
     policy, rollout, data = config.policy, config.rollout, config.data
     model, parallel = policy.model, policy.parallel
     dp, rollouts_per_replica = resolved.layout.data_parallel_size, resolved.layout.rollouts_per_replica
@@ -269,20 +283,55 @@ def plan_memory(config: TrainConfig, cluster: Cluster) -> MemoryPlan:
             activations=in_flight * (model.num_layers // pp) * per_layer,
             logits=logits,
         ))
-    weights = engine_weights(model, rollout)
+    return PolicyStages(stages, sequence, tokens, micro_batches)
+
+
+def plan_memory(config: TrainConfig, cluster: Cluster) -> MemoryPlan:
+    """Per-GPU memory of ``config`` on ``cluster`` of CUDA GPUs; raises ConfigError if the layout is impossible."""
+    resolved = resolve(config, CUDA, cluster.world_size, runs_here=False)
+    config = dataclasses.replace(config, policy=resolved.policy.config)
+    model, rollout = config.policy.model, config.rollout
+    policy = policy_stages(config, resolved)
+    weights = engine_weights(model, rollout, ENGINE_DTYPE_BYTES)
     runtime = int(cluster.vllm_runtime_gib * GIB)
     if rollout.kv_cache_gib is not None:
         vllm_total = weights + int(rollout.kv_cache_gib * GIB) + runtime
     else:
         vllm_total = int(rollout.gpu_memory_utilization * cluster.gpu_memory_gib * GIB)
     plans = [MemoryPlan(
-        config=config, cluster=cluster, data_parallel_size=dp, sequence_length=sequence,
-        micro_batch_tokens=tokens, micro_batches_per_step=micro_batches, stage=stage, vllm_weights=weights,
+        config=config, cluster=cluster, data_parallel_size=resolved.layout.data_parallel_size,
+        sequence_length=policy.sequence_length, micro_batch_tokens=policy.micro_batch_tokens,
+        micro_batches_per_step=policy.micro_batches_per_step, stage=stage, vllm_weights=weights,
         vllm_total=vllm_total, vllm_runtime=runtime,
         kv_cache_per_token=engine_class(rollout.engine).kv_cache_bytes_per_token(model, rollout, ENGINE_DTYPE_BYTES),
         overhead=int(cluster.overhead_gib * GIB),
-    ) for stage in stages]
+    ) for stage in policy.stages]
     return max(plans, key=lambda plan: plan.peak(plan.distributed_optimizer))
+
+
+@dataclasses.dataclass(frozen=True)
+class HostPlan:
+    """Bytes of host memory a run without CUDA takes on one machine (see the module docstring)."""
+
+    ranks: int  # the run's ranks on the machine
+    policy: int  # each rank's policy while it trains
+    engine_weights: int  # each rank's
+    kv_cache: int  # each rank's
+
+    @property
+    def total(self) -> int:
+        return self.ranks * (self.policy + self.engine_weights + self.kv_cache)
+
+
+def plan_host_memory(config: TrainConfig, resolved: Resolved, ranks: int) -> HostPlan:
+    """The host memory of ``config`` resolved (``resolved``, for a machine without CUDA) on
+    ``ranks`` ranks of one machine."""
+    config = dataclasses.replace(config, policy=resolved.policy.config)
+    distributed = bool(config.policy.optim.use_distributed_optimizer)
+    policy = max(stage.static(distributed) + stage.activations + stage.logits
+                 for stage in policy_stages(config, resolved).stages)
+    weights = engine_weights(config.policy.model, config.rollout, FP32_BYTES)  # Machine.vllm_dtype without CUDA
+    return HostPlan(ranks, policy, weights, int(resolved.kv_cache_gib * GIB))
 
 
 # ---- report ------------------------------------------------------------------------------
@@ -382,8 +431,7 @@ def checkpoint_host_memory(config: TrainConfig, cluster: Cluster) -> CheckpointH
     """Host memory per node for the distributed optimizer's state in a checkpoint; None without
     a distributed optimizer. Ranks fill the nodes in order, in megatron-core's rank order
     (TP fastest, then DP, then PP), so the data-parallel rank 0s of a pipeline stage share nodes."""
-    config = dataclasses.replace(config, policy=config.policy.resolved(CUDA))
-    policy = config.policy
+    policy = resolve(config, CUDA, cluster.world_size, runs_here=False).policy.config
     if not policy.optim.use_distributed_optimizer:
         return None
     parallel = policy.parallel

@@ -4,7 +4,8 @@ Paths (readable inputs, writable or empty outputs), prompt files (encoding, ever
 schema, prompt lengths under the base model's tokenizer and chat template), reward files
 (import, registration) and names, a user's environment file (import, class), the code sandbox rewards that run code get, a Hugging Face directory (``config.json``, architecture,
 every safetensors file's header and tensor names), the parallel layout against the model's
-shape, and what a run directory already holds. Every check raises a
+shape, a step against the data (no more prompts than it holds) and, without CUDA, against the
+host memory available, and what a run directory already holds. Every check raises a
 :class:`~gdpo_megatron.errors.UserError` whose message starts with the config key or argument
 it is about, and nothing here writes a file.
 
@@ -16,9 +17,12 @@ process group and the trainer exist, and hands the trainer what it read
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
+
+import psutil
 
 from gdpo_megatron.advantages import Condition, conditions_by_column
 from gdpo_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
@@ -302,6 +306,12 @@ def check_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int, 
 # ---- a training run ---------------------------------------------------------------------------
 
 
+def ranks_on_this_machine(world_size: int) -> int:
+    """The ranks of a ``world_size``-rank launch that run on this machine: torchrun's
+    ``LOCAL_WORLD_SIZE``, else all of them."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
 def launch_world_size() -> int:
     """The number of ranks the launcher (torchrun, srun, or none) starts."""
     from gdpo_megatron.distributed.launch import resolve_launch_env
@@ -372,8 +382,11 @@ def check_training(config: TrainConfig, machine: Machine, world_size: int) -> Tr
     if hf_config is not None:
         with problems.check():
             model = check_base_model(config, hf_config)
+    batch_fits = False
     with problems.check():
         samples = training_prompts(config)
+        check_prompts_per_step(config.data, len(samples))
+        batch_fits = True
     if samples is not None and hf_config is not None:
         with problems.check():
             lengths = check_prompt_lengths(samples, config)
@@ -381,10 +394,52 @@ def check_training(config: TrainConfig, machine: Machine, world_size: int) -> Tr
         with problems.check():
             resolved = resolve(config, machine, world_size, model, max(lengths))
     if resolved is not None:
+        if batch_fits:
+            with problems.check():
+                check_host_memory(config, resolved, ranks_on_this_machine(world_size),
+                                  psutil.virtual_memory().available)
         with problems.check():
             resume_step = check_resume(config, model, resolved)
     problems.raise_any()
     return TrainingInputs(samples, hf_config, model, conditions, resume_step, resolved)
+
+
+def check_prompts_per_step(data: DataConfig, prompts: int) -> None:
+    """A step's prompts are distinct: ``data.prompts_per_step`` is at most the ``prompts`` of
+    ``data.train_path`` (more would repeat prompts within a step, as separate groups)."""
+    if data.prompts_per_step > prompts:
+        raise ConfigError(f"data.prompts_per_step: {data.prompts_per_step} is more than the {prompts} prompts of "
+                          f"{data.train_path}, so a step would repeat prompts; at most {prompts}")
+
+
+def check_host_memory(config: TrainConfig, resolved: Resolved, ranks: int, available: int) -> None:
+    """A run without CUDA fits the host memory ``available`` with ``ranks`` of its ranks here
+    (:func:`~gdpo_megatron.preflight.plan.plan_host_memory`). The error names the key that
+    sizes the excess, what is available and what would fit: ``rollout.kv_cache_gib`` where set,
+    else ``data.prompts_per_step`` (the KV cache holds a step's rollouts), else ``base_model``."""
+    from gdpo_megatron.preflight.plan import GIB, plan_host_memory
+
+    if resolved.machine.cuda:
+        return
+    plan = plan_host_memory(config, resolved, ranks)
+    if plan.total <= available:
+        return
+    gib = lambda n: f"{n / GIB:.2f} GiB"  # noqa: E731
+    need = (f"needs {gib(plan.total)} of host memory ({ranks} rank(s) x: KV cache {gib(plan.kv_cache)}, engine "
+            f"weights {gib(plan.engine_weights)}, policy {gib(plan.policy)}), {gib(available)} is available here")
+    room = available // ranks - plan.engine_weights - plan.policy  # each rank's room for its KV cache
+    layout = resolved.layout
+    per_rollout = plan.kv_cache / layout.rollouts_per_replica  # what one more rollout adds, at most
+    if config.rollout.kv_cache_gib is not None and room > 0:
+        raise ConfigError(f"rollout.kv_cache_gib: {config.rollout.kv_cache_gib} {need}; at most "
+                          f"{math.floor(room / GIB * 100) / 100} would fit")
+    group, replicas = config.rollout.group_size, layout.data_parallel_size
+    fitting = int(room // per_rollout) // group * replicas if room > 0 else 0
+    if config.rollout.kv_cache_gib is None and fitting >= replicas:
+        raise ConfigError(f"data.prompts_per_step: {config.data.prompts_per_step} prompts x rollout.group_size "
+                          f"{group} rollouts, with the KV cache that holds them, {need}; at most "
+                          f"{fitting} prompts per step would fit")
+    raise ConfigError(f"base_model: the run {need}; even its weights, policy and the smallest KV cache do not fit")
 
 
 # Keys whose value may change when a run directory resumes: how the run is laid out, sized,

@@ -347,7 +347,8 @@ def no_bwrap(monkeypatch, tmp_path_factory):
     sandbox.isolation.cache_clear()
 
 
-CODE = ["data.family=code", "data.train_path=examples/data/code.jsonl", "data.prompts_per_step=4", "advantage.conditions=[]",
+CODE = ["data.family=code", "data.train_path=examples/data/code.jsonl", "data.prompts_per_step=4",
+        "advantage.conditions=[]",
         "rewards.rewards=[{name: code_pass}, {name: length, kwargs: {max_tokens: 50}}]"]
 NO_SANDBOX = ("run model-written code, and the strong sandbox cannot run here: bubblewrap (bwrap) is not installed; "
               "install or allow bubblewrap (docs/rewards.md), or ")

@@ -173,3 +173,10 @@ def test_python_api_converts_as_the_loader_does():
     assert dataclasses.replace(advantage, eps=0).eps == 0.0
     with pytest.raises(ConfigError, match="mode: expected one of"):
         dataclasses.replace(advantage, mode="ppo")
+
+
+def test_a_section_built_from_python_names_every_field_that_does_not_fit():
+    with pytest.raises(ConfigError) as refused:
+        AdvantageConfig(mode="ppo", leave_one_out="sometimes")
+    assert refused.value.lines() == ["mode: expected one of ('gdpo', 'grpo', 'grpo_no_std'), got 'ppo'",
+                                     "leave_one_out: expected true or false, got 'sometimes'"]

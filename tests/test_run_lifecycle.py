@@ -132,27 +132,33 @@ def test_ctrl_c_saves_after_the_step_and_a_resume_logs_each_step_once(base, tmp_
     assert f"checkpoint: {run_dir}/checkpoints/step_{logged[-1]}" in out.splitlines()
 
 
-def test_sigterm_during_a_long_step_stops_within_the_timeout_without_saving_it(base, tmp_path):
-    """Steps of 2048 rollouts, each longer than checkpoint.stop_timeout_s=1: SIGTERM after step 1
-    ends the run in step 2 within that bound (plus the exit), with the status that requeues it,
-    its reward workers gone, and step 1's checkpoint the one to resume from."""
+@pytest.mark.parametrize("timeout, signals, why", [
+    (1, 1, "not finished within 1 s (checkpoint.stop_timeout_s)"),
+    (600, 2, "interrupted by a second SIGTERM"),
+])
+def test_sigterm_during_a_long_step_stops_in_bounded_time_without_saving_it(base, tmp_path, timeout, signals, why):
+    """Steps of 2048 rollouts, each longer than 1 s: SIGTERM after step 1 ends the run in step 2
+    once checkpoint.stop_timeout_s has passed, or at a second SIGTERM, with the status that
+    requeues it, its reward workers gone, and step 1's checkpoint the one to resume from."""
     run_dir = tmp_path / "run"
     process = train(base, run_dir, "steps=1000", "data.prompts_per_step=256", "rollout.group_size=8",
-                    "policy.micro_batch_size=64", "checkpoint.stop_timeout_s=1", wait=False)
+                    "policy.micro_batch_size=64", f"checkpoint.stop_timeout_s={timeout}", wait=False)
     while not steps_so_far(run_dir) and process.poll() is None:
         time.sleep(0.05)
     children = psutil.Process(process.pid).children(recursive=True)
     assert children  # the reward workers
     signalled = time.monotonic()
-    process.send_signal(signal.SIGTERM)
+    for _ in range(signals):
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
     out, err = process.communicate(timeout=300)
     assert process.returncode == 75, err
     assert time.monotonic() - signalled < 30
     lines = err.splitlines()
-    assert ("gdpo-train: SIGTERM: finishing this step, then saving a checkpoint (if the step finishes within 1 s, "
-            "checkpoint.stop_timeout_s; SIGTERM again stops at once)") in lines
-    assert ("gdpo-train: SIGTERM: step 2 not finished within 1 s (checkpoint.stop_timeout_s): stopped without saving "
-            "it; rerun the same command to resume from the last checkpoint, step 1") in lines
+    assert (f"gdpo-train: SIGTERM: finishing this step, then saving a checkpoint (if the step finishes within "
+            f"{timeout} s, checkpoint.stop_timeout_s; SIGTERM again stops at once)") in lines
+    assert (f"gdpo-train: SIGTERM: step 2 {why}: stopped without saving it; rerun the same command to resume from "
+            "the last checkpoint, step 1") in lines
     assert "Traceback" not in err
     assert steps_logged(run_dir) == [1]
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_1"]

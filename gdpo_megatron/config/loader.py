@@ -189,7 +189,8 @@ def from_dict(cls: type, data: Any, path: str = ""):
         if key in replaced_keys:  # a key that was moved: say where to, not just that it is unknown
             errors.append(ConfigError(f"{_join(path, key)}: replaced by {replaced_keys[key]}"))
         else:
-            errors.append(ConfigError(f"{_join(path, key)}: unknown key (expected one of: {', '.join(sorted(fields))})"))
+            expected = ", ".join(sorted(fields))
+            errors.append(ConfigError(f"{_join(path, key)}: unknown key (expected one of: {expected})"))
     kwargs = {}
     for name, value in data.items():
         if name in fields:

@@ -43,11 +43,12 @@ _CORE = {
     "data": {"config", "errors", "rewards", "tasks"},
     "quiet": {"rollout"},  # third-party warnings and log levels (the engines' harmless records)
     "run_dir": {"checkpoint", "errors", "metrics"},
+    "progress": set(),  # the training progress on stderr
     "inputs": {"advantages", "config", "data"},
     "experience": {"config", "data", "policy", "rewards", "rollout"},
     "evaluate": {"config", "data", "device", "errors", "rewards", "rollout"},
     "trainer": {"advantages", "checkpoint", "config", "data", "device", "distributed", "errors", "experience",
-                "inputs", "metrics", "policy", "quiet", "rewards", "rollout", "run_dir"},
+                "inputs", "metrics", "policy", "progress", "quiet", "rewards", "rollout", "run_dir"},
 }
 CORE = set(_CORE)
 # Which units each unit may import (its own modules always).

@@ -67,11 +67,22 @@ def main(argv: list[str]) -> int:
         outcome = run(config, inputs, this_machine())
     except PeerLostError:  # reported by run()
         return EXIT_PEER_LOST
-    except KeyboardInterrupt:
-        say("gdpo-train: stopped at once by a second Ctrl-C; rerun the same command to resume from the last "
-            "checkpoint")
+    except KeyboardInterrupt as e:
+        say(_stopped_by_ctrl_c(e, inputs.resume_step))
         return EXIT_CTRL_C
     return finish(config, outcome)
+
+
+def _stopped_by_ctrl_c(interrupt: KeyboardInterrupt, resume_step: int) -> str:
+    """What a Ctrl-C that ended :func:`run` did: a second one stopped the run where it was (the
+    trainer raises ``StoppedAtOnce``); a single one before the trainer took over the signals
+    stopped the start-up."""
+    trainer = sys.modules.get("gdpo_megatron.trainer")  # not loaded: the interrupt cannot be its
+    if trainer is not None and isinstance(interrupt, trainer.StoppedAtOnce):
+        return ("gdpo-train: stopped at once by a second Ctrl-C; rerun the same command to resume from the last "
+                "checkpoint")
+    rerun = f"resume from step {resume_step}" if resume_step else "start the run"
+    return f"gdpo-train: stopped by Ctrl-C during start-up, before any step; rerun the same command to {rerun}"
 
 
 def program() -> int:

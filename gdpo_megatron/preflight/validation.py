@@ -35,7 +35,8 @@ from gdpo_megatron.inputs import TrainingInputs
 from gdpo_megatron.config.policy import SHAPE_FIELDS, ModelConfig, ParallelConfig, check_model_parallel
 from gdpo_megatron.config.rewards import RewardSpec
 from gdpo_megatron.rewards import sandbox
-from gdpo_megatron.rewards.registry import load_reward_file, registered_rewards, runs_code, validate_specs
+from gdpo_megatron.rewards.registry import (SignatureError, load_reward_file, registered_rewards, runs_code,
+                                             validate_specs)
 from gdpo_megatron.rollout.factory import engine_class
 from gdpo_megatron.run_dir import CHECKPOINT_DIR
 from gdpo_megatron.tasks import get_task
@@ -186,6 +187,8 @@ def check_reward_specs(specs: Sequence[RewardSpec], key: str, *, in_config: bool
                               f"(registered: {', '.join(known)}){hint}")
         try:
             validate_specs([spec])
+        except SignatureError as e:  # the function, not the kwargs
+            raise ConfigError(f"{name_key}: {e}") from e
         except ValueError as e:
             raise ConfigError(f"{kwargs_key}: {e}") from e
 

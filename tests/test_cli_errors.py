@@ -167,6 +167,8 @@ def test_train_paths_that_cannot_be_used(base_model, tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     expect_user_error(capsys, tmp_path, train(base_model, tmp_path / "file" / "run"),
                       f"run_dir: cannot create {tmp_path / 'file' / 'run'}: {tmp_path / 'file'} is a file")
+    # Permission bits let root write anywhere; /proc still takes no new file, for root or not.
+    expect_user_error(capsys, tmp_path, train(base_model, "/proc/x"), "error: run_dir: cannot write /proc/x: ")
     expect_user_error(capsys, tmp_path, train(tmp_path / "no_model", tmp_path / "run"),
                       f"base_model: {tmp_path / 'no_model'} is not a directory")
     no_template = tmp_path / "no_template"

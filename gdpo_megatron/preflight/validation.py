@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
@@ -277,11 +278,27 @@ def check_machine(config: TrainConfig) -> None:
     check_precision(policy.precision, machine)
 
 
+def check_run_dir_by_writing(run_dir: str | os.PathLike) -> None:
+    """Create and remove a file in ``run_dir`` (or in its nearest existing parent, where the run
+    will create it): permission bits, which :func:`check_output_dir` reads, say yes to root
+    everywhere, also in /proc or on a read-only mount."""
+    existing = Path(run_dir).absolute()
+    while not existing.exists():
+        existing = existing.parent
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise InputError(f"run_dir: cannot write {run_dir}: creating a file in {existing} failed: "
+                         f"{e.strerror or e}") from e
+
+
 def check_settings(config: TrainConfig, world_size: int) -> list[Condition]:
     """The checks of a training run that read neither the base model nor the data; the conditions."""
     config.layout(world_size)
     check_machine(config)
     check_output_dir(config.run_dir, "run_dir")
+    check_run_dir_by_writing(config.run_dir)
     rewards = config.rewards
     load_reward_files(rewards.reward_files, "rewards.reward_files")
     check_reward_specs(rewards.rewards, "rewards.rewards")

@@ -187,6 +187,20 @@ def test_ctrl_c_during_start_up_stops_it(base, tmp_path):
             "command to start the run")
     assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
 
+    # Once the trainer holds the signals (here: while vLLM loads the weights), the run stops
+    # before its first step rather than training one.
+    process = train(base, run_dir, wait=False)
+    while "Loading safetensors checkpoint shards" not in process.stderr.readline():
+        assert process.poll() is None
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 130, err
+    assert ("gdpo-train: Ctrl-C: stopping once start-up is done, before the first step (Ctrl-C again to stop at "
+            "once)") in err.splitlines()
+    assert "Traceback" not in err and "error:" not in err
+    assert "gdpo-train: stopped by Ctrl-C; rerun the same command to resume\n" in out
+    assert steps_so_far(run_dir) == [] and not (run_dir / "checkpoints").exists()
+
 
 def test_the_papers_tool_prompts_train_on_the_cpu(tmp_path):
     """ToolRL's published prompts (1,300-5,400 tokens here), 4 per step: more new prompt tokens in

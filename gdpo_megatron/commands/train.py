@@ -137,10 +137,12 @@ def finish(config, outcome: str) -> int:
         STOPPED: ("stopped by Ctrl-C; rerun the same command to resume", EXIT_CTRL_C),
     }[outcome]
     if launch_rank() == 0:
+        from gdpo_megatron.metrics import read_metrics
         from gdpo_megatron.plot import plot_runs
         from gdpo_megatron.run_dir import summary
 
-        plots = plot_runs([config.run_dir], config.run_dir)
+        # Nothing to plot when a stop during start-up came before the run's first step.
+        plots = plot_runs([config.run_dir], config.run_dir) if read_metrics(config.run_dir) else []
         print(f"gdpo-train: {how}\n{summary(config.run_dir, config.rewards.names, plots)}", flush=True)
     return status
 

@@ -6,7 +6,7 @@ stderr is not a terminal, progress is instead a plain line after the first step,
 step, and any step that ends at least :data:`LINE_EVERY_S` seconds after the previous line,
 so that a log grows by a bounded number of lines however fast the steps are::
 
-    gdpo-train: step 12/100, 31.2 s/step, about 45:46 left; distinct_chars 0.41, vowel_share 0.22
+    gdpo-train: step 12/100, 31.2 s/step, about 45:45 left; distinct_chars 0.41, vowel_share 0.22
 """
 from __future__ import annotations
 
@@ -39,9 +39,9 @@ class Progress:
         self.last_line = now
         per_step = (now - self.began) / (step - self.start)
         left = int(per_step * (self.total - step))
+        eta = f", about {left // 60}:{left % 60:02d} left" if step < self.total else ""
         means = ", ".join(f"{name} {mean:.2f}" for name, mean in rewards.items())
-        print(f"gdpo-train: step {step}/{self.total}, {per_step:.1f} s/step, about {left // 60}:{left % 60:02d} left; "
-              f"{means}", file=sys.stderr, flush=True)
+        print(f"gdpo-train: step {step}/{self.total}, {per_step:.1f} s/step{eta}; {means}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -5,8 +5,9 @@ before the process group, the policy or vLLM exist. A run directory whose run is
 so and stops there; otherwise one line says whether the run starts or resumes. Then each rank
 joins the launcher's process group, checks its machine against the pins and the config
 (:func:`~gdpo_megatron.preflight.doctor.preflight`), and runs the
-:class:`~gdpo_megatron.trainer.Trainer`. The run ends with a summary: reward means and where
-its checkpoint, export, metrics and plots are.
+:class:`~gdpo_megatron.trainer.Trainer`. The run ends with a summary: reward means, each reward's
+failures (with a warning for a reward that mostly failed) and where its checkpoint, export,
+metrics and plots are.
 
 Exit statuses beyond :mod:`.console`'s: :data:`EXIT_REQUEUE` after SIGUSR1/SIGTERM (a
 checkpoint was saved; a Slurm script requeues the job on it), :data:`EXIT_CTRL_C` after Ctrl-C,

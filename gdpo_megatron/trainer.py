@@ -16,8 +16,9 @@ first rank is its *leader*, whose rollouts and rewards the others receive. Per s
 5. metrics go to ``run_dir/metrics.jsonl`` (and wandb), checkpoints to ``run_dir/checkpoints``.
 
 SIGUSR1 / SIGTERM (Slurm's warning before the time limit, or a preemption) and Ctrl-C make the
-loop finish the step in progress, save a checkpoint and return; a rerun resumes from it. A
-second Ctrl-C stops at once.
+loop finish the step in progress, save a checkpoint and return; a rerun resumes from it. One
+that arrives during start-up (once the Trainer exists) makes ``train`` return before the first
+step, with nothing to save. A second Ctrl-C stops at once (:class:`StoppedAtOnce`).
 """
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ from gdpo_megatron.metrics import MetricsLogger
 from gdpo_megatron.config.policy import SHAPE_FIELDS
 from gdpo_megatron.device import Placement
 from gdpo_megatron.policy.worker import PolicyWorker
+from gdpo_megatron.progress import Progress
 from gdpo_megatron.rewards.stage import RewardStage
 from gdpo_megatron.rollout.engine import RolloutEngine, SamplingConfig, derive_seed
 from gdpo_megatron.rollout.factory import build_engine
@@ -63,6 +65,10 @@ STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 # What Trainer.train returns: the run reached config.steps; it was stopped by Ctrl-C; it was
 # stopped by the scheduler (a job to requeue).
 DONE, STOPPED, PREEMPTED = "done", "stopped", "preempted"
+
+
+class StoppedAtOnce(KeyboardInterrupt):
+    """A second Ctrl-C: the run stops where it is, without a checkpoint."""
 
 
 class Trainer:
@@ -143,22 +149,24 @@ class Trainer:
 
     def train(self) -> str:
         """Run from the resumed step to ``config.steps``: :data:`DONE`, or :data:`STOPPED` /
-        :data:`PREEMPTED` when a stop signal ended it after a step, with a checkpoint."""
-        steps = range(self.start_step, self.config.steps)
-        bar = tqdm(steps, desc=self.config.advantage.mode, initial=self.start_step, total=self.config.steps,
-                   disable=not (self.is_rank0 and self.config.logging.progress_bar))
+        :data:`PREEMPTED` when a stop signal ended it after a step, with a checkpoint (or before
+        the first step, when it arrived during start-up)."""
+        progress = Progress(self.start_step, self.config.steps, self.config.advantage.mode,
+                            enabled=self.is_rank0 and self.config.logging.progress_bar)
         outcome = DONE
+        if any_rank(self._stop_signal is not None, self.device):  # asked during start-up: no step to finish
+            return self._stopped_by()
         try:
-            for step in bar:
+            for step in range(self.start_step, self.config.steps):
                 self.step_started = step
                 metrics = self.step(step)
                 if self.logger:
                     self.logger.log(step + 1, metrics)
-                    bar.set_postfix({n: f"{metrics[f'reward/{n}/mean']:.2f}" for n in self.reward_names})
+                progress.step_done(step + 1, {n: metrics[f"reward/{n}/mean"] for n in self.reward_names})
                 last = step + 1 == self.config.steps
                 if any_rank(self._stop_signal is not None, self.device):  # every rank stops after the same step
                     self.save(step + 1)
-                    outcome = STOPPED if self._stop_signal == signal.SIGINT else PREEMPTED
+                    outcome = self._stopped_by()
                     break
                 every = self.config.checkpoint.save_every
                 if last or (every and (step + 1) % every == 0):
@@ -166,7 +174,7 @@ class Trainer:
             if outcome == DONE and self.config.checkpoint.export_hf:
                 self.export_hf(self.run_dir / HF_EXPORT_DIR)
         finally:
-            bar.close()
+            progress.close()
         return outcome
 
     def step(self, step: int) -> dict[str, float]:
@@ -271,6 +279,7 @@ class Trainer:
         total_tokens, n, truncated, queries, hits = all_reduce_sums(
             [sum(tokens), len(tokens), truncated, prefix_cache.queries, prefix_cache.hits], self.device, self.dp_group)
         return {
+            "rollout/count": n,
             "rollout/prefix_cache_hit_frac": hits / max(queries, 1.0),
             "rollout/tokens_generated": total_tokens,
             "rollout/completion_tokens_mean": total_tokens / n,
@@ -283,14 +292,19 @@ class Trainer:
 
     def _request_stop(self, signum, frame) -> None:
         if signum == signal.SIGINT and self._stop_signal == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop at once
+            raise StoppedAtOnce
         if self._stop_signal is None:
             self._stop_signal = signum
             if self.is_rank0:
                 what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+                then = ("finishing this step, then saving a checkpoint" if self.step_started is not None
+                        else "stopping once start-up is done, before the first step")
                 again = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""
-                tqdm.write(f"gdpo-train: {what}: finishing this step, then saving a checkpoint{again}",
-                           file=sys.stderr)
+                tqdm.write(f"gdpo-train: {what}: {then}{again}", file=sys.stderr)
+
+    def _stopped_by(self) -> str:
+        """How a run stopped by a signal ended: :data:`STOPPED` by Ctrl-C, else :data:`PREEMPTED`."""
+        return STOPPED if self._stop_signal == signal.SIGINT else PREEMPTED
 
     def save(self, step: int) -> Path:
         """A training checkpoint; its config holds the model actually trained and where it came from."""

@@ -46,11 +46,12 @@ _CORE = {
     "quiet": {"rollout"},  # third-party warnings and log levels (the engines' harmless records)
     "run_dir": {"checkpoint", "errors", "metrics"},
     "resolve": {"config", "device", "policy", "rollout"},  # the launch's decisions (the engine sizes its cache)
+    "progress": set(),  # the training progress on stderr
     "inputs": {"advantages", "config", "data", "resolve"},
     "experience": {"config", "data", "policy", "rewards", "rollout"},
     "evaluate": {"config", "data", "device", "errors", "rewards", "rollout"},
     "trainer": {"advantages", "checkpoint", "config", "data", "device", "distributed", "errors", "experience",
-                "inputs", "metrics", "policy", "quiet", "resolve", "rewards", "rollout", "run_dir"},
+                "inputs", "metrics", "policy", "progress", "quiet", "resolve", "rewards", "rollout", "run_dir"},
 }
 CORE = set(_CORE)
 # Which units each unit may import (its own modules always).

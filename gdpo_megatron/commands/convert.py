@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from gdpo_megatron.checkpoint.hf_files import TOKENIZER_FILES
 from gdpo_megatron.checkpoint.state import check_files, complete_steps, model_section, read_training_state, step_dir
-from gdpo_megatron.commands.console import ArgumentParser, console_entry, positive_float, positive_int
+from gdpo_megatron.commands.console import (ArgumentParser, console_entry, positive_float, positive_int,
+                                            quiet_defaults)
 from gdpo_megatron.errors import InputError, UsageError
 from gdpo_megatron.config.policy import DTYPES, ModelConfig, ParallelConfig, PrecisionConfig
 from gdpo_megatron.device import this_machine
@@ -151,6 +152,7 @@ def _megatron_to_hf(args, plan: Plan, placement, parallel: ParallelConfig, preci
 def main(argv: list[str]) -> int:
     """Entry point; uses the process group if one exists, else starts one from the launcher env."""
     args = parse(argv)
+    quiet_defaults()
     parallel = ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
     machine = this_machine()
     precision = resolve_precision(PrecisionConfig(dtype=args.dtype or "auto"), machine)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
@@ -37,7 +38,8 @@ from gdpo_megatron.config.environment import EnvironmentConfig
 from gdpo_megatron.config.rewards import RewardSpec
 from gdpo_megatron.environments.registry import environment_class, environment_reference
 from gdpo_megatron.rewards import sandbox
-from gdpo_megatron.rewards.registry import load_reward_file, registered_rewards, runs_code, validate_specs
+from gdpo_megatron.rewards.registry import (SignatureError, load_reward_file, registered_rewards, runs_code,
+                                             validate_specs)
 from gdpo_megatron.resolve import Resolved, check_model_split, data_parallel_size, resolve
 from gdpo_megatron.rollout.factory import engine_class
 from gdpo_megatron.run_dir import CHECKPOINT_DIR
@@ -203,6 +205,8 @@ def check_reward_specs(specs: Sequence[RewardSpec], key: str, *, in_config: bool
                               f"(registered: {', '.join(known)}){hint}")
         try:
             validate_specs([spec])
+        except SignatureError as e:  # the function, not the kwargs
+            raise ConfigError(f"{name_key}: {e}") from e
         except ValueError as e:
             raise ConfigError(f"{kwargs_key}: {e}") from e
 
@@ -283,9 +287,25 @@ def launch_world_size() -> int:
         raise InputError(f"launch environment: {e}") from e
 
 
+def check_run_dir_by_writing(run_dir: str | os.PathLike) -> None:
+    """Create and remove a file in ``run_dir`` (or in its nearest existing parent, where the run
+    will create it): permission bits, which :func:`check_output_dir` reads, say yes to root
+    everywhere, also in /proc or on a read-only mount."""
+    existing = Path(run_dir).absolute()
+    while not existing.exists():
+        existing = existing.parent
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise InputError(f"run_dir: cannot write {run_dir}: creating a file in {existing} failed: "
+                         f"{e.strerror or e}") from e
+
+
 def check_settings(config: TrainConfig) -> list[Condition]:
     """The checks of a training run that read neither the base model nor the data; the conditions."""
     check_output_dir(config.run_dir, "run_dir")
+    check_run_dir_by_writing(config.run_dir)
     rewards = config.rewards
     load_reward_files(rewards.reward_files, "rewards.reward_files")
     check_reward_specs(rewards.rewards, "rewards.rewards")

@@ -199,6 +199,7 @@ def main(argv: list[str]) -> int:
     from gdpo_megatron.preflight.validation import (about, check_code_sandbox, check_output_file, check_reward_specs,
                                                     check_weights, data_prompts, model_shape, prompt_lengths,
                                                     read_model_config)
+    from gdpo_megatron.device import this_machine
     from gdpo_megatron.rollout.factory import DEFAULT_ENGINE, engine_class
 
     quiet_defaults()
@@ -211,6 +212,9 @@ def main(argv: list[str]) -> int:
     with about("--model"):
         engine_class(DEFAULT_ENGINE).check_model(hf_config)
     max_model_len = _max_model_len(hf_config, args.max_model_len, chosen.max_new_tokens)
+    machine = this_machine()
+    if args.kv_cache_gib is not None:
+        _check_kv_cache(args.kv_cache_gib, model, machine, max_model_len, chosen.max_new_tokens)
     check_weights(args.model, "--model")
     if args.rewards is not None:
         names = args.rewards.split(",")
@@ -231,13 +235,12 @@ def main(argv: list[str]) -> int:
                            chosen.max_new_tokens)
     print(chosen.describe(args.model, trained), file=sys.stderr)
 
-    from gdpo_megatron.device import this_machine
     from gdpo_megatron.evaluate import evaluate
     from gdpo_megatron.rollout.engine import SamplingConfig
 
     sampling = SamplingConfig(temperature=chosen.temperature, top_p=chosen.top_p, top_k=chosen.top_k,
                               max_new_tokens=chosen.max_new_tokens, stop=tuple(chosen.stop), seed=chosen.seed)
-    metrics, _ = evaluate(args.model, samples, rewards, machine=this_machine(), model=model, sampling=sampling,
+    metrics, _ = evaluate(args.model, samples, rewards, machine=machine, model=model, sampling=sampling,
                           max_model_len=max_model_len, kv_cache_gib=args.kv_cache_gib, bfcl=args.bfcl,
                           allow_weaker_sandbox=args.allow_weaker_sandbox)
     text = json.dumps(metrics, indent=2, sort_keys=True)
@@ -264,6 +267,18 @@ def tell_what_does_not_fit(samples: list, lengths: list[int], max_model_len: int
         print(f"gdpo-eval: {len(samples) - len(kept)} of {len(samples)} prompts are longer than --max-model-len "
               f"{max_model_len} minus --max-new-tokens {max_new_tokens} and are left out; the scores cover the "
               f"other {len(kept)}{empty}", file=sys.stderr)
+
+
+def _check_kv_cache(kv_cache_gib: float, model, machine, max_model_len: int, max_new_tokens: int) -> None:
+    """``--kv-cache-gib`` holds one sequence of the whole context, as the engine needs to start
+    (where the engine sizes its cache from the sequences: on the CPU)."""
+    from gdpo_megatron.evaluate import engine_section
+
+    least = engine_section(model, machine, [max_model_len - max_new_tokens], max_new_tokens, max_model_len).kv_cache_gib
+    if least is not None and kv_cache_gib < least:
+        raise UsageError(f"--kv-cache-gib: {kv_cache_gib:g} holds less than one sequence of --max-model-len "
+                         f"{max_model_len} tokens, which the engine needs ({least:.3g} GiB); give at least that or "
+                         "a shorter --max-model-len")
 
 
 def _max_model_len(hf_config: dict, requested: int | None, max_new_tokens: int) -> int:

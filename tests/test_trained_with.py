@@ -53,12 +53,17 @@ def test_eval_prompts_and_samples_as_trained_where_the_command_line_says_nothing
     chosen = settings(parse(["--model", "m", *DATA]), _record())
     assert (chosen.data.family, chosen.data.system_prompt, chosen.max_new_tokens, chosen.temperature) == \
         ("tool", "", 80, 1.0)
+    # the record's nulls are what training used (the usual fields): trained too; it holds no split
     assert chosen.origins == {"family": "trained", "system_prompt": "trained", "split": "default",
-                              "prompt_key": "default", "system_key": "default", "ground_truth_key": "default",
+                              "prompt_key": "trained", "system_key": "trained", "ground_truth_key": "trained",
                               "max_new_tokens": "trained", "temperature": "trained"}
     assert chosen.describe("m", _record()) == (
         "gdpo-eval: family tool (trained), system prompt none (trained); max_new_tokens 80 (trained), "
         "temperature 1 (trained), seed 0; trained: m/gdpo_training.json")
+    with_instructions = _record("data.system_prompt=null")
+    chosen = settings(parse(["--model", "m", *DATA]), with_instructions)
+    assert chosen.data.system_prompt is None and chosen.describe("m", with_instructions).startswith(
+        "gdpo-eval: family tool (trained), system prompt the family's (trained); ")
 
 
 def test_eval_flags_win_over_the_record():

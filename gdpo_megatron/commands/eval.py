@@ -49,6 +49,7 @@ DEFAULT_MAX_NEW_TOKENS = 256
 GREEDY = 0.0
 # Where a setting came from, as the settings line says it.
 GIVEN, TRAINED, DEFAULT = "given", "trained", "default"
+NOT_RECORDED = object()  # a setting the model's training record does not hold
 
 
 def temperature(text: str) -> float:
@@ -148,9 +149,10 @@ def settings(args: argparse.Namespace, trained: TrainedWith | None) -> Settings:
     data = None if args.bfcl else data_section(args, trained, origins)
     return Settings(
         data=data,
-        max_new_tokens=_pick(origins, "max_new_tokens", args.max_new_tokens, rollout and rollout.max_new_tokens,
-                             DEFAULT_MAX_NEW_TOKENS),
-        temperature=_pick(origins, "temperature", args.temperature, rollout and rollout.temperature, GREEDY),
+        max_new_tokens=_pick(origins, "max_new_tokens", args.max_new_tokens,
+                             rollout.max_new_tokens if rollout else NOT_RECORDED, DEFAULT_MAX_NEW_TOKENS),
+        temperature=_pick(origins, "temperature", args.temperature,
+                          rollout.temperature if rollout else NOT_RECORDED, GREEDY),
         top_p=rollout.top_p if rollout else 1.0,
         top_k=rollout.top_k if rollout else -1,
         stop=list(rollout.stop) if rollout else [],
@@ -164,28 +166,31 @@ def data_section(args: argparse.Namespace, trained: TrainedWith | None, origins:
     key). Each option left out is the training's where the family is the one it trained on;
     ``origins`` gets where each came from."""
     prompts = trained.data if trained is not None else None
-    family = _pick(origins, "family", args.family, prompts and prompts.family, None)
+    family = _pick(origins, "family", args.family, prompts.family if prompts else NOT_RECORDED, None)
     if family is None:
         raise UsageError(f"gdpo-eval: --data needs --family ({args.model} has no {TRAINING_FILE} to take it from)")
     same_task = prompts is not None and prompts.family == family
     values = {"train_path": args.data, "family": family}
     for key, _ in DATA_OPTIONS.values():
-        if key != "family":
-            values[key] = _pick(origins, key, getattr(args, key), getattr(prompts, key, None) if same_task else None,
-                                None)
+        if key != "family":  # a null the training recorded (e.g. the family's instructions) counts as trained
+            recorded = getattr(prompts, key, NOT_RECORDED) if same_task else NOT_RECORDED
+            values[key] = _pick(origins, key, getattr(args, key), recorded, None)
     data = from_dict(DataConfig, {key: value for key, value in values.items() if value is not None}, "data")
     get_task(data.family, "data.family")
     return data
 
 
 def _pick(origins: dict[str, str], name: str, given, trained, default):
-    """The first of ``given``, ``trained`` and ``default`` that is not None; ``origins[name]`` says which."""
-    for value, origin in ((given, GIVEN), (trained, TRAINED), (default, DEFAULT)):
-        if value is not None:
-            origins[name] = origin
-            return value
+    """``given`` unless None, else ``trained`` unless :data:`NOT_RECORDED`, else ``default``;
+    ``origins[name]`` says which."""
+    if given is not None:
+        origins[name] = GIVEN
+        return given
+    if trained is not NOT_RECORDED:
+        origins[name] = TRAINED
+        return trained
     origins[name] = DEFAULT
-    return None
+    return default
 
 
 def _shorten(text: str, limit: int = 40) -> str:

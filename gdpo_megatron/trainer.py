@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 from gdpo_megatron.checkpoint.hf_io import load_hf_weights, save_hf_checkpoint
 from gdpo_megatron.checkpoint.manager import CheckpointManager
+from gdpo_megatron.checkpoint.trained_with import trained_with, write_trained_with
 from gdpo_megatron.checkpoint.weight_stream import iter_hf_weights
 from gdpo_megatron.config import TrainConfig, to_dict
 from gdpo_megatron.data.chat import encode_prompt
@@ -314,7 +315,8 @@ class Trainer:
                                      data_position=step * self.config.data.prompts_per_step, config=config)
 
     def export_hf(self, out_dir: Path) -> Path:
-        """The current policy as a Hugging Face directory with the base model's tokenizer.
+        """The current policy as a Hugging Face directory with the base model's tokenizer and
+        how it was prompted and sampled (:mod:`~gdpo_megatron.checkpoint.trained_with`).
 
         An export already there (from an earlier run of this run directory) is replaced only
         once the new one is complete.
@@ -327,6 +329,7 @@ class Trainer:
                            base_hf_config=self.hf_config,
                            tokenizer_dir=self.config.base_model)
         if self.is_rank0:
+            write_trained_with(new, trained_with(to_dict(self.config)))
             old = out_dir.with_name(f"{out_dir.name}.old")
             if out_dir.exists():
                 os.replace(out_dir, old)

@@ -647,6 +647,17 @@ def test_eval_split_of_a_file(base_model, tmp_path, capsys, nothing_heavy):
                       "no splits")
 
 
+def test_eval_kv_cache_holds_one_whole_context(base_model, tmp_path, capsys, nothing_heavy):
+    hf = json.loads((Path(base_model) / "config.json").read_text())
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    per_token = 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * head_dim * 4  # fp32 K and V
+    least = (512 // 32 + 1) * 32 * per_token / 2**30  # 512 tokens in CPU blocks of 32, and the block vLLM keeps
+    expect_user_error(capsys, tmp_path, lambda: eval_main(["--model", str(base_model), "--bfcl", "--max-model-len",
+                                                           "512", "--kv-cache-gib", "0.0001"]),
+                      f"--kv-cache-gib: 0.0001 holds less than one sequence of --max-model-len 512 tokens, which the "
+                      f"engine needs ({least:.3g} GiB); give at least that or a shorter --max-model-len")
+
+
 # ---- gdpo-convert -------------------------------------------------------------------------------
 
 

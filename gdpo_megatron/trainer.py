@@ -46,7 +46,8 @@ from gdpo_megatron.advantages import compute_advantages
 from gdpo_megatron.distributed.advantages import AllReduce
 from gdpo_megatron.distributed.threads import use_rank_threads
 from gdpo_megatron.distributed.collectives import all_reduce_sums, any_rank, fail_together, leader_broadcast
-from gdpo_megatron.experience import PromptSchedule, Rollouts, reward_submitter, to_policy_batch
+from gdpo_megatron.environments.registry import configured_reference
+from gdpo_megatron.experience import PromptSchedule, Rollouts, reward_submitter, to_policy_batch, trajectory_submitter
 from gdpo_megatron.inputs import TrainingInputs
 from gdpo_megatron.metrics import MetricsLogger
 from gdpo_megatron.config.policy import SHAPE_FIELDS
@@ -55,6 +56,8 @@ from gdpo_megatron.policy.worker import PolicyWorker
 from gdpo_megatron.rewards.stage import RewardStage
 from gdpo_megatron.rollout.engine import RolloutEngine, SamplingConfig, derive_seed
 from gdpo_megatron.rollout.factory import build_engine, engine_class
+from gdpo_megatron.rollout.trajectories import TrajectoryRollouts, trajectory_metrics
+from gdpo_megatron.tasks import get_task
 from gdpo_megatron.run_dir import CHECKPOINT_DIR, HF_EXPORT_DIR
 
 # Signals that stop a run after the step in progress, with a checkpoint: Slurm's time-limit
@@ -126,11 +129,13 @@ class Trainer:
             state = self.checkpoints.load(self.worker.model, self.worker.optimizer, self.worker.scheduler)
             self.start_step = state.step
 
+        self.trajectories = _trajectory_rollouts(config)  # None: single-turn rollouts
         self.worker.release_memory()  # before the engine sizes itself from the free memory, and the first rollout
-        rollout = config.rollout  # its KV cache: one step's rollouts, the data's longest prompt + max_new_tokens each
+        rollout = config.rollout  # its KV cache: one step's rollouts, the data's longest prompt + max_new_tokens
+        # each (a trajectory: the whole token budget)
+        per_rollout = rollout.max_model_len if self.trajectories else inputs.longest_prompt + rollout.max_new_tokens
         kv_cache = engine_class(rollout.engine).kv_cache_gib(rollout, self.policy_config.model, self.placement.machine,
-                                                             rollouts_per_replica,
-                                                             inputs.longest_prompt + rollout.max_new_tokens)
+                                                             rollouts_per_replica, per_rollout)
         self.engine: RolloutEngine = build_engine(dataclasses.replace(rollout, kv_cache_gib=kv_cache),
                                                   config.base_model, self.placement.machine, seed=config.seed)
         self.tokenizer = self.engine.tokenizer
@@ -183,19 +188,26 @@ class Trainer:
             indices = self.schedule.indices(step)[self.dp_rank :: self.dp_size]
             samples = [self.samples[i] for i in indices]
             global_ids = list(range(self.dp_rank, cfg.data.prompts_per_step, self.dp_size))
-            prompt_ids = fail_together(lambda: self._encode(samples), self.device)
-            sampling = SamplingConfig(
+            multi_turn = self.trajectories is not None
+            prompt_ids = [] if multi_turn else fail_together(lambda: self._encode(samples), self.device)
+            sampling = SamplingConfig(  # a trajectory's keys name its prompt within the step: one seed for all ranks
                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                 max_new_tokens=cfg.rollout.max_new_tokens, stop=tuple(cfg.rollout.stop),
-                seed=derive_seed(cfg.seed, step, self.dp_rank))
-            # The leader scores each completion as soon as the engine finishes it.
+                seed=derive_seed(cfg.seed, step) if multi_turn else derive_seed(cfg.seed, step, self.dp_rank))
+            # The leader scores each completion (trajectory) as soon as it is finished.
             scoring = self.reward_stage.begin(len(samples) * G) if self.is_leader else None
             cached_before = self.engine.prefix_cache
             with _timed(times, "generate"):
-                groups = self.engine.generate(prompt_ids, G, sampling,
-                                              on_completion=scoring and reward_submitter(scoring, samples, G))
+                if multi_turn:
+                    completions = self.trajectories.roll_out(
+                        self.engine, samples, G, sampling, global_ids, self.is_leader,
+                        share=lambda obj: leader_broadcast(obj, self.mp_group),
+                        on_finished=scoring and trajectory_submitter(scoring, samples, G))
+                else:
+                    groups = self.engine.generate(prompt_ids, G, sampling,
+                                                  on_completion=scoring and reward_submitter(scoring, samples, G))
+                    completions = leader_broadcast([c for group in groups for c in group], self.mp_group)
             prefix_cache = self.engine.prefix_cache - cached_before
-            completions = leader_broadcast([c for group in groups for c in group], self.mp_group)
             group_ids = torch.tensor(global_ids, device=self.device).repeat_interleave(G)
             rollouts = Rollouts(prompt_ids, group_ids, completions)
 
@@ -228,6 +240,9 @@ class Trainer:
         metrics.update(result.metrics(self.reward_names))
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
         metrics.update(self._rollout_metrics(rollouts, prefix_cache, times["step"]))
+        if self.trajectories is not None:
+            metrics.update(trajectory_metrics(rollouts.completions,
+                                              lambda sums: all_reduce_sums(sums, self.device, self.dp_group)))
         metrics["rollout/logprob_mismatch"] = mismatch
         metrics.update({f"time/{k}": v for k, v in times.items()})
         return metrics
@@ -345,6 +360,16 @@ class Trainer:
             self.reward_stage.close(at_once=True)
         if self.logger is not None:
             self.logger.close()
+
+
+def _trajectory_rollouts(config: TrainConfig) -> TrajectoryRollouts | None:
+    """How a multi-turn family's rollouts go through its environment; None for a single-turn family."""
+    family = get_task(config.data.family, "data.family")
+    if not family.multi_turn:
+        return None
+    env = config.environment
+    return TrajectoryRollouts(configured_reference(env, family.environment), env.step_timeout_s,
+                              env.max_steps_per_turn, config.rollout.max_model_len)
 
 
 def _warn_on_shape_drift(planned, actual, base_model: str) -> None:

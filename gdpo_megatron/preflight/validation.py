@@ -35,7 +35,7 @@ from gdpo_megatron.inputs import TrainingInputs
 from gdpo_megatron.config.policy import SHAPE_FIELDS, ModelConfig, ParallelConfig, check_model_parallel
 from gdpo_megatron.config.environment import EnvironmentConfig
 from gdpo_megatron.config.rewards import RewardSpec
-from gdpo_megatron.environments.registry import environment_class, environment_reference
+from gdpo_megatron.environments.registry import check_family_environment, environment_class, environment_reference
 from gdpo_megatron.rewards import sandbox
 from gdpo_megatron.rewards.registry import load_reward_file, registered_rewards, runs_code, validate_specs
 from gdpo_megatron.rollout.factory import engine_class
@@ -310,6 +310,8 @@ def check_settings(config: TrainConfig, world_size: int) -> list[Condition]:
     check_reward_specs(rewards.rewards, "rewards.rewards")
     check_sandbox_python(rewards.sandbox_python, "rewards.sandbox_python")
     check_environment(config.environment, "environment")
+    family = get_task(config.data.family, "data.family")
+    check_family_environment(config.environment, family.name, family.multi_turn, family.environment)
     check_code_sandbox(rewards.rewards, "rewards.rewards", rewards.allow_weaker_sandbox,
                        "set rewards.allow_weaker_sandbox=true")
     return conditions_by_column(config.advantage.conditions, rewards.names)

@@ -1,7 +1,7 @@
 """One step's experience: which prompts, their rollouts, and the policy batch they pack into.
 
 A rollout is a single completion of its prompt, or a multi-turn trajectory
-(:class:`~gdpo_megatron.rollout.trajectories.TrajectoryRollout`): its prompt, then spans of
+(:class:`~gdpo_megatron.trajectories.TrajectoryRollout`): its prompt, then spans of
 tokens, the model's and the environment's or user's in turn. Either way the policy batch
 trains on the model's tokens only.
 """
@@ -17,7 +17,7 @@ from gdpo_megatron.data.samples import Sample
 from gdpo_megatron.policy.batch import PolicyBatch
 from gdpo_megatron.rewards.stage import RewardBatch
 from gdpo_megatron.rollout.engine import Completion
-from gdpo_megatron.rollout.trajectories import Span, TrajectoryRollout
+from gdpo_megatron.trajectories import Span, TrajectoryRollout
 
 
 class PromptSchedule:
@@ -114,7 +114,7 @@ def reward_submitter(batch: RewardBatch, samples: Sequence[Sample], group_size: 
 
 def trajectory_submitter(batch: RewardBatch, samples: Sequence[Sample], group_size: int):
     """The ``on_finished`` callback of :meth:`TrajectoryRollouts.roll_out
-    <gdpo_megatron.rollout.trajectories.TrajectoryRollouts.roll_out>`: trajectory ``k`` goes to
+    <gdpo_megatron.trajectories.TrajectoryRollouts.roll_out>`: trajectory ``k`` goes to
     the reward batch as rollout ``k``, its :class:`~gdpo_megatron.environments.Trajectory` as
     the completion (what the multi-turn rewards judge) and its model tokens as its length."""
     truths = [s.reward_truth() for s in samples]

@@ -46,7 +46,6 @@ from gdpo_megatron.advantages import compute_advantages
 from gdpo_megatron.distributed.advantages import AllReduce
 from gdpo_megatron.distributed.threads import use_rank_threads
 from gdpo_megatron.distributed.collectives import all_reduce_sums, any_rank, fail_together, leader_broadcast
-from gdpo_megatron.environments.registry import configured_reference
 from gdpo_megatron.experience import PromptSchedule, Rollouts, reward_submitter, to_policy_batch, trajectory_submitter
 from gdpo_megatron.inputs import TrainingInputs
 from gdpo_megatron.metrics import MetricsLogger
@@ -56,8 +55,7 @@ from gdpo_megatron.policy.worker import PolicyWorker
 from gdpo_megatron.rewards.stage import RewardStage
 from gdpo_megatron.rollout.engine import RolloutEngine, SamplingConfig, derive_seed
 from gdpo_megatron.rollout.factory import build_engine, engine_class
-from gdpo_megatron.rollout.trajectories import TrajectoryRollouts, trajectory_metrics
-from gdpo_megatron.tasks import get_task
+from gdpo_megatron.trajectories import TrajectoryRollouts, trajectory_metrics
 from gdpo_megatron.run_dir import CHECKPOINT_DIR, HF_EXPORT_DIR
 
 # Signals that stop a run after the step in progress, with a checkpoint: Slurm's time-limit
@@ -129,7 +127,7 @@ class Trainer:
             state = self.checkpoints.load(self.worker.model, self.worker.optimizer, self.worker.scheduler)
             self.start_step = state.step
 
-        self.trajectories = _trajectory_rollouts(config)  # None: single-turn rollouts
+        self.trajectories = TrajectoryRollouts.for_run(config)  # None: single-turn rollouts
         self.worker.release_memory()  # before the engine sizes itself from the free memory, and the first rollout
         rollout = config.rollout  # its KV cache: one step's rollouts, the data's longest prompt + max_new_tokens
         # each (a trajectory: the whole token budget)
@@ -360,16 +358,6 @@ class Trainer:
             self.reward_stage.close(at_once=True)
         if self.logger is not None:
             self.logger.close()
-
-
-def _trajectory_rollouts(config: TrainConfig) -> TrajectoryRollouts | None:
-    """How a multi-turn family's rollouts go through its environment; None for a single-turn family."""
-    family = get_task(config.data.family, "data.family")
-    if not family.multi_turn:
-        return None
-    env = config.environment
-    return TrajectoryRollouts(configured_reference(env, family.environment), env.step_timeout_s,
-                              env.max_steps_per_turn, config.rollout.max_model_len)
 
 
 def _warn_on_shape_drift(planned, actual, base_model: str) -> None:

@@ -46,10 +46,11 @@ _CORE = {
     "quiet": {"rollout"},  # third-party warnings and log levels (the engines' harmless records)
     "run_dir": {"checkpoint", "errors", "metrics"},
     "inputs": {"advantages", "config", "data"},
-    "experience": {"config", "data", "policy", "rewards", "rollout"},
+    "trajectories": {"config", "data", "environments", "rollout", "tasks"},
+    "experience": {"config", "data", "policy", "rewards", "rollout", "trajectories"},
     "evaluate": {"config", "data", "device", "errors", "rewards", "rollout"},
     "trainer": {"advantages", "checkpoint", "config", "data", "device", "distributed", "errors", "experience",
-                "inputs", "metrics", "policy", "quiet", "rewards", "rollout", "run_dir"},
+                "inputs", "metrics", "policy", "quiet", "rewards", "rollout", "run_dir", "trajectories"},
 }
 CORE = set(_CORE)
 # Which units each unit may import (its own modules always).

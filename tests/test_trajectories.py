@@ -10,7 +10,7 @@ from gdpo_megatron.config import ConfigError, TrainConfig, load_config
 from gdpo_megatron.data.chat import encode_prompt, render_prompt
 from gdpo_megatron.environments import Trajectory
 from gdpo_megatron.experience import Rollouts, to_policy_batch
-from gdpo_megatron.rollout.trajectories import Span, TemplateMismatch, TrajectoryRollout, continuation_tokens
+from gdpo_megatron.trajectories import Span, TemplateMismatch, TrajectoryRollout, continuation_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 CITY_DESK = ROOT / "examples" / "environments" / "city_desk.py"

@@ -45,13 +45,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Literal, Sequence
 
+from gdpo_megatron.config import TrainConfig
 from gdpo_megatron.data.chat import encode_prompt, render_prompt
 from gdpo_megatron.data.samples import Sample
 from gdpo_megatron.environments.calls import CallRefused
 from gdpo_megatron.environments.environment import ERROR_PREFIX
 from gdpo_megatron.environments.host import EnvironmentFailed, EnvironmentHost
+from gdpo_megatron.environments.registry import configured_reference
 from gdpo_megatron.environments.trajectory import Message, Trajectory
 from gdpo_megatron.rollout.engine import Completion, FinishReason, RolloutEngine, SamplingConfig
+from gdpo_megatron.tasks import get_task
 
 Ending = Literal["answered", "turn_limit", "token_budget", "failed"]
 
@@ -141,6 +144,17 @@ class TrajectoryRollouts:
     def __init__(self, environment: str, step_timeout_s: float, max_steps_per_turn: int, max_len: int):
         self.environment, self.step_timeout_s = environment, step_timeout_s
         self.max_steps_per_turn, self.max_len = max_steps_per_turn, max_len
+
+    @classmethod
+    def for_run(cls, config: TrainConfig) -> "TrajectoryRollouts | None":
+        """A run's: through the config's (else the data family's) environment; None for a
+        single-turn family."""
+        family = get_task(config.data.family, "data.family")
+        if not family.multi_turn:
+            return None
+        env = config.environment
+        return cls(configured_reference(env, family.environment), env.step_timeout_s, env.max_steps_per_turn,
+                   config.rollout.max_model_len)
 
     def roll_out(self, engine: RolloutEngine, samples: Sequence[Sample], group_size: int, sampling: SamplingConfig,
                  prompt_keys: Sequence[int], is_leader: bool = True,

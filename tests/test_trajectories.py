@@ -223,3 +223,36 @@ def test_a_run_steps_trajectories_through_a_users_environment(demo_base_model, t
         assert len(rollout.prompt_ids) + sum(len(s.token_ids) for s in rollout.spans) <= 320
         texts = [m.text for turn in rollout.trajectory.turns for m in turn]
         assert len(texts) == rollout.model_turns
+
+
+def _train(overrides):
+    from support.trainer import make_trainer
+
+    trainer = make_trainer(load_config(TrainConfig, "configs/tiny_cpu.yaml", overrides))
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [(), ("policy.parallel.tensor_model_parallel_size=2",)], ids=["dp2", "tp2"])
+def test_trajectories_and_their_rewards_are_the_same_on_two_ranks(demo_base_model, tmp_path, layout):
+    """Two data-parallel replicas (each rolling out half the step's prompts), or one replica of
+    two tensor-parallel ranks (the leader's environments, the other rank's engine fed what came
+    back), roll out the same trajectories as one rank: the same rewards, turns and tokens."""
+    from gdpo_megatron.metrics import read_metrics
+    from support.local_world import run_local
+
+    data = tmp_path / "city.jsonl"
+    write_city_questions(data, 4)
+    records = {}
+    for name, world in (("one", 1), ("two", 2)):
+        run_dir = tmp_path / name
+        extra = layout if world == 2 else ()
+        assert run_local(_train, world, _overrides(demo_base_model, run_dir, data, 1, *extra)) == ["done"] * world
+        (records[name],) = read_metrics(run_dir)
+    same = [k for k in records["one"] if k.startswith(("reward/", "advantage/", "rollout/"))
+            and not k.startswith(("rollout/logprob_mismatch", "rollout/prefix_cache"))]
+    assert {k: records["two"][k] for k in same} == pytest.approx({k: records["one"][k] for k in same}, abs=1e-9)
+    assert records["one"]["rollout/model_turns_mean"] > 1

@@ -256,3 +256,12 @@ def test_trajectories_and_their_rewards_are_the_same_on_two_ranks(demo_base_mode
             and not k.startswith(("rollout/logprob_mismatch", "rollout/prefix_cache"))]
     assert {k: records["two"][k] for k in same} == pytest.approx({k: records["one"][k] for k in same}, abs=1e-9)
     assert records["one"]["rollout/model_turns_mean"] > 1
+
+
+def test_gdpo_eval_refuses_a_multi_turn_family(tmp_path):
+    from gdpo_megatron.commands.eval import data_section, parse
+
+    data = tmp_path / "city.jsonl"
+    write_city_questions(data, 1)
+    with pytest.raises(ConfigError, match=r"^--family: multi_turn is multi-turn; gdpo-eval scores single completions"):
+        data_section(parse(["--model", str(tmp_path), "--data", str(data), "--family", "multi_turn"]))

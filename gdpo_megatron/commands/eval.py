@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from gdpo_megatron.commands.console import ArgumentParser, console_entry, positive_int, quiet_defaults
-from gdpo_megatron.config import DataConfig, from_dict
+from gdpo_megatron.config import ConfigError, DataConfig, from_dict
 from gdpo_megatron.errors import UsageError
 from gdpo_megatron.config.rewards import RewardSpec
 from gdpo_megatron.tasks import get_task, task_names
@@ -68,7 +68,9 @@ def data_section(args: argparse.Namespace) -> DataConfig:
     config loader and the task registry as gdpo-train's are (a ConfigError names the ``data.*`` key)."""
     values = {"train_path": args.data, **{key: getattr(args, key) for key, _ in DATA_OPTIONS.values()}}
     data = from_dict(DataConfig, {key: value for key, value in values.items() if value is not None}, "data")
-    get_task(data.family, "data.family")
+    if get_task(data.family, "data.family").multi_turn:
+        raise ConfigError(f"--family: {data.family} is multi-turn; gdpo-eval scores single completions, not "
+                          "trajectories through an environment")
     return data
 
 

@@ -1,6 +1,5 @@
 """Multi-turn rollouts: trajectory rows of the policy batch, chat-template continuations, and a
 trainer run through a user's environment on the demo model."""
-import json
 from pathlib import Path
 
 import pytest
@@ -134,32 +133,13 @@ def test_preflight_refuses_a_family_and_environment_that_do_not_fit():
 
 # ---- a run on the demo model through a user's environment ---------------------------------------
 
-CITIES = ["Paris", "Tokyo", "Lima", "Oslo"]
+CONFIG = "configs/multi_turn_cpu.yaml"  # CityDesk, the two-turn questions of examples/data/city_desk.jsonl
 
 
-def write_city_questions(path: Path, count: int) -> None:
-    """Two-turn questions for :class:`CityDesk`: the weather in one city, then the time in another."""
-    with path.open("w") as f:
-        for n in range(count):
-            first, second = CITIES[n % 4], CITIES[(n + 1) % 4]
-            f.write(json.dumps({
-                "id": f"city-{n}",
-                "messages": [{"role": "system", "content": "Answer with one tool call."},
-                             {"role": "user", "content": f"What is the weather in {first}?"}],
-                "multi_turn": {"environment_config": {"weather": {first: "rain"}},
-                               "reference_calls": [[f"get_weather(city='{first}')"], [f"get_time(city='{second}')"]],
-                               "later_turns": [[{"role": "user", "content": f"What time is it in {second}?"}]]},
-            }) + "\n")
-
-
-def _overrides(base_model, run_dir, data, steps, *extra):
-    return [f"base_model={base_model}", f"run_dir={run_dir}", f"steps={steps}", f"data.train_path={data}",
-            "data.family=multi_turn", "data.prompts_per_step=2", "rollout.group_size=2",
-            "rollout.max_new_tokens=48", "rollout.max_model_len=320", "policy.micro_batch_size=2",
-            "rewards.rewards=[{name: multi_turn_format}, {name: multi_turn_state}, {name: multi_turn_efficiency}]",
-            "advantage.conditions=[]", f"environment.file={CITY_DESK}", "environment.name=CityDesk",
-            "environment.max_steps_per_turn=2", "checkpoint.save_every=0", "checkpoint.export_hf=false",
-            "logging.progress_bar=false", *extra]
+def _overrides(base_model, run_dir, steps, *extra):
+    return [f"base_model={base_model}", f"run_dir={run_dir}", f"steps={steps}", "data.prompts_per_step=2",
+            "rollout.group_size=2", "policy.micro_batch_size=2", "checkpoint.save_every=0",
+            "checkpoint.export_hf=false", "logging.progress_bar=false", *extra]
 
 
 def _train_and_roll_out(overrides):
@@ -168,7 +148,7 @@ def _train_and_roll_out(overrides):
     from gdpo_megatron.rollout.engine import SamplingConfig
     from support.trainer import make_trainer
 
-    trainer = make_trainer(load_config(TrainConfig, "configs/tiny_cpu.yaml", overrides))
+    trainer = make_trainer(load_config(TrainConfig, CONFIG, overrides))
     try:
         trainer.train()
         samples = [trainer.samples[i] for i in trainer.schedule.indices(0)]
@@ -189,11 +169,9 @@ def test_a_run_steps_trajectories_through_a_users_environment(demo_base_model, t
     from gdpo_megatron.metrics import read_metrics
     from support.local_world import run_local
 
-    data = tmp_path / "city.jsonl"
-    write_city_questions(data, 4)
     run_dir = tmp_path / "run"
     ((rollouts, batch, decoded, (queries, hits)),) = run_local(
-        _train_and_roll_out, 1, _overrides(demo_base_model, run_dir, data, 2))
+        _train_and_roll_out, 1, _overrides(demo_base_model, run_dir, 2))
 
     records = read_metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2]
@@ -228,7 +206,7 @@ def test_a_run_steps_trajectories_through_a_users_environment(demo_base_model, t
 def _train(overrides):
     from support.trainer import make_trainer
 
-    trainer = make_trainer(load_config(TrainConfig, "configs/tiny_cpu.yaml", overrides))
+    trainer = make_trainer(load_config(TrainConfig, CONFIG, overrides))
     try:
         return trainer.train()
     finally:
@@ -244,13 +222,11 @@ def test_trajectories_and_their_rewards_are_the_same_on_two_ranks(demo_base_mode
     from gdpo_megatron.metrics import read_metrics
     from support.local_world import run_local
 
-    data = tmp_path / "city.jsonl"
-    write_city_questions(data, 4)
     records = {}
     for name, world in (("one", 1), ("two", 2)):
         run_dir = tmp_path / name
         extra = layout if world == 2 else ()
-        assert run_local(_train, world, _overrides(demo_base_model, run_dir, data, 1, *extra)) == ["done"] * world
+        assert run_local(_train, world, _overrides(demo_base_model, run_dir, 1, *extra)) == ["done"] * world
         (records[name],) = read_metrics(run_dir)
     same = [k for k in records["one"] if k.startswith(("reward/", "advantage/", "rollout/"))
             and not k.startswith(("rollout/logprob_mismatch", "rollout/prefix_cache"))]
@@ -261,7 +237,6 @@ def test_trajectories_and_their_rewards_are_the_same_on_two_ranks(demo_base_mode
 def test_gdpo_eval_refuses_a_multi_turn_family(tmp_path):
     from gdpo_megatron.commands.eval import data_section, parse
 
-    data = tmp_path / "city.jsonl"
-    write_city_questions(data, 1)
     with pytest.raises(ConfigError, match=r"^--family: multi_turn is multi-turn; gdpo-eval scores single completions"):
-        data_section(parse(["--model", str(tmp_path), "--data", str(data), "--family", "multi_turn"]))
+        data_section(parse(["--model", str(tmp_path), "--data", str(ROOT / "examples/data/city_desk.jsonl"),
+                            "--family", "multi_turn"]))

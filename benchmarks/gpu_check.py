@@ -299,12 +299,13 @@ def logprob_peak(size: Sizes) -> dict:
 def update(name: str, size: Sizes) -> dict:
     """Median train step of a random ``name``-shaped policy in bf16, its throughput and peak memory."""
     from gdpo_megatron.policy.worker import PolicyWorker
+    from support.policy import resolved_here
 
     model, longest = size.update_models[name], size.longest
     config = update_policy(model, size)
     batch = rows_of(model, size.rows, size.shortest, longest)
     cuda = torch.cuda.is_available()
-    with PolicyWorker(config, place_rank(CUDA, 0)) as worker:
+    with PolicyWorker(resolved_here(config), place_rank(CUDA, 0)) as worker:
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -373,6 +374,7 @@ def agreement(size: Sizes, work: Path) -> dict:
     from gdpo_megatron.checkpoint.hf_io import load_hf_weights, save_hf_checkpoint
     from gdpo_megatron.checkpoint.weight_stream import iter_hf_weights
     from gdpo_megatron.policy.worker import PolicyWorker
+    from support.policy import resolved_here
 
     model = size.check_model
     batch = rows_of(model, size.check_rows, size.check_length, size.check_length, seed=1)
@@ -384,7 +386,7 @@ def agreement(size: Sizes, work: Path) -> dict:
                             optim=OptimConfig(lr=1e-4), micro_batch_size=batch.size)
 
     exported = work / "fp32"
-    with PolicyWorker(policy("fp32"), place_rank(CUDA, 0)) as worker:  # random weights, exported in fp32
+    with PolicyWorker(resolved_here(policy("fp32")), place_rank(CUDA, 0)) as worker:  # random weights, exported in fp32
         save_hf_checkpoint(worker.gpt_model, model, exported)
         ours = worker.compute_logprobs(batch).cpu()
     hf = load_transformers(exported, torch.float32)
@@ -393,7 +395,7 @@ def agreement(size: Sizes, work: Path) -> dict:
     _free()
 
     init = lambda m: load_hf_weights(m, model, exported)  # noqa: E731
-    with PolicyWorker(policy("bf16"), place_rank(CUDA, 0), init_weights=init) as worker:
+    with PolicyWorker(resolved_here(policy("bf16")), place_rank(CUDA, 0), init_weights=init) as worker:
         ours = worker.compute_logprobs(batch).cpu()
         hf = load_transformers(exported, torch.bfloat16)
         result["logprobs"]["bf16"] = gap(ours, transformers_logprobs(hf, batch), targets)
@@ -442,6 +444,7 @@ def checkpoint_round_trip(size: Sizes, work: Path) -> dict:
     cannot load before its first step (CheckpointManager says so)."""
     from gdpo_megatron.checkpoint.manager import CheckpointManager
     from gdpo_megatron.policy.worker import PolicyWorker
+    from support.policy import resolved_here
 
     model = size.check_model
     config = PolicyConfig(model=model, precision=PrecisionConfig(dtype="bf16", transformer_engine=False),
@@ -455,14 +458,14 @@ def checkpoint_round_trip(size: Sizes, work: Path) -> dict:
         tensors.update({f"optimizer.{k}": v for k, v in _tensors(worker.optimizer.state_dict()).items()})
         return {k: v.detach().cpu().clone() for k, v in tensors.items()}
 
-    with PolicyWorker(config, place_rank(CUDA, 0), seed=1) as worker:
+    with PolicyWorker(resolved_here(config), place_rank(CUDA, 0), seed=1) as worker:
         worker.train_step(batch)
         started = time.perf_counter()
         manager.save(1, worker.model, worker.optimizer, worker.scheduler)
         save_s = time.perf_counter() - started
         saved = state(worker)
     _free()
-    with PolicyWorker(config, place_rank(CUDA, 0), seed=2) as worker:
+    with PolicyWorker(resolved_here(config), place_rank(CUDA, 0), seed=2) as worker:
         started = time.perf_counter()
         manager.load(worker.model, worker.optimizer, worker.scheduler)
         load_s = time.perf_counter() - started

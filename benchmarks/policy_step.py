@@ -61,9 +61,10 @@ def timed_steps(config: PolicyConfig, batch_size: int, seq_length: int, steps: i
                 prompt_share: float = 0.25) -> float:
     """Median seconds of one train step (run on every rank; rank 0's answer is used)."""
     from gdpo_megatron.policy.worker import PolicyWorker
+    from support.policy import resolved_here
 
     batch = make_batch(config.model, batch_size, seq_length, prompt_share)
-    with PolicyWorker(config, this_rank()) as worker:
+    with PolicyWorker(resolved_here(config), this_rank()) as worker:
         worker.train_step(batch)  # warm-up
         times = []
         for _ in range(steps):

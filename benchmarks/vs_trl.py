@@ -225,8 +225,8 @@ def project_trainer(work: Workload, model: str, steps: int, out: Path):
     import vllm.entrypoints.llm  # noqa: F401  (what VLLMEngine imports)
     vllm_modules = rss_bytes() - before_vllm
     config = load_config(TrainConfig, path)
-    inputs = check_training(config, 1)
     machine = this_machine()
+    inputs = check_training(config, machine, 1)
     _, placement = init_distributed(machine)
     cpu_compat.install(machine)
     return Trainer(config, inputs, placement), vllm_modules

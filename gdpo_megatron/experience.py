@@ -107,7 +107,7 @@ def reward_submitter(batch: RewardBatch, samples: Sequence[Sample], group_size: 
     truths = [s.reward_truth() for s in samples]
 
     def submit(i: int, j: int, completion: Completion) -> None:
-        batch.submit(i * group_size + j, completion.text, len(completion.token_ids), truths[i])
+        batch.submit(i * group_size + j, completion.text, len(completion.token_ids), truths[i], samples[i].id)
 
     return submit
 

@@ -6,7 +6,8 @@ first rank is its *leader*, whose rollouts and rewards the others receive. Per s
 
 1. each data-parallel replica takes its share of the step's prompts and samples ``G``
    completions per prompt with its colocated vLLM engine (every rank calls ``generate``:
-   ranks of one vLLM tensor-parallel group must);
+   ranks of one vLLM tensor-parallel group must); a multi-turn family's rollouts are
+   trajectories through its environment (:mod:`gdpo_megatron.trajectories`);
 2. the leader scores them in its reward process pool as they finish;
 3. advantages come from :func:`gdpo_megatron.advantages.compute_advantages` all-reduced over
    the data-parallel group (exact GDPO over the whole step, whatever the split);
@@ -16,8 +17,9 @@ first rank is its *leader*, whose rollouts and rewards the others receive. Per s
 5. metrics go to ``run_dir/metrics.jsonl`` (and wandb), checkpoints to ``run_dir/checkpoints``.
 
 SIGUSR1 / SIGTERM (Slurm's warning before the time limit, or a preemption) and Ctrl-C make the
-loop finish the step in progress, save a checkpoint and return; a rerun resumes from it. A
-second Ctrl-C stops at once.
+loop finish the step in progress, save a checkpoint and return; a rerun resumes from it. One
+that arrives during start-up (once the Trainer exists) makes ``train`` return before the first
+step, with nothing to save. A second Ctrl-C stops at once (:class:`StoppedAtOnce`).
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ from tqdm import tqdm
 
 from gdpo_megatron.checkpoint.hf_io import load_hf_weights, save_hf_checkpoint
 from gdpo_megatron.checkpoint.manager import CheckpointManager
+from gdpo_megatron.checkpoint.trained_with import trained_with, write_trained_with
 from gdpo_megatron.checkpoint.weight_stream import iter_hf_weights
 from gdpo_megatron.config import TrainConfig, to_dict
 from gdpo_megatron.data.chat import encode_prompt
@@ -52,9 +55,10 @@ from gdpo_megatron.metrics import MetricsLogger
 from gdpo_megatron.config.policy import SHAPE_FIELDS
 from gdpo_megatron.device import Placement
 from gdpo_megatron.policy.worker import PolicyWorker
+from gdpo_megatron.progress import Progress
 from gdpo_megatron.rewards.stage import RewardStage
 from gdpo_megatron.rollout.engine import RolloutEngine, SamplingConfig, derive_seed
-from gdpo_megatron.rollout.factory import build_engine, engine_class
+from gdpo_megatron.rollout.factory import build_engine
 from gdpo_megatron.trajectories import TrajectoryRollouts, trajectory_metrics
 from gdpo_megatron.run_dir import CHECKPOINT_DIR, HF_EXPORT_DIR
 
@@ -66,10 +70,14 @@ STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 DONE, STOPPED, PREEMPTED = "done", "stopped", "preempted"
 
 
+class StoppedAtOnce(KeyboardInterrupt):
+    """A second Ctrl-C: the run stops where it is, without a checkpoint."""
+
+
 class Trainer:
     """Builds the policy, the engine, the reward stage and the data order; runs the loop.
 
-    ``inputs``: what preflight read and checked for ``config``
+    ``inputs``: what preflight read, checked and resolved for ``config``
     (:func:`~gdpo_megatron.preflight.validation.check_training`); ``placement``: this rank's
     machine and device, as the launch decided them
     (:func:`~gdpo_megatron.distributed.launch.init_distributed`).
@@ -96,7 +104,7 @@ class Trainer:
 
     def _build(self) -> None:
         config, inputs = self.config, self.inputs
-        _, rollouts_per_replica = config.layout(dist.get_world_size())
+        resolved = inputs.resolved
         use_rank_threads()  # before vLLM starts (it pins torch's thread count)
         rewards = config.rewards
         self.reward_names = rewards.names
@@ -110,7 +118,7 @@ class Trainer:
                                              optimizer_sharding=config.checkpoint.optimizer_sharding)
         latest = self.checkpoints.latest_step()  # resume and its data position are checked with the inputs
 
-        self.worker = PolicyWorker(self.policy_config, self.placement, seed=config.seed,
+        self.worker = PolicyWorker(resolved.policy, self.placement, seed=config.seed,
                                    temperature=config.rollout.temperature,
                                    init_weights=lambda m: load_hf_weights(m, model, config.base_model),
                                    timeout=config.distributed.timeout)
@@ -129,13 +137,8 @@ class Trainer:
 
         self.trajectories = TrajectoryRollouts.for_run(config)  # None: single-turn rollouts
         self.worker.release_memory()  # before the engine sizes itself from the free memory, and the first rollout
-        rollout = config.rollout  # its KV cache: one step's rollouts, the data's longest prompt + max_new_tokens
-        # each (a trajectory: the whole token budget)
-        per_rollout = rollout.max_model_len if self.trajectories else inputs.longest_prompt + rollout.max_new_tokens
-        kv_cache = engine_class(rollout.engine).kv_cache_gib(rollout, self.policy_config.model, self.placement.machine,
-                                                             rollouts_per_replica, per_rollout)
-        self.engine: RolloutEngine = build_engine(dataclasses.replace(rollout, kv_cache_gib=kv_cache),
-                                                  config.base_model, self.placement.machine, seed=config.seed)
+        rollout = dataclasses.replace(config.rollout, kv_cache_gib=resolved.kv_cache_gib)  # sized by preflight
+        self.engine: RolloutEngine = build_engine(rollout, config.base_model, self.placement.machine, seed=config.seed)
         self.tokenizer = self.engine.tokenizer
         if self.start_step:
             self._sync_weights()  # the engine started from base_model
@@ -150,22 +153,24 @@ class Trainer:
 
     def train(self) -> str:
         """Run from the resumed step to ``config.steps``: :data:`DONE`, or :data:`STOPPED` /
-        :data:`PREEMPTED` when a stop signal ended it after a step, with a checkpoint."""
-        steps = range(self.start_step, self.config.steps)
-        bar = tqdm(steps, desc=self.config.advantage.mode, initial=self.start_step, total=self.config.steps,
-                   disable=not (self.is_rank0 and self.config.logging.progress_bar))
+        :data:`PREEMPTED` when a stop signal ended it after a step, with a checkpoint (or before
+        the first step, when it arrived during start-up)."""
+        progress = Progress(self.start_step, self.config.steps, self.config.advantage.mode,
+                            enabled=self.is_rank0 and self.config.logging.progress_bar)
         outcome = DONE
+        if any_rank(self._stop_signal is not None, self.device):  # asked during start-up: no step to finish
+            return self._stopped_by()
         try:
-            for step in bar:
+            for step in range(self.start_step, self.config.steps):
                 self.step_started = step
                 metrics = self.step(step)
                 if self.logger:
                     self.logger.log(step + 1, metrics)
-                    bar.set_postfix({n: f"{metrics[f'reward/{n}/mean']:.2f}" for n in self.reward_names})
+                progress.step_done(step + 1, {n: metrics[f"reward/{n}/mean"] for n in self.reward_names})
                 last = step + 1 == self.config.steps
                 if any_rank(self._stop_signal is not None, self.device):  # every rank stops after the same step
                     self.save(step + 1)
-                    outcome = STOPPED if self._stop_signal == signal.SIGINT else PREEMPTED
+                    outcome = self._stopped_by()
                     break
                 every = self.config.checkpoint.save_every
                 if last or (every and (step + 1) % every == 0):
@@ -173,7 +178,7 @@ class Trainer:
             if outcome == DONE and self.config.checkpoint.export_hf:
                 self.export_hf(self.run_dir / HF_EXPORT_DIR)
         finally:
-            bar.close()
+            progress.close()
         return outcome
 
     def step(self, step: int) -> dict[str, float]:
@@ -248,12 +253,8 @@ class Trainer:
     # ---- pieces of a step ---------------------------------------------------------------
 
     def _encode(self, samples) -> list[list[int]]:
-        ids = [encode_prompt(self.tokenizer, s.messages) for s in samples]
-        limit = self.config.data.max_prompt_tokens
-        too_long = [f"{s.id!r} ({len(i)} tokens)" for s, i in zip(samples, ids) if len(i) > limit]
-        if too_long:
-            raise ValueError(f"data.max_prompt_tokens={limit}: longer prompts: {', '.join(too_long[:3])}")
-        return ids
+        """The prompts' token ids (preflight checked that each fits ``data.max_prompt_tokens``)."""
+        return [encode_prompt(self.tokenizer, s.messages) for s in samples]
 
     def _advantages(self, rewards: torch.Tensor, group_ids: torch.Tensor):
         """The step's advantages over every data-parallel replica's rollouts, after the group filter."""
@@ -292,6 +293,7 @@ class Trainer:
         total_tokens, n, truncated, queries, hits = all_reduce_sums(
             [sum(tokens), len(tokens), truncated, prefix_cache.queries, prefix_cache.hits], self.device, self.dp_group)
         return {
+            "rollout/count": n,
             "rollout/prefix_cache_hit_frac": hits / max(queries, 1.0),
             "rollout/tokens_generated": total_tokens,
             "rollout/completion_tokens_mean": total_tokens / n,
@@ -304,14 +306,19 @@ class Trainer:
 
     def _request_stop(self, signum, frame) -> None:
         if signum == signal.SIGINT and self._stop_signal == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop at once
+            raise StoppedAtOnce
         if self._stop_signal is None:
             self._stop_signal = signum
             if self.is_rank0:
                 what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+                then = ("finishing this step, then saving a checkpoint" if self.step_started is not None
+                        else "stopping once start-up is done, before the first step")
                 again = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""
-                tqdm.write(f"gdpo-train: {what}: finishing this step, then saving a checkpoint{again}",
-                           file=sys.stderr)
+                tqdm.write(f"gdpo-train: {what}: {then}{again}", file=sys.stderr)
+
+    def _stopped_by(self) -> str:
+        """How a run stopped by a signal ended: :data:`STOPPED` by Ctrl-C, else :data:`PREEMPTED`."""
+        return STOPPED if self._stop_signal == signal.SIGINT else PREEMPTED
 
     def save(self, step: int) -> Path:
         """A training checkpoint; its config holds the model actually trained and where it came from."""
@@ -321,7 +328,8 @@ class Trainer:
                                      data_position=step * self.config.data.prompts_per_step, config=config)
 
     def export_hf(self, out_dir: Path) -> Path:
-        """The current policy as a Hugging Face directory with the base model's tokenizer.
+        """The current policy as a Hugging Face directory with the base model's tokenizer and
+        how it was prompted and sampled (:mod:`~gdpo_megatron.checkpoint.trained_with`).
 
         An export already there (from an earlier run of this run directory) is replaced only
         once the new one is complete.
@@ -334,6 +342,7 @@ class Trainer:
                            base_hf_config=self.hf_config,
                            tokenizer_dir=self.config.base_model)
         if self.is_rank0:
+            write_trained_with(new, trained_with(to_dict(self.config)))
             old = out_dir.with_name(f"{out_dir.name}.old")
             if out_dir.exists():
                 os.replace(out_dir, old)

@@ -45,12 +45,15 @@ _CORE = {
     "data": {"config", "environments", "errors", "rewards", "tasks"},
     "quiet": {"rollout"},  # third-party warnings and log levels (the engines' harmless records)
     "run_dir": {"checkpoint", "errors", "metrics"},
-    "inputs": {"advantages", "config", "data"},
+    "resolve": {"config", "device", "policy", "rollout"},  # the launch's decisions (the engine sizes its cache)
+    "progress": set(),  # the training progress on stderr
+    "inputs": {"advantages", "config", "data", "resolve"},
     "trajectories": {"config", "data", "environments", "rollout", "tasks"},
     "experience": {"config", "data", "policy", "rewards", "rollout", "trajectories"},
     "evaluate": {"config", "data", "device", "errors", "rewards", "rollout"},
     "trainer": {"advantages", "checkpoint", "config", "data", "device", "distributed", "errors", "experience",
-                "inputs", "metrics", "policy", "quiet", "rewards", "rollout", "run_dir", "trajectories"},
+                "inputs", "metrics", "policy", "progress", "quiet", "resolve", "rewards", "rollout", "run_dir",
+                "trajectories"},
 }
 CORE = set(_CORE)
 # Which units each unit may import (its own modules always).

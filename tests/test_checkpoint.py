@@ -60,10 +60,11 @@ def seed_batches(seed: int = 0) -> None:
 def train(root, resume: bool, kill_after: int | None = None) -> dict[int, float]:
     """Train to ``STEPS`` (saving every ``SAVE_EVERY``), from scratch or the latest checkpoint."""
     from gdpo_megatron.policy.worker import PolicyWorker
+    from support.policy import resolved_here
 
     manager = CheckpointManager(root, keep_last=2)
     losses = {}
-    with PolicyWorker(tiny_policy(), this_rank()) as worker:
+    with PolicyWorker(resolved_here(tiny_policy()), this_rank()) as worker:
         if resume:
             state = manager.load(worker.model, worker.optimizer, worker.scheduler)
             first = state.data_position["next_step"]
@@ -93,11 +94,12 @@ def _killed_rank(rank: int, port: int, root) -> None:
 def save_trained(root, tp: int):
     """One train step at ``tp``, then a checkpoint of step 1; returns the logits and the LR."""
     from gdpo_megatron.policy.worker import PolicyWorker
+    from support.policy import resolved_here
 
     config = tiny_policy(tp)
     seed_batches()
     batch = sampled_batch()
-    with PolicyWorker(config, this_rank()) as worker:
+    with PolicyWorker(resolved_here(config), this_rank()) as worker:
         worker.train_step(batch)
         CheckpointManager(root).save(1, worker.model, worker.optimizer, worker.scheduler, data_position={"next_step": 2},
                                      config={"policy": {"model": dataclasses.asdict(config.model)}})
@@ -106,16 +108,18 @@ def save_trained(root, tp: int):
 
 def load_trained(root, tp: int):
     from gdpo_megatron.policy.worker import PolicyWorker
+    from support.policy import resolved_here
 
-    with PolicyWorker(tiny_policy(tp), this_rank()) as worker:
+    with PolicyWorker(resolved_here(tiny_policy(tp)), this_rank()) as worker:
         state = CheckpointManager(root).load(worker.model, worker.optimizer, worker.scheduler)
         return state, megatron_logits(worker.gpt_model, VOCAB), worker.optimizer.param_groups[0]["lr"]
 
 
 def load_error(root):
     from gdpo_megatron.policy.worker import PolicyWorker
+    from support.policy import resolved_here
 
-    with PolicyWorker(tiny_policy(), this_rank()) as worker:
+    with PolicyWorker(resolved_here(tiny_policy()), this_rank()) as worker:
         try:
             CheckpointManager(root).load(worker.model)
         except CheckpointError as e:
@@ -228,19 +232,20 @@ def continue_after_reload(root, distributed_optimizer: bool):
     and on the LR schedule restored from the checkpoint.
     """
     from gdpo_megatron.policy.worker import PolicyWorker
+    from support.policy import resolved_here
 
     config = tiny_policy()
     config.optim.use_distributed_optimizer = distributed_optimizer
     torch.manual_seed(0)
     batches = [sampled_batch() for _ in range(3)]
-    with PolicyWorker(config, this_rank()) as worker:
+    with PolicyWorker(resolved_here(config), this_rank()) as worker:
         worker.train_step(batches[0])
         CheckpointManager(root).save(1, worker.model, worker.optimizer, worker.scheduler)
         worker.train_step(batches[1])
         continued = worker.train_step(batches[2])["loss"]
     losses = []
     for optimizer_too in (True, False):  # without the optimizer's state the loss must differ
-        with PolicyWorker(config, this_rank()) as worker:
+        with PolicyWorker(resolved_here(config), this_rank()) as worker:
             CheckpointManager(root).load(worker.model, worker.optimizer if optimizer_too else None, worker.scheduler)
             worker.train_step(batches[1])
             losses.append(worker.train_step(batches[2])["loss"])
@@ -257,6 +262,7 @@ def distributed_optimizer_across_layouts(root, sharding: str):
     Returns the saved layout and format, and the loss of step 3 continued at TP=2 and reloaded at
     TP=1 (or the error of the reload)."""
     from gdpo_megatron.policy.worker import PolicyWorker
+    from support.policy import resolved_here
 
     seed_batches()
     batches = [sampled_batch() for _ in range(3)]  # the same on both ranks: one TP=2 replica
@@ -266,13 +272,13 @@ def distributed_optimizer_across_layouts(root, sharding: str):
         optim = dataclasses.replace(config.optim, use_distributed_optimizer=True)
         configs[tp] = dataclasses.replace(config, optim=optim)
     manager = CheckpointManager(root, optimizer_sharding=sharding)
-    with PolicyWorker(configs[2], this_rank()) as worker:
+    with PolicyWorker(resolved_here(configs[2]), this_rank()) as worker:
         worker.train_step(batches[0])
         manager.save(1, worker.model, worker.optimizer, worker.scheduler)
         worker.train_step(batches[1])
         continued = worker.train_step(batches[2])["loss"]
     state = read_training_state(root / "step_1")
-    with PolicyWorker(configs[1], this_rank()) as worker:
+    with PolicyWorker(resolved_here(configs[1]), this_rank()) as worker:
         try:
             manager.load(worker.model, worker.optimizer, worker.scheduler)
         except CheckpointError as e:
@@ -316,11 +322,12 @@ def fully_reshardable_two_ways(root):
     from gdpo_megatron.checkpoint.weight_stream import unwrap
     from gdpo_megatron.policy import cpu_compat
     from gdpo_megatron.policy.worker import PolicyWorker
+    from support.policy import resolved_here
 
     seed_batches()
     config = tiny_policy(1)
     config = dataclasses.replace(config, optim=dataclasses.replace(config.optim, use_distributed_optimizer=True))
-    with PolicyWorker(config, this_rank()) as worker:
+    with PolicyWorker(resolved_here(config), this_rank()) as worker:
         worker.train_step(sampled_batch())
         CheckpointManager(root / "manager", optimizer_sharding="fully_reshardable").save(
             1, worker.model, worker.optimizer)

@@ -6,8 +6,9 @@ from typing import Optional
 import pytest
 
 from gdpo_megatron.advantages import Condition, conditions_by_column
-from gdpo_megatron.config import (AdvantageConfig, ConditionConfig, ConfigError, TrainConfig, apply_override, from_dict,
-                                  load_config)
+from gdpo_megatron.config import (AdvantageConfig, CheckpointConfig, ConditionConfig, ConfigError, DataConfig,
+                                  DistributedConfig, LoggingConfig, ModelConfig, OptimConfig, RewardsConfig, RewardSpec,
+                                  RolloutConfig, TrainConfig, apply_override, from_dict, load_config)
 from gdpo_megatron.config.policy import PolicyConfig
 
 
@@ -121,3 +122,51 @@ def test_a_moved_key_names_what_replaces_it(tmp_path):
     cfg = load_config(TrainConfig, "configs/tiny_cpu.yaml", ["advantage.filter=informative_groups"])
     assert cfg.advantage.filter == "informative_groups"
     assert load_config(TrainConfig, "configs/tiny_cpu.yaml").advantage.filter == "none"
+
+
+# ---- the Python API: a section checks its fields when built -----------------------------------
+
+
+@pytest.mark.parametrize("cls, kwargs, message", [
+    (AdvantageConfig, {"mode": "ppo"}, "mode: expected one of ('gdpo', 'grpo', 'grpo_no_std'), got 'ppo'"),
+    (AdvantageConfig, {"nonfinite": "bogus"}, "nonfinite: expected one of ('raise', 'mask'), got 'bogus'"),
+    (AdvantageConfig, {"batch_norm": "yes"}, "batch_norm: expected true or false, got 'yes'"),
+    (AdvantageConfig, {"eps": float("nan")}, "eps: expected a finite number, got nan"),
+    (AdvantageConfig, {"conditions": ["correct"]}, "conditions.0: expected a mapping, got 'correct'"),
+    (ConditionConfig, {"reward": "a", "gate": 1}, "gate: expected a string, got 1"),
+    (RolloutConfig, {"group_size": True}, "group_size: expected an integer, got True"),
+    (RolloutConfig, {"group_size": 4.0}, "group_size: expected an integer, got 4.0"),
+    (RolloutConfig, {"kv_cache_gib": "lots"}, "kv_cache_gib: expected a number, got 'lots'"),
+    (RolloutConfig, {"sleep_level": 3}, "sleep_level: expected one of (1, 2), got 3"),
+    (RolloutConfig, {"stop": "\n"}, "stop: expected a list, got '\\n'"),
+    (PolicyConfig, {"parallel": "tp2"}, "parallel: expected a mapping, got 'tp2'"),
+    (PolicyConfig, {"micro_batch_tokens": "max"}, "micro_batch_tokens: 'max' matches none of"),
+    (OptimConfig, {"lr_decay_style": "linear"}, "lr_decay_style: expected one of ('constant', 'cosine'), got 'linear'"),
+    (ModelConfig, {"vocab_size": 8.5, "hidden_size": 64, "ffn_hidden_size": 64, "num_layers": 1,
+                   "num_attention_heads": 1}, "vocab_size: expected an integer, got 8.5"),
+    (CheckpointConfig, {"resume": "yes"}, "resume: 'yes' matches none of"),
+    (DataConfig, {"train_path": "d.jsonl", "family": 3}, "family: expected a string, got 3"),
+    (DistributedConfig, {"timeout_s": "10m"}, "timeout_s: expected a number, got '10m'"),
+    (LoggingConfig, {"progress_bar": 1}, "progress_bar: expected true or false, got 1"),
+    (RewardSpec, {"name": "length", "kwargs": ["max_tokens"]}, "kwargs: expected a mapping, got ['max_tokens']"),
+    (RewardsConfig, {"rewards": [{"name": "a"}], "reward_files": "r.py"}, "reward_files: expected a list, got 'r.py'"),
+])
+def test_python_api_refuses_what_the_loader_refuses_in_the_same_words(cls, kwargs, message):
+    with pytest.raises(ConfigError) as built:
+        cls(**kwargs)
+    assert str(built.value).startswith(message)
+    with pytest.raises(ConfigError) as loaded:
+        from_dict(cls, kwargs, "section")
+    assert str(loaded.value) == f"section.{built.value}"
+
+
+def test_python_api_converts_as_the_loader_does():
+    spec = RewardSpec("length", weight=2)
+    assert spec.weight == 2.0 and type(spec.weight) is float  # frozen, converted all the same
+    assert type(RolloutConfig(temperature=1).temperature) is float
+    assert AdvantageConfig(conditions=[{"reward": "a", "gate": "b"}]).conditions == [ConditionConfig("a", "b")]
+    advantage = AdvantageConfig(mode="grpo", nonfinite="mask")
+    assert (advantage.mode, advantage.nonfinite) == ("grpo", "mask")
+    assert dataclasses.replace(advantage, eps=0).eps == 0.0
+    with pytest.raises(ConfigError, match="mode: expected one of"):
+        dataclasses.replace(advantage, mode="ppo")

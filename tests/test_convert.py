@@ -88,12 +88,13 @@ def build_megatron(hf_directory, tp: int, pp: int = 1):
     from gdpo_megatron.checkpoint.hf_config import model_config_from_hf, read_hf_config
     from gdpo_megatron.policy import model as policy_model
     from gdpo_megatron.config.policy import ParallelConfig
+    from support.policy import precision_here
 
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     placement = this_rank()
     policy_model.initialize_model_parallel(parallel)
     config = model_config_from_hf(read_hf_config(hf_directory))
-    return config, policy_model.build_model(config, placement, parallel)
+    return config, policy_model.build_model(config, placement, parallel, precision_here())
 
 
 def megatron_logits(gpt, vocab_size: int, input_ids=INPUT_IDS) -> torch.Tensor:
@@ -339,6 +340,16 @@ def test_cli_runs_as_a_single_process_command(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip() == f"wrote {root / 'step_0'}"
     assert "import: 100%" in run.stderr  # the progress bar
+    back = subprocess.run(
+        [sys.executable, "-m", "gdpo_megatron", "convert", "megatron-to-hf", str(root), str(tmp_path / "back")],
+        env={**env, "MASTER_PORT": str(free_port())}, capture_output=True, text=True, timeout=300,
+    )
+    assert back.returncode == 0, back.stderr[-3000:]
+    assert back.stdout.strip() == f"wrote {tmp_path / 'back'}"
+    # The libraries' known, harmless warnings (gdpo_megatron.quiet) are filtered: only the progress bars are left.
+    for done, bar in ((run, "import"), (back, "export")):
+        redraws = [part for line in done.stderr.splitlines() for part in line.split("\r") if part]
+        assert redraws and all(part.startswith(f"{bar}: ") for part in redraws), done.stderr[-3000:]
     state = read_training_state(root / "step_0")
     assert state.config["hf_config"] == json.loads((directory / "config.json").read_text())
     assert state.config["model"]["vocab_size"] == VOCAB and state.world_size == 1

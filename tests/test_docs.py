@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from gdpo_megatron.config import ConfigError, TrainConfig, load_config
+from gdpo_megatron.device import CUDA
+from gdpo_megatron.resolve import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -66,8 +68,8 @@ def check_gdpo_command(command: str, args: list[str], world_size: int) -> None:
     config_path = getattr(parsed, "config", None) or ("configs/tiny_cpu.yaml" if command == "demo" else None)
     if config_path is not None:
         config = load_config(TrainConfig, ROOT / config_path, parsed.overrides)
-        if command == "train":
-            config.layout(world_size)
+        if command == "train":  # laid out as on GPUs, with policy.model's shape
+            resolve(config, CUDA, world_size, runs_here=False)
     if command == "convert":
         parallel = parsed.tp * parsed.pp
         assert world_size % parallel == 0, f"--tp {parsed.tp} --pp {parsed.pp} needs a multiple of {parallel} processes"

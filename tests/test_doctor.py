@@ -9,12 +9,13 @@ import torch
 
 from gdpo_megatron.preflight import doctor
 from gdpo_megatron.config import TrainConfig, load_config
-from gdpo_megatron.device import check_precision, this_machine
+from gdpo_megatron.device import this_machine
 from gdpo_megatron.preflight.doctor import (MISMATCH, NOT_RUN, OK, SKIP_ENV, PreflightError, Target, check_versions,
                                   check_vllm_reload, memory_row, nccl_row, preflight)
 from gdpo_megatron.errors import UsageError
 from gdpo_megatron.preflight.pins import read_pins
 from gdpo_megatron.preflight.plan import GIB, Cluster, plan_memory
+from gdpo_megatron.resolve import resolve_precision
 from gdpo_megatron.commands.doctor import main
 
 CONFIG = "configs/tiny_cpu.yaml"
@@ -111,7 +112,7 @@ def test_the_configs_precision_goes_through_the_projects_check(capsys):
     out = capsys.readouterr().out
     precision = load_config(TrainConfig, CONFIG, ["policy.precision.fp8=hybrid"]).policy.precision
     with pytest.raises(ValueError) as refused:
-        check_precision(precision.resolved(this_machine()), this_machine())
+        resolve_precision(precision, this_machine())
     assert table_row(out, "precision")[0] == MISMATCH and str(refused.value) in out
     assert "gdpo-doctor: 1 mismatch(es): precision" in out
 
@@ -262,9 +263,10 @@ def _build_only(overrides):
     from support.placement import this_rank
 
     config = load_config(TrainConfig, CONFIG, overrides)
-    inputs = check_training(config, dist.get_world_size())
+    placement = this_rank()
+    inputs = check_training(config, placement.machine, dist.get_world_size())
     preflight(config, dist.get_world_size())
-    Trainer(config, inputs, this_rank()).close()
+    Trainer(config, inputs, placement).close()
 
 
 @cpu_only

@@ -111,6 +111,7 @@ def policy_logits_and_grads(megatron_attention: bool) -> tuple[torch.Tensor, dic
 
     from gdpo_megatron.policy import cpu_compat, model
     from gdpo_megatron.config.policy import ModelConfig, ParallelConfig
+    from support.policy import precision_here
 
     config = ModelConfig(vocab_size=96, hidden_size=64, ffn_hidden_size=128, num_layers=2, num_attention_heads=4,
                          num_query_groups=2, max_position_embeddings=64)
@@ -120,7 +121,7 @@ def policy_logits_and_grads(megatron_attention: bool) -> tuple[torch.Tensor, dic
     try:
         if megatron_attention:
             model.SDPAttention = DotProductAttention
-        gpt = model.build_model(config, placement)
+        gpt = model.build_model(config, placement, ParallelConfig(), precision_here())
         kinds = {type(layer.self_attention.core_attention) for layer in gpt.decoder.layers}
         assert kinds == {DotProductAttention if megatron_attention else project_attention}
         tokens = torch.randint(0, config.vocab_size, (3, 24), generator=torch.Generator().manual_seed(0))

@@ -11,10 +11,10 @@ from gdpo_megatron.config.policy import (
     ParallelConfig,
     PolicyConfig,
     PrecisionConfig,
-    check_model_parallel,
 )
-from gdpo_megatron.device import CPU, CUDA, check_precision
+from gdpo_megatron.device import CPU, CUDA
 from gdpo_megatron.policy.batch import PolicyBatch
+from gdpo_megatron.resolve import check_model_split, data_parallel_size, resolve_policy, resolve_precision
 
 
 def test_presets_have_the_published_shapes():
@@ -53,7 +53,7 @@ def test_padded_vocab_is_the_same_at_every_tp_size_dividing_the_multiple():
 def test_model_that_does_not_split_is_rejected(model_overrides, parallel, field):
     model = ModelConfig.preset("tiny", **model_overrides)
     with pytest.raises(ConfigError, match=field):
-        check_model_parallel(model, parallel)
+        check_model_split(model, parallel)
 
 
 def test_parallel_settings_are_checked():
@@ -64,39 +64,44 @@ def test_parallel_settings_are_checked():
     with pytest.raises(ValueError, match="tensor_model_parallel_size"):
         ParallelConfig(tensor_model_parallel_size=0)
     with pytest.raises(ValueError, match="world size 3"):
-        ParallelConfig(tensor_model_parallel_size=2).data_parallel_size(3)
-    assert ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2).data_parallel_size(8) == 2
+        data_parallel_size(ParallelConfig(tensor_model_parallel_size=2), 3)
+    assert data_parallel_size(ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), 8) == 2
 
 
 def test_auto_settings_stay_in_the_config_and_resolve_per_machine():
     config = PolicyConfig()
     assert (config.precision.dtype, config.precision.transformer_engine, config.optim.use_distributed_optimizer,
             config.old_logprobs) == ("auto", None, None, None)
-    cpu = config.resolved(CPU)
+    cpu = resolved(config, CPU)
     assert (cpu.precision.dtype, cpu.precision.transformer_engine, cpu.optim.use_distributed_optimizer) == (
         "fp32", False, False)
-    cuda = config.resolved(CUDA)
+    cuda = resolved(config, CUDA)
     assert (cuda.precision.dtype, cuda.optim.use_distributed_optimizer, cuda.old_logprobs) == ("bf16", True, "policy")
     explicit = PolicyConfig(precision=PrecisionConfig(dtype="fp32"), optim=OptimConfig(use_distributed_optimizer=False))
-    assert (explicit.resolved(CUDA).precision.dtype, explicit.resolved(CUDA).optim.use_distributed_optimizer) == (
+    assert (resolved(explicit, CUDA).precision.dtype, resolved(explicit, CUDA).optim.use_distributed_optimizer) == (
         "fp32", False)
+
+
+def resolved(policy: PolicyConfig, machine) -> PolicyConfig:
+    """``policy`` resolved for one rank of ``machine`` (this machine's stack not asked)."""
+    return resolve_policy(policy, machine, 1, runs_here=False).config
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only errors")
 def test_fp8_and_transformer_engine_on_cpu_are_clear_errors():
     with pytest.raises(ConfigError, match="policy.precision.fp8='e4m3': FP8 needs a CUDA GPU"):
-        check_precision(PrecisionConfig(fp8="e4m3").resolved(CPU), CPU)
+        resolve_precision(PrecisionConfig(fp8="e4m3"), CPU)
     with pytest.raises(ConfigError, match="policy.precision.transformer_engine: the Transformer Engine spec needs CUDA"):
-        check_precision(PrecisionConfig(transformer_engine=True).resolved(CPU), CPU)
-    check_precision(PrecisionConfig().resolved(CPU), CPU)  # the defaults run here
+        resolve_precision(PrecisionConfig(transformer_engine=True), CPU)
+    resolve_precision(PrecisionConfig(), CPU)  # the defaults run here
 
 
 def test_old_logprobs_come_from_the_rollout_only_where_numerics_are_the_same():
-    assert PolicyConfig().resolved(CPU).old_logprobs == "rollout"  # fp32 on CPU: vLLM's equal the policy's to ~1e-7
-    assert PolicyConfig(precision=PrecisionConfig(dtype="bf16")).resolved(CPU).old_logprobs == "policy"
-    assert PolicyConfig(loss=LossConfig(tis_cap=2.0)).resolved(CPU).old_logprobs == "policy"  # TIS: policy vs rollout
-    assert PolicyConfig(old_logprobs="policy").resolved(CPU).old_logprobs == "policy"
-    assert PolicyConfig().resolved(CUDA).old_logprobs == "policy"  # bf16 kernels differ
+    assert resolved(PolicyConfig(), CPU).old_logprobs == "rollout"  # fp32 on CPU: vLLM's equal the policy's to ~1e-7
+    assert resolved(PolicyConfig(precision=PrecisionConfig(dtype="bf16")), CPU).old_logprobs == "policy"
+    assert resolved(PolicyConfig(loss=LossConfig(tis_cap=2.0)), CPU).old_logprobs == "policy"  # TIS: policy vs rollout
+    assert resolved(PolicyConfig(old_logprobs="policy"), CPU).old_logprobs == "policy"
+    assert resolved(PolicyConfig(), CUDA).old_logprobs == "policy"  # bf16 kernels differ
 
 
 @pytest.mark.parametrize("tp,sp,fp8,recipe,multiple", [
@@ -168,8 +173,12 @@ def test_padding_to_the_sequence_multiple_meets_every_fp8_shape_rule(recipe):
     (lambda: from_dict(PolicyConfig, {"old_logprobs": "engine"}, "policy"), "policy.old_logprobs"),
     (lambda: PolicyConfig(old_logprobs="rollout", loss=LossConfig(tis_cap=2.0)),
      "policy.loss.tis_cap: .* old_logprobs: policy"),
-    (lambda: PolicyConfig(offload_grads_and_optimizer=True, optim=OptimConfig(use_distributed_optimizer=False)
-                          ).resolved(CPU), "policy.offload_grads_and_optimizer: with fp32 parameters and the plain"),
+    (lambda: resolved(PolicyConfig(offload_grads_and_optimizer=True, optim=OptimConfig(use_distributed_optimizer=False)),
+                      CPU), "policy.offload_grads_and_optimizer: with fp32 parameters and the plain"),
+    (lambda: PolicyConfig(precision=PrecisionConfig(dtype="fp32", fp8="e4m3")),
+     "precision.fp8: expected null with dtype: fp32"),
+    (lambda: from_dict(PolicyConfig, {"precision": {"fp8": "hybrid", "dtype": "fp32"}}, "policy"),
+     "policy.precision.fp8: expected null with dtype: fp32 .FP8 training expects bf16 parameters., got 'hybrid'"),
 ])
 def test_bad_fields_are_named(build, field):
     with pytest.raises(ConfigError, match=field):
@@ -208,11 +217,12 @@ def test_the_auto_token_budget_never_holds_more_tokens_than_micro_batch_size_row
     batch = PolicyBatch(input_ids=ids, loss_mask=torch.zeros_like(ids, dtype=torch.bool),
                         advantages=torch.zeros(5), lengths=lengths)
     config = PolicyConfig(micro_batch_size=2)
-    assert config.micro_batch_tokens == "auto" and config.token_budget(batch.seq_length) == 20
-    _, micro = batch.split_by_tokens(config.token_budget(batch.seq_length))
+    auto = resolve_policy(config, CPU, 1).micro_batches
+    assert config.micro_batch_tokens == "auto" and auto.budget(batch.seq_length) == 20
+    _, micro = batch.split_by_tokens(auto.budget(batch.seq_length))
     assert [tuple(m.input_ids.shape) for m in micro] == [(2, 10), (3, 4)]
-    assert PolicyConfig(micro_batch_tokens=None).token_budget(10) is None  # rows, not tokens
-    assert PolicyConfig(micro_batch_tokens=64).token_budget(10) == 64
+    assert resolve_policy(PolicyConfig(micro_batch_tokens=None), CPU, 1).micro_batches.budget(10) is None  # rows
+    assert resolve_policy(PolicyConfig(micro_batch_tokens=64), CPU, 1).micro_batches.budget(10) == 64
 
 
 def test_micro_batches_must_divide_the_batch():

@@ -14,7 +14,8 @@ from gdpo_megatron.config.policy import (
     PolicyConfig,
     PrecisionConfig,
 )
-from gdpo_megatron.device import CUDA, check_precision, transformer_engine_available
+from gdpo_megatron.device import CUDA, transformer_engine_available
+from gdpo_megatron.resolve import resolve_precision
 
 pytestmark = pytest.mark.gpu
 needs_te = pytest.mark.skipif(not transformer_engine_available(), reason="needs Transformer Engine")
@@ -33,10 +34,11 @@ def make_batch(seq_length: int = T) -> PolicyBatch:
 def te_step(fp8, recipe):
     """Parameter names, logprobs (policy vs plain log_softmax of its logits) and step metrics."""
     from gdpo_megatron.policy.worker import PolicyWorker
+    from support.policy import resolved_here
 
     config = PolicyConfig(model=ModelConfig.preset("tiny"), optim=OptimConfig(lr=1e-5), micro_batch_size=MICRO,
                           precision=PrecisionConfig(dtype="bf16", fp8=fp8, fp8_recipe=recipe))
-    with PolicyWorker(config, this_rank()) as worker:
+    with PolicyWorker(resolved_here(config), this_rank()) as worker:
         names = [name for name, _ in worker.gpt_model.named_parameters()]
         batch = make_batch()
         logprobs = worker.compute_logprobs(batch).cpu()
@@ -117,10 +119,11 @@ def test_fp8_step_tracks_bf16(gpu_world, fp8):
 def one_row_fp8_step(recipe):
     """One train step on one row of exactly ``sequence_multiple()`` tokens at TP 1; its metrics."""
     from gdpo_megatron.policy.worker import PolicyWorker
+    from support.policy import resolved_here
 
     config = PolicyConfig(model=ModelConfig.preset("tiny"), optim=OptimConfig(lr=1e-5), micro_batch_size=1,
                           precision=PrecisionConfig(dtype="bf16", fp8="e4m3", fp8_recipe=recipe))
-    with PolicyWorker(config, this_rank()) as worker:
+    with PolicyWorker(resolved_here(config), this_rank()) as worker:
         return config.sequence_multiple(), worker.train_step(make_batch(config.sequence_multiple()).slice(0, 1))
 
 
@@ -143,7 +146,7 @@ def recipe_verdicts(recipe):
 
     precision = PrecisionConfig(dtype="bf16", fp8="hybrid", fp8_recipe=recipe)
     try:
-        check_precision(precision, CUDA)
+        resolve_precision(precision, CUDA)
         ours = True
     except ValueError:
         ours = False
@@ -169,6 +172,7 @@ def _use_the_gpu_of_this_rank() -> None:
 def sequence_parallel_step(tp: int, fp8, transformer_engine: bool, seq_length: int, micro_batch_size: int):
     """One train step at TP=``tp`` with sequence parallelism; the norm classes and the metrics."""
     from gdpo_megatron.policy.worker import PolicyWorker
+    from support.policy import resolved_here
 
     config = PolicyConfig(model=ModelConfig.preset("tiny", num_attention_heads=4, num_query_groups=4, head_dim=64,
                                                    hidden_size=256, ffn_hidden_size=512),
@@ -176,7 +180,7 @@ def sequence_parallel_step(tp: int, fp8, transformer_engine: bool, seq_length: i
                           precision=PrecisionConfig(dtype="bf16", fp8=fp8, transformer_engine=transformer_engine),
                           optim=OptimConfig(lr=1e-5), micro_batch_size=micro_batch_size)
     assert seq_length % config.sequence_multiple() == 0
-    with PolicyWorker(config, this_rank()) as worker:
+    with PolicyWorker(resolved_here(config), this_rank()) as worker:
         norms = sorted({type(m).__name__ for name, m in worker.gpt_model.named_modules() if name.endswith("norm")})
         return norms, worker.train_step(make_batch(seq_length))
 

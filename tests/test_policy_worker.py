@@ -33,6 +33,7 @@ from gdpo_megatron.config.policy import (
 from gdpo_megatron.policy.model import build_model, destroy_model_parallel, initialize_model_parallel
 from gdpo_megatron.policy.worker import PolicyWorker
 from support.placement import this_rank
+from support.policy import precision_here, resolved_here
 
 VOCAB = 500  # padded to 512 rows: the padding must stay out of every softmax
 B, T = 8, 16
@@ -155,7 +156,7 @@ def initial_weights(model: str) -> dict:
     config, placement = tiny_config(model=model), this_rank()
     initialize_model_parallel(config.parallel, SEED)
     try:
-        return full_state(build_model(config.model, placement, config.parallel, config.precision))
+        return full_state(build_model(config.model, placement, config.parallel, precision_here(config.precision)))
     finally:
         destroy_model_parallel()
 
@@ -165,7 +166,7 @@ def plain_step(full: dict, loss: dict, model: str) -> dict:
     config, placement = tiny_config(model=model, loss=loss), this_rank()
     initialize_model_parallel(config.parallel, SEED)
     try:
-        model = build_model(config.model, placement, config.parallel, config.precision)
+        model = build_model(config.model, placement, config.parallel, precision_here(config.precision))
         loader(full)(model)
         batch = make_batch()
         with cpu_compat.device_scope():
@@ -203,7 +204,7 @@ def plain_step(full: dict, loss: dict, model: str) -> dict:
 def worker_with_batch(full: dict, config_kwargs: dict, split: bool):
     """A worker on ``full`` weights, the logprobs of the whole batch, and this rank's batch
     (its data-parallel share when ``split``)."""
-    with PolicyWorker(tiny_config(**config_kwargs), this_rank(), init_weights=loader(full)) as worker:
+    with PolicyWorker(resolved_here(tiny_config(**config_kwargs)), this_rank(), init_weights=loader(full)) as worker:
         batch = make_batch()
         logprobs = worker.compute_logprobs(batch)
         yield worker, logprobs, data_parallel_share(batch) if split else batch
@@ -374,7 +375,7 @@ def test_the_update_computes_logits_from_each_micro_batchs_first_target(gloo_wor
 def positions_when_tp_ranks_differ(full: dict) -> list[int]:
     """TP=2, one micro-batch, where rank 1's completions all start 3 tokens later than rank 0's
     first: the output layer's sequence lengths on this rank."""
-    with PolicyWorker(tiny_config(tp=2, mbs=B), this_rank(), init_weights=loader(full)) as worker:
+    with PolicyWorker(resolved_here(tiny_config(tp=2, mbs=B)), this_rank(), init_weights=loader(full)) as worker:
         batch = make_batch()
         if dist.get_rank() == 1:
             batch.loss_mask[:, : int(batch.loss_mask.any(0).nonzero()[0]) + 3] = False
@@ -454,7 +455,7 @@ def offload_between_steps(full: dict, offload: bool) -> dict:
     """Two steps with the distributed optimizer; between them the memory given to the rollout
     engine: grad buffers freed (and the optimizer state moved to the host, a no-op on CPU)."""
     config = tiny_config(optim=dict(use_distributed_optimizer=True), offload_grads_and_optimizer=offload)
-    with PolicyWorker(config, this_rank(), init_weights=loader(full)) as worker:
+    with PolicyWorker(resolved_here(config), this_rank(), init_weights=loader(full)) as worker:
         batch = data_parallel_share(make_batch())
         worker.train_step(batch)
         worker.release_memory()
@@ -495,7 +496,7 @@ def bf16_steps(full: dict, distributed_optimizer: bool) -> dict:
     # the batch's rollout logprobs as the old ones, as in the fp32 reference (bf16 would recompute)
     config = tiny_config(precision=PrecisionConfig(dtype="bf16"), old_logprobs="rollout",
                          optim=dict(use_distributed_optimizer=distributed_optimizer))
-    with PolicyWorker(config, this_rank(), init_weights=loader(full)) as worker:
+    with PolicyWorker(resolved_here(config), this_rank(), init_weights=loader(full)) as worker:
         dtypes = {p.dtype for p in worker.gpt_model.parameters()}
         metrics = worker.train_step(data_parallel_share(make_batch()))
         return dict(dtypes=dtypes, metrics=metrics, weights=full_state(worker.gpt_model))
@@ -541,20 +542,20 @@ def build_errors_and_names() -> dict:
     config = tiny_config(tp=2, model="qwen2-gqa")
     errors = {}
     try:
-        build_model(config.model, this_rank(), config.parallel, config.precision)
+        build_model(config.model, this_rank(), config.parallel, precision_here(config.precision))
     except RuntimeError as e:
         errors["before"] = str(e)
     initialize_model_parallel(config.parallel, SEED)
     try:
         try:
-            build_model(config.model, this_rank(), ParallelConfig(), config.precision)
+            build_model(config.model, this_rank(), ParallelConfig(), precision_here(config.precision))
         except ValueError as e:
             errors["mismatch"] = str(e)
         try:
             initialize_model_parallel(config.parallel)
         except RuntimeError as e:
             errors["twice"] = str(e)
-        model = build_model(config.model, this_rank(), config.parallel, config.precision)
+        model = build_model(config.model, this_rank(), config.parallel, precision_here(config.precision))
         shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
     finally:
         destroy_model_parallel()

@@ -75,13 +75,14 @@ def policy_consistency(base_path: str, training_tp: int, temperature: float):
     from gdpo_megatron.experience import Rollouts, to_policy_batch
     from gdpo_megatron.config.policy import ParallelConfig, PolicyConfig
     from gdpo_megatron.policy.worker import PolicyWorker
+    from support.policy import resolved_here
 
     config = PolicyConfig(
         model=model_config_from_hf(read_hf_config(base_path)),
         parallel=ParallelConfig(tensor_model_parallel_size=training_tp),
     )
     engine = _ENGINE["engine"]
-    with PolicyWorker(config, this_rank(), seed=77, temperature=temperature) as worker:
+    with PolicyWorker(resolved_here(config), this_rank(), seed=77, temperature=temperature) as worker:
         engine.update_weights(iter_hf_weights(worker.gpt_model, config.model))
         # the same prompts and seed on both ranks: one batch for the TP=2 policy
         sampling = SamplingConfig(temperature=temperature, max_new_tokens=12, seed=21)
@@ -120,11 +121,12 @@ def update_from_perturbed_rollouts(base_path: str, old_logprobs: str, tis_cap):
     from gdpo_megatron.experience import Rollouts, to_policy_batch
     from gdpo_megatron.config.policy import LossConfig, PolicyConfig
     from gdpo_megatron.policy.worker import PolicyWorker
+    from support.policy import resolved_here
 
     model = model_config_from_hf(read_hf_config(base_path))
     config = PolicyConfig(model=model, old_logprobs=old_logprobs, loss=LossConfig(tis_cap=tis_cap))
     engine = LogitScaledEngine(_ENGINE["engine"], scale=1.3)
-    with PolicyWorker(config, this_rank(), seed=5,
+    with PolicyWorker(resolved_here(config), this_rank(), seed=5,
                       init_weights=lambda m: load_hf_weights(m, model, base_path)) as worker:
         engine.update_weights(iter_hf_weights(worker.gpt_model, config.model))
         completions = [c for g in engine.generate(PROMPTS, 2, SamplingConfig(max_new_tokens=12, seed=3)) for c in g]

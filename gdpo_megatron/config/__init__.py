@@ -3,9 +3,9 @@
 ``load_config(TrainConfig, "configs/tiny_cpu.yaml", ["policy.optim.lr=1e-5"])`` reads the
 file, applies the overrides and builds the dataclasses, converting every value to its
 annotation (a ``Literal`` lists the values a key takes). Each rule is checked once, here, and
-a bad value raises :class:`ConfigError` naming the dotted key. Values that depend on the
-machine (``"auto"``, ``null``) stay as written; they are resolved where the thing they
-configure is built (:mod:`gdpo_megatron.device`).
+a bad value raises :class:`ConfigError` naming the dotted key; a section built from Python
+checks its values the same way. Values that depend on the machine (``"auto"``, ``null``) stay
+as written; :func:`gdpo_megatron.resolve.resolve` decides them, once per run.
 
 Sections: :mod:`.policy` (model shape, parallelism, precision, optimizer, loss),
 :mod:`.rollout`, :mod:`.rewards`, :mod:`.advantage`, :mod:`.data`, :mod:`.checkpoint`,

@@ -7,10 +7,9 @@ The names a mode or filter takes are listed here, once (:data:`AdvantageMode`,
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Literal, Optional, get_args
 
-from gdpo_megatron.config.loader import require
+from gdpo_megatron.config.loader import require, section
 
 AdvantageMode = Literal["gdpo", "grpo", "grpo_no_std"]
 MODES = get_args(AdvantageMode)
@@ -19,7 +18,7 @@ FILTERS = get_args(GroupFilter)
 NonfinitePolicy = Literal["raise", "mask"]
 
 
-@dataclass
+@section
 class ConditionConfig:
     """Reward ``reward`` counts only where reward ``gate`` is >= ``threshold`` (else ``fill``).
 
@@ -35,7 +34,7 @@ class ConditionConfig:
         require(self.reward != self.gate, "gate", f"another reward than {self.reward!r}", self.gate)
 
 
-@dataclass
+@section
 class AdvantageConfig:
     """The advantage estimator's settings. Reward weights live with the rewards; conditions name
     rewards (:func:`gdpo_megatron.advantages.conditions_by_column` turns them into columns)."""

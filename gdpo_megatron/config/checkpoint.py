@@ -1,13 +1,12 @@
 """Where and how often a run saves, and what it resumes from."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal, Union
 
-from gdpo_megatron.config.loader import require
+from gdpo_megatron.config.loader import require, section
 
 
-@dataclass
+@section
 class CheckpointConfig:
     """Checkpoints under ``run_dir/checkpoints``; a rerun resumes from the latest complete one."""
 

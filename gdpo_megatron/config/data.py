@@ -1,13 +1,12 @@
 """Prompt data of one task family, in a published layout (:mod:`gdpo_megatron.data.samples`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
-from gdpo_megatron.config.loader import require, require_path
+from gdpo_megatron.config.loader import require, require_path, section
 
 
-@dataclass
+@section
 class DataConfig:
     """Where the prompts are, which fields hold what, and how many a step takes."""
 

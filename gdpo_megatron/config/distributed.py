@@ -1,13 +1,12 @@
 """How long the ranks of a run wait for each other."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import timedelta
 
-from gdpo_megatron.config.loader import require
+from gdpo_megatron.config.loader import require, section
 
 
-@dataclass
+@section
 class DistributedConfig:
     """``timeout_s``: how long a rank waits for the others, to form the process group and in each
     collective. A lost peer (a host that died, a link that went down, a hung rank) ends the run

@@ -1,13 +1,12 @@
 """The environment a multi-turn family's rollouts step through."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
-from gdpo_megatron.config.loader import require, require_path
+from gdpo_megatron.config.loader import require, require_path, section
 
 
-@dataclass
+@section
 class EnvironmentConfig:
     """Which environment, and how long one of its steps may take.
 

@@ -1,13 +1,16 @@
 """Loading: YAML plus dotted overrides into the typed sections, every value checked against its annotation.
 
-A section checks its own rules in ``__post_init__`` with :func:`require`, naming its fields
-relative to itself; :func:`from_dict` prefixes the message with where the section sits, so
-every error names the full dotted key. A key that moved is listed in the section's
-``REPLACED_KEYS`` (old key -> what replaces it), and the error says so.
+A section is declared with :func:`section` (a dataclass whose fields are converted to their
+annotations whenever it is built, from YAML or from Python) and checks its own rules in
+``__post_init__`` with :func:`require`, naming its fields relative to itself; :func:`from_dict`
+prefixes the message with where the section sits, so every error names the full dotted key.
+A key that moved is listed in the section's ``REPLACED_KEYS`` (old key -> what replaces it),
+and the error says so.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -21,6 +24,42 @@ from gdpo_megatron.errors import UserError
 
 class ConfigError(UserError, ValueError):
     """A configuration value is missing, unknown or invalid; the message names the key."""
+
+
+def section(cls=None, /, *, frozen: bool = False):
+    """``@section``: a config section, a dataclass whose every field is converted to its
+    annotation (``Literal``, bool, int, float, str, ``Optional``, lists, dicts, nested sections)
+    when it is built, before its own ``__post_init__`` rules: ``AdvantageConfig(mode="ppo")``
+    raises the :class:`ConfigError` that ``advantage.mode: ppo`` in a YAML file does."""
+
+    def declare(cls):
+        rules = cls.__dict__.get("__post_init__")
+
+        def __post_init__(self):
+            check_fields(self)
+            if rules is not None:
+                rules(self)
+
+        cls.__post_init__ = __post_init__
+        return dataclasses.dataclass(frozen=frozen)(cls)
+
+    return declare if cls is None else declare(cls)
+
+
+def check_fields(config) -> None:
+    """Convert every field of section ``config`` to its annotation in place; raise
+    :class:`ConfigError` ``"<field>: expected ..., got ..."`` for the first that does not fit."""
+    hints = _type_hints(type(config))
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        converted = _convert(hints[field.name], value, field.name)
+        if converted is not value:
+            object.__setattr__(config, field.name, converted)  # also for a frozen section
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict:
+    return typing.get_type_hints(cls)
 
 
 def require(ok: bool, key: str, expected: str, got: Any) -> None:
@@ -117,7 +156,7 @@ def from_dict(cls: type, data: Any, path: str = ""):
     """Build dataclass ``cls`` from plain data, checking keys and types; errors name ``path``."""
     if not isinstance(data, dict):
         raise ConfigError(f"{path or 'config'}: expected a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     data = dict(data)
     preset = data.pop("preset", None) if hasattr(cls, "preset") else None
@@ -149,13 +188,13 @@ def _join(path: str, name: str) -> str:
 
 
 def _qualify(path: str, message: str, fields=()) -> str:
-    """Prefix a section's own error ("model.x: ..." or "x: ..." for its field x) with where the section sits."""
+    """Prefix a section's own error ("model.x: ..." or "x: ..." / "x.y: ..." for its field x) with where the section sits."""
     if not path:
         return message
     parent, _, last = path.rpartition(".")
     if message.startswith(f"{last}.") or message.startswith(f"{last}:"):
         return f"{parent}.{message}" if parent else message
-    if message.partition(":")[0] in fields:
+    if message.partition(":")[0].split(".")[0] in fields:
         return f"{path}.{message}"
     return f"{path}: {message}"
 
@@ -176,7 +215,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
                 errors.append(str(e))
         raise ConfigError(errors[0] if len(errors) == 1 else f"{path}: {value!r} matches none of {options}")
     if dataclasses.is_dataclass(tp):
-        return from_dict(tp, value, path)
+        return value if isinstance(value, tp) else from_dict(tp, value, path)
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{path}: expected a list, got {value!r}")

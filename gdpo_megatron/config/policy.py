@@ -1,18 +1,16 @@
 """The policy's schema: model shape, parallelism, precision, optimizer and loss.
 
 The parallel keys are named like NeMo-RL's and verl's Megatron configs. Settings whose value
-depends on the machine stay ``"auto"`` / ``null`` here; :meth:`PolicyConfig.resolved` turns
-them into what a given machine runs (the policy worker resolves for its own, ``gdpo-plan``
-for a CUDA GPU).
+depends on the machine stay ``"auto"`` / ``null`` here; :func:`gdpo_megatron.resolve.resolve`
+decides them, with the model's split over the world, once per run.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Literal, Optional, Union, get_args
 
-from gdpo_megatron.config.loader import ConfigError, require
+from gdpo_megatron.config.loader import ConfigError, require, section
 
 Dtype = Literal["fp32", "bf16"]
 Fp8Format = Literal["e4m3", "hybrid"]
@@ -28,7 +26,7 @@ SHAPE_FIELDS = ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "n
                 "num_query_groups")
 
 
-@dataclass
+@section
 class ModelConfig:
     """Shape of a Llama / Qwen2 family decoder (GQA, RoPE, RMSNorm, SwiGLU)."""
 
@@ -107,7 +105,7 @@ MODEL_PRESETS = {
 }
 
 
-@dataclass
+@section
 class ParallelConfig:
     """Model parallelism; data parallelism is whatever is left of the world."""
 
@@ -129,15 +127,8 @@ class ParallelConfig:
     def model_parallel_size(self) -> int:
         return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
 
-    def data_parallel_size(self, world_size: int) -> int:
-        if world_size % self.model_parallel_size:
-            raise ConfigError(
-                f"parallel: world size {world_size} is not divisible by tensor x pipeline x context "
-                f"parallel size {self.model_parallel_size}")
-        return world_size // self.model_parallel_size
 
-
-@dataclass
+@section
 class PrecisionConfig:
     """Parameter dtype and FP8.
 
@@ -152,13 +143,8 @@ class PrecisionConfig:
     fp8_recipe: Fp8Recipe = "delayed"
     transformer_engine: Optional[bool] = None
 
-    def resolved(self, machine) -> "PrecisionConfig":
-        """A copy with ``dtype`` and ``transformer_engine`` decided for ``machine``."""
-        return dataclasses.replace(self, dtype=machine.param_dtype(self.dtype),
-                                   transformer_engine=machine.transformer_engine(self.transformer_engine))
 
-
-@dataclass
+@section
 class OptimConfig:
     """Adam with gradient clipping, linear warmup and a constant or cosine decay."""
 
@@ -188,7 +174,7 @@ class OptimConfig:
                 f"> lr_warmup_steps={self.lr_warmup_steps}", self.lr_decay_steps)
 
 
-@dataclass
+@section
 class LossConfig:
     """Clipped policy-gradient loss with an optional k3 KL penalty to a frozen reference."""
 
@@ -209,7 +195,7 @@ class LossConfig:
         require(self.tis_cap is None or self.tis_cap > 0, "loss.tis_cap", "> 0 or null", self.tis_cap)
 
 
-@dataclass
+@section
 class PolicyConfig:
     """Everything the policy worker needs.
 
@@ -248,32 +234,11 @@ class PolicyConfig:
         require(self.micro_batch_tokens in (None, "auto") or self.micro_batch_tokens >= 1, "micro_batch_tokens",
                 "auto, null or >= 1", self.micro_batch_tokens)
         require(self.ppo_epochs >= 1, "ppo_epochs", ">= 1", self.ppo_epochs)
+        require(self.precision.fp8 is None or self.precision.dtype != "fp32", "precision.fp8",
+                "null with dtype: fp32 (FP8 training expects bf16 parameters)", self.precision.fp8)
         if self.loss.tis_cap is not None and self.old_logprobs == "rollout":
             raise ConfigError("policy.loss.tis_cap: truncated importance sampling weighs the policy's old logprobs "
                               "against the rollout engine's; it needs old_logprobs: policy")
-
-    def resolved(self, machine) -> "PolicyConfig":
-        """A copy with every machine-dependent value decided for ``machine``
-        (a :class:`gdpo_megatron.device.Machine`); raises ConfigError for what the result cannot run."""
-        precision = self.precision.resolved(machine)
-        optim = dataclasses.replace(
-            self.optim, use_distributed_optimizer=machine.distributed_optimizer(self.optim.use_distributed_optimizer))
-        old_logprobs = self.old_logprobs
-        if old_logprobs is None:
-            same_numerics = not machine.cuda and precision.dtype == "fp32" and self.loss.tis_cap is None
-            old_logprobs = "rollout" if same_numerics else "policy"
-        if self.offload_grads_and_optimizer and precision.dtype == "fp32" and not optim.use_distributed_optimizer:
-            raise ConfigError("policy.offload_grads_and_optimizer: with fp32 parameters and the plain optimizer, "
-                              "megatron's optimizer holds the model's own parameters, which the weight sync needs on "
-                              "the GPU; use precision.dtype: bf16 or optim.use_distributed_optimizer: true")
-        return dataclasses.replace(self, precision=precision, optim=optim, old_logprobs=old_logprobs)
-
-    def token_budget(self, seq_length: int) -> Optional[int]:
-        """The tokens of a micro-batch of a batch ``seq_length`` wide (``micro_batch_tokens``
-        resolved), or None for micro-batches of ``micro_batch_size`` rows."""
-        if self.micro_batch_tokens == "auto":
-            return self.micro_batch_size * seq_length
-        return self.micro_batch_tokens
 
     def sequence_multiple(self) -> int:
         """Every batch's sequence length must be a multiple of this (pad the batch to it).
@@ -300,16 +265,3 @@ class PolicyConfig:
         local = {"mxfp8": 32, "blockwise": 128 if self.parallel.sequence_parallel else 8}.get(
             self.precision.fp8_recipe, 8)
         return math.lcm(split * local, 16)
-
-
-def check_model_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
-    """Raise ConfigError unless ``model`` splits evenly under ``parallel``."""
-    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    require(model.num_attention_heads % tp == 0, "model.num_attention_heads",
-            f"a multiple of parallel.tensor_model_parallel_size={tp}", model.num_attention_heads)
-    require(model.num_query_groups % tp == 0, "model.num_query_groups",
-            f"a multiple of parallel.tensor_model_parallel_size={tp}", model.num_query_groups)
-    require(model.ffn_hidden_size % tp == 0, "model.ffn_hidden_size",
-            f"a multiple of parallel.tensor_model_parallel_size={tp}", model.ffn_hidden_size)
-    require(model.num_layers % pp == 0, "model.num_layers",
-            f"a multiple of parallel.pipeline_model_parallel_size={pp}", model.num_layers)

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
 from typing import Any, Optional
 
-from gdpo_megatron.config.loader import require
+from gdpo_megatron.config.loader import require, section
 
 
-@dataclass(frozen=True)
+@section(frozen=True)
 class RewardSpec:
     """One configured reward: which function, its weight, and how a failure scores.
 
@@ -31,7 +30,7 @@ class RewardSpec:
         require(self.timeout_s is None or self.timeout_s > 0, "timeout_s", "> 0 seconds or null", self.timeout_s)
 
 
-@dataclass
+@section
 class RewardsConfig:
     """The rewards and the process pool that scores them."""
 

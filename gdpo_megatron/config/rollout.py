@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from dataclasses import dataclass
 from typing import Literal, Optional
 
-from gdpo_megatron.config.loader import require
+from gdpo_megatron.config.loader import require, section
 
 # vLLM's SamplingParams refuses a temperature above 2 and raises one in (0, 0.01) to 0.01,
 # which the policy, dividing its logits by the configured value, would not match.
 TEMPERATURE_RANGE = (0.01, 2.0)
 
 
-@dataclass
+@section
 class RolloutConfig:
     """How completions are sampled, and how the engine is laid out and sized."""
 
@@ -42,11 +41,10 @@ class RolloutConfig:
     def __post_init__(self):
         require(self.group_size >= 2, "rollout.group_size",
                 ">= 2 (advantages compare the completions of a prompt; one alone gets advantage 0)", self.group_size)
-        require(self.temperature > 0, "rollout.temperature", "> 0 (training samples; gdpo-eval is greedy)",
-                self.temperature)
         low, high = TEMPERATURE_RANGE
         require(low <= self.temperature <= high, "rollout.temperature",
-                f"in [{low}, {high:g}] (vLLM refuses more and raises less to {low})", self.temperature)
+                f"> 0 (training samples; gdpo-eval is greedy) and in [{low}, {high:g}] (vLLM refuses more and "
+                f"raises less to {low})", self.temperature)
         require(0 < self.top_p <= 1, "rollout.top_p", "in (0, 1]", self.top_p)
         require(self.top_k == -1 or self.top_k >= 1, "rollout.top_k", "-1 (off) or >= 1", self.top_k)
         if self.top_p < 1 or self.top_k > 0:

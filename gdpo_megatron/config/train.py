@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import ClassVar, Optional
 
 from gdpo_megatron.config.advantage import AdvantageConfig
@@ -10,19 +9,19 @@ from gdpo_megatron.config.checkpoint import CheckpointConfig
 from gdpo_megatron.config.data import DataConfig
 from gdpo_megatron.config.distributed import DistributedConfig
 from gdpo_megatron.config.environment import EnvironmentConfig
-from gdpo_megatron.config.loader import ConfigError, require, require_path
+from gdpo_megatron.config.loader import ConfigError, require, require_path, section
 from gdpo_megatron.config.policy import PolicyConfig
 from gdpo_megatron.config.rewards import RewardsConfig
 from gdpo_megatron.config.rollout import RolloutConfig
 
 
-@dataclass
+@section
 class LoggingConfig:
     wandb_project: Optional[str] = None  # None: JSONL only
     progress_bar: bool = True
 
 
-@dataclass
+@section
 class TrainConfig:
     """Everything ``gdpo-train`` reads.
 
@@ -62,26 +61,3 @@ class TrainConfig:
         longest = self.data.max_prompt_tokens + self.rollout.max_new_tokens
         require(longest <= self.rollout.max_model_len, "rollout.max_model_len",
                 f">= data.max_prompt_tokens + rollout.max_new_tokens = {longest}", self.rollout.max_model_len)
-
-    def layout(self, world_size: int) -> tuple[int, int]:
-        """(data-parallel size, rollouts per data-parallel replica) on ``world_size`` ranks.
-
-        Raises ConfigError naming the key when the step does not split evenly.
-        """
-        parallel = self.policy.parallel
-        try:
-            dp = parallel.data_parallel_size(world_size)
-        except ConfigError as e:
-            raise ConfigError(f"policy.{e}") from None
-        tp = parallel.tensor_model_parallel_size
-        if tp % self.rollout.tensor_parallel_size:
-            raise ConfigError(f"rollout.tensor_parallel_size: {self.rollout.tensor_parallel_size} must divide "
-                              f"policy.parallel.tensor_model_parallel_size={tp} (vLLM groups consecutive ranks)")
-        if self.data.prompts_per_step % dp:
-            raise ConfigError(f"data.prompts_per_step: {self.data.prompts_per_step} is not divisible by the "
-                              f"data-parallel size {dp}")
-        per_replica = self.data.prompts_per_step // dp * self.rollout.group_size
-        if self.policy.micro_batch_tokens is None and per_replica % self.policy.micro_batch_size:
-            raise ConfigError(f"policy.micro_batch_size: {self.policy.micro_batch_size} does not divide the "
-                              f"{per_replica} rollouts of a data-parallel replica")
-        return dp, per_replica

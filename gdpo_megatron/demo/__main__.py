@@ -33,11 +33,11 @@ def main(argv: list[str]) -> int:
 
     from gdpo_megatron.config import TrainConfig, load_config
     from gdpo_megatron.demo.worked_example import worked_example
-    from gdpo_megatron.preflight.validation import check_output_dir, check_settings, launch_world_size, training_prompts
+    from gdpo_megatron.preflight.validation import check_output_dir, check_settings, training_prompts
 
     config = load_config(TrainConfig, CONFIG, args.overrides)
     # What needs no base model is checked before the warm-up writes one.
-    check_settings(config, launch_world_size())
+    check_settings(config)
     training_prompts(config)
     write_base_model = not Path(config.base_model, "config.json").is_file()
     if write_base_model:

@@ -28,8 +28,8 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from gdpo_megatron.policy import cpu_compat
 from gdpo_megatron.policy.attention import SDPAttention
-from gdpo_megatron.config.policy import ModelConfig, ParallelConfig, PrecisionConfig, check_model_parallel
-from gdpo_megatron.device import Machine, Placement, check_precision
+from gdpo_megatron.config.policy import ModelConfig, ParallelConfig, PrecisionConfig
+from gdpo_megatron.device import Machine, Placement
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -53,7 +53,6 @@ def initialize_model_parallel(parallel: ParallelConfig, seed: int = 1234, timeou
     if parallel_state.model_parallel_is_initialized():
         raise RuntimeError("initialize_model_parallel: megatron's parallel state is already "
                            "initialized in this process (call destroy_model_parallel first)")
-    parallel.data_parallel_size(torch.distributed.get_world_size())
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
@@ -158,23 +157,16 @@ def layer_spec(config: TransformerConfig, precision: PrecisionConfig) -> ModuleS
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=TorchNorm)
 
 
-def build_model(
-    model: ModelConfig,
-    placement: Placement,
-    parallel: ParallelConfig | None = None,
-    precision: PrecisionConfig | None = None,
-) -> GPTModel:
+def build_model(model: ModelConfig, placement: Placement, parallel: ParallelConfig,
+                precision: PrecisionConfig) -> GPTModel:
     """This rank's pipeline stage of the model, TP-sharded, on ``placement``'s device.
 
-    Needs :func:`initialize_model_parallel` with the same ``parallel`` settings. The embedding
-    and output layers have ``model.padded_vocab_size(tp)`` rows. ``precision``'s "auto"
-    settings are resolved for the placement's machine.
+    Needs :func:`initialize_model_parallel` with the same ``parallel`` settings, under which
+    ``model`` splits, and ``precision`` resolved for the placement's machine
+    (:mod:`gdpo_megatron.resolve`). The embedding and output layers have
+    ``model.padded_vocab_size(tp)`` rows.
     """
     machine = placement.machine
-    parallel = parallel or ParallelConfig()
-    precision = (precision or PrecisionConfig()).resolved(machine)
-    check_model_parallel(model, parallel)
-    check_precision(precision, machine)
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("build_model: call initialize_model_parallel first")
     for name, size in (("tensor_model_parallel_size", parallel_state.get_tensor_model_parallel_world_size()),

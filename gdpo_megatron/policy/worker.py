@@ -26,13 +26,13 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from gdpo_megatron.policy import cpu_compat
 from gdpo_megatron.policy.batch import PolicyBatch, merge_rows
-from gdpo_megatron.config.policy import PolicyConfig, check_model_parallel
 from gdpo_megatron.device import Placement, release_cached_memory
 from gdpo_megatron.distributed.collectives import all_reduce_sums
 from gdpo_megatron.policy.logprobs import vocab_parallel_logprobs
 from gdpo_megatron.policy.loss import TOKEN_METRICS, policy_loss
 from gdpo_megatron.policy.model import (build_model, destroy_model_parallel, initialize_model_parallel, logits_from,
                                         torch_dtype)
+from gdpo_megatron.policy.resolved import ResolvedPolicy
 
 # Order of the per-micro-batch sums carried from the loss function to the metrics.
 _SUMS = ("loss_sum", "count", "num_tokens", *TOKEN_METRICS)
@@ -43,10 +43,10 @@ class PolicyWorker:
     Adam optimizer and the LR schedule; runs :meth:`train_step` and :meth:`compute_logprobs`,
     and gives memory back to a colocated rollout engine with :meth:`release_memory`."""
 
-    def __init__(self, config: PolicyConfig, placement: Placement, *, seed: int = 1234, temperature: float = 1.0,
+    def __init__(self, policy: ResolvedPolicy, placement: Placement, *, seed: int = 1234, temperature: float = 1.0,
                  init_weights: Optional[Callable[[GPTModel], None]] = None, timeout: Optional[timedelta] = None):
-        """The model lives on ``placement``'s device (the launch's, ``init_distributed``);
-        ``config``'s machine-dependent settings are resolved for its machine. ``seed``
+        """``policy``: the policy section resolved for this machine and world; the model lives
+        on ``placement``'s device (the launch's, ``init_distributed``). ``seed``
         seeds megatron's RNGs; logprobs are of the logits divided by ``temperature`` (the
         rollouts' sampling temperature). ``init_weights(model)``, when given, sets the freshly
         built (random) weights of this rank's model, e.g. from a checkpoint; the reference
@@ -54,10 +54,8 @@ class PolicyWorker:
         waits for a peer (None: megatron's default)."""
         if not dist.is_initialized():
             raise RuntimeError("PolicyWorker: torch.distributed is not initialized")
-        config = config.resolved(placement.machine)
-        check_model_parallel(config.model, config.parallel)
-        config.parallel.data_parallel_size(dist.get_world_size())
-        self.config, self.temperature = config, temperature
+        config = policy.config
+        self.config, self.micro_batches, self.temperature = config, policy.micro_batches, temperature
         self.placement, self.device = placement, placement.device
         initialize_model_parallel(config.parallel, seed, timeout)
         try:
@@ -108,7 +106,7 @@ class PolicyWorker:
         # the shape of every activation before it (megatron-core's variable_seq_lengths).
         for built in (model, self.reference):
             if built is not None:
-                built.config.variable_seq_lengths = config.micro_batch_tokens is not None
+                built.config.variable_seq_lengths = self.micro_batches.by_tokens
         model.config.no_sync_func = self.model.no_sync
         model.config.finalize_model_grads_func = finalize_model_grads
         model.config.grad_scale_func = self.optimizer.scale_loss
@@ -216,9 +214,9 @@ class PolicyWorker:
         """Micro-batches of ``micro_batch_size`` rows, or by the ``micro_batch_tokens`` budget
         (then with the row order, see :meth:`PolicyBatch.split_by_tokens`), each as wide as a
         multiple of :meth:`PolicyConfig.sequence_multiple` (sequence parallelism, FP8)."""
-        budget = self.config.token_budget(batch.seq_length)
+        budget = self.micro_batches.budget(batch.seq_length)
         if budget is None:
-            return None, batch.micro_batches(self.config.micro_batch_size)
+            return None, batch.micro_batches(self.micro_batches.rows)
         return batch.split_by_tokens(budget, self.config.sequence_multiple())
 
     def _run(self, model, micro_batches: list[PolicyBatch], loss_fn: Callable, forward_only: bool,

@@ -13,7 +13,7 @@ e.g. no CUDA device here). The checks, by name:
 * ``gpu``: the device and its compute capability, and whether that capability runs the
   config's FP8 recipe (:func:`fp8_capability_row`); that Transformer Engine's torch extension
   loads; the config's precision settings through the project's own check,
-  :func:`gdpo_megatron.device.check_precision` (Transformer Engine, FP8 recipe).
+  :func:`gdpo_megatron.resolve.resolve_precision` (Transformer Engine, FP8 recipe).
 * ``vllm``: the installed vLLM's workers accept the in-place weight reload the rollout engine
   calls, and the reload module the engine imports exists.
 * ``nccl``: NCCL is available to torch, at least in the version torch was released with (a
@@ -53,10 +53,11 @@ from packaging.version import Version
 
 from gdpo_megatron.config import ConfigError, TrainConfig
 from gdpo_megatron.config.policy import PrecisionConfig
-from gdpo_megatron.device import (check_precision, current_gpu, fp8_capability_needed, nccl_version, nvidia_driver,
-                                  runs_fp8_recipe, this_machine, transformer_engine_available)
+from gdpo_megatron.device import (current_gpu, fp8_capability_needed, nccl_version, nvidia_driver, runs_fp8_recipe,
+                                  this_machine, transformer_engine_available)
 from gdpo_megatron.errors import UsageError, UserError
 from gdpo_megatron.preflight.pins import Pin, cuda_major, read_pins
+from gdpo_megatron.resolve import precision_for, resolve_precision
 
 OK, MISMATCH, NOT_RUN = "ok", "MISMATCH", "not run"
 NO_CUDA = "no CUDA device on this machine"
@@ -194,14 +195,14 @@ def check_gpu(target: Target) -> list[Check]:
     if target.config is None:
         rows.append(Check("precision", NOT_RUN, "", "no --config"))
         return rows
-    precision = target.config.policy.precision.resolved(machine)
+    precision = precision_for(target.config.policy.precision, machine)
     if gpu is not None:
         rows.append(fp8_capability_row(precision, gpu.capability))
     found = (f"{precision.dtype}, fp8 {precision.fp8 or 'off'}"
              + (f" ({precision.fp8_recipe})" if precision.fp8 else "")
              + f", {'Transformer Engine' if precision.transformer_engine else 'local'} spec")
     try:
-        check_precision(precision, machine)
+        resolve_precision(target.config.policy.precision, machine)
     except (ValueError, RuntimeError) as e:
         rows.append(Check("precision", MISMATCH, found, str(e)))
     else:

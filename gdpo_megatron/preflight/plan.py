@@ -44,13 +44,15 @@ import dataclasses
 import math
 from typing import Optional
 
-from gdpo_megatron.config import ConfigError, TrainConfig
+from gdpo_megatron.config import TrainConfig
 from gdpo_megatron.device import CUDA
 from gdpo_megatron.errors import UsageError
-from gdpo_megatron.config.policy import ModelConfig, ParallelConfig, check_model_parallel
+from gdpo_megatron.config.policy import ModelConfig, ParallelConfig
 from gdpo_megatron.config.rollout import RolloutConfig
-from gdpo_megatron.rollout.factory import DEFAULT_ENGINE, engine_class
 from gdpo_megatron.policy.logprobs import peak_bytes_per_logit
+from gdpo_megatron.policy.resolved import MicroBatches
+from gdpo_megatron.resolve import resolve
+from gdpo_megatron.rollout.factory import DEFAULT_ENGINE, engine_class
 
 GIB = 2**30
 FP32_BYTES = 4
@@ -224,35 +226,29 @@ class MemoryPlan:
         return bool(self.config.policy.offload_grads_and_optimizer)
 
 
-def micro_batch_tokens(policy, sequence_length: int) -> int:
+def micro_batch_tokens(micro_batches: MicroBatches, sequence_length: int) -> int:
     """The most tokens one micro-batch holds: ``micro_batch_size`` rows, or with a token budget
     that budget, or one row alone where a row is longer (:meth:`PolicyBatch.split_by_tokens`)."""
-    budget = policy.token_budget(sequence_length)
+    budget = micro_batches.budget(sequence_length)
     if budget is None:
-        return policy.micro_batch_size * sequence_length
+        return micro_batches.rows * sequence_length
     return max(budget, sequence_length)
 
 
 def plan_memory(config: TrainConfig, cluster: Cluster) -> MemoryPlan:
     """Per-GPU memory of ``config`` on ``cluster`` of CUDA GPUs; raises ConfigError if the layout is impossible."""
-    config = dataclasses.replace(config, policy=config.policy.resolved(CUDA))
+    resolved = resolve(config, CUDA, cluster.world_size, runs_here=False)
+    config = dataclasses.replace(config, policy=resolved.policy.config)
     policy, rollout, data = config.policy, config.rollout, config.data
     model, parallel = policy.model, policy.parallel
-    try:
-        check_model_parallel(model, parallel)
-    except ConfigError as e:
-        raise ConfigError(f"policy.{e}") from None
-    dp, rollouts_per_replica = config.layout(cluster.world_size)
+    dp, rollouts_per_replica = resolved.layout.data_parallel_size, resolved.layout.rollouts_per_replica
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    # With a fixed token budget a step has at most one micro-batch per row (every row alone);
-    # "auto" fits at least micro_batch_size rows in each.
-    per_micro_batch = 1 if isinstance(policy.micro_batch_tokens, int) else policy.micro_batch_size
-    micro_batches = math.ceil(rollouts_per_replica / per_micro_batch)
+    micro_batches = math.ceil(rollouts_per_replica / resolved.policy.micro_batches.fewest_rows)
 
     param_bytes = PARAM_BYTES[policy.precision.dtype]
     multiple = policy.sequence_multiple()
     sequence = math.ceil((data.max_prompt_tokens + rollout.max_new_tokens) / multiple) * multiple
-    tokens = micro_batch_tokens(policy, sequence)
+    tokens = micro_batch_tokens(resolved.policy.micro_batches, sequence)
     per_layer = activation_bytes_per_token_layer(model, parallel, param_bytes) * tokens
     adam_bytes = ADAM_MOMENTS * FP32_BYTES + (FP32_BYTES if param_bytes < FP32_BYTES else 0)
 

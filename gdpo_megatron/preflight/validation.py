@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
@@ -30,14 +31,16 @@ from gdpo_megatron.checkpoint.state import (
 from gdpo_megatron.config import ConfigError, DataConfig, TrainConfig, to_dict
 from gdpo_megatron.data.samples import Fields, Sample, load_samples
 from gdpo_megatron.errors import InputError, UserError
-from gdpo_megatron.device import check_precision, this_machine
+from gdpo_megatron.device import Machine
 from gdpo_megatron.inputs import TrainingInputs
-from gdpo_megatron.config.policy import SHAPE_FIELDS, ModelConfig, ParallelConfig, check_model_parallel
+from gdpo_megatron.config.policy import SHAPE_FIELDS, ModelConfig, ParallelConfig
 from gdpo_megatron.config.environment import EnvironmentConfig
 from gdpo_megatron.config.rewards import RewardSpec
 from gdpo_megatron.environments.registry import check_family_environment, environment_class, environment_reference
 from gdpo_megatron.rewards import sandbox
-from gdpo_megatron.rewards.registry import load_reward_file, registered_rewards, runs_code, validate_specs
+from gdpo_megatron.rewards.registry import (SignatureError, load_reward_file, registered_rewards, runs_code,
+                                             validate_specs)
+from gdpo_megatron.resolve import Resolved, check_model_split, data_parallel_size, resolve
 from gdpo_megatron.rollout.factory import engine_class
 from gdpo_megatron.run_dir import CHECKPOINT_DIR
 from gdpo_megatron.tasks import get_task
@@ -202,6 +205,8 @@ def check_reward_specs(specs: Sequence[RewardSpec], key: str, *, in_config: bool
                               f"(registered: {', '.join(known)}){hint}")
         try:
             validate_specs([spec])
+        except SignatureError as e:  # the function, not the kwargs
+            raise ConfigError(f"{name_key}: {e}") from e
         except ValueError as e:
             raise ConfigError(f"{kwargs_key}: {e}") from e
 
@@ -259,12 +264,13 @@ def check_weights(path: str | os.PathLike, key: str, model: Optional[ModelConfig
             check_tensors(index, shapes, hf_shapes(model), Path(path), model.tie_word_embeddings)
 
 
-def check_model_split(model: ModelConfig, parallel: ParallelConfig, world_size: int, key: str) -> None:
-    """``model`` splits evenly over ``parallel`` and the world holds whole model-parallel groups."""
+def check_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int, key: str) -> None:
+    """``model`` splits evenly over ``parallel`` and the world holds whole model-parallel groups
+    (a conversion's layout; a training run's is :func:`~gdpo_megatron.resolve.resolve`'s)."""
     try:
-        check_model_parallel(model, parallel)
-        parallel.data_parallel_size(world_size)
-    except ValueError as e:
+        check_model_split(model, parallel)
+        data_parallel_size(parallel, world_size)
+    except ConfigError as e:
         raise ConfigError(f"{key}: {e}") from e
 
 
@@ -281,30 +287,25 @@ def launch_world_size() -> int:
         raise InputError(f"launch environment: {e}") from e
 
 
-def check_machine(config: TrainConfig) -> None:
-    """The policy's settings resolved for this machine, and the rollout and precision settings a
-    machine without CUDA cannot run. (With CUDA, the GPU's capability, the precision and the
-    installed libraries are gdpo-doctor's preflight, which gdpo-train runs once the device is set.)"""
-    machine = this_machine()
-    policy = config.policy.resolved(machine)
-    if machine.cuda:
-        return
-    if config.rollout.quantization:
-        raise ConfigError(f"rollout.quantization: {config.rollout.quantization!r} rollouts need a CUDA GPU; "
-                          "use null on this machine")
-    budget, longest = config.rollout.max_num_batched_tokens, config.rollout.max_model_len
-    if budget is not None and budget < longest:
-        raise ConfigError(f"rollout.max_num_batched_tokens: expected >= rollout.max_model_len={longest} on this "
-                          f"machine, got {budget} (without CUDA a prompt's prefill is never split over engine "
-                          "steps); raise it or leave it null")
-    check_precision(policy.precision, machine)
+def check_run_dir_by_writing(run_dir: str | os.PathLike) -> None:
+    """Create and remove a file in ``run_dir`` (or in its nearest existing parent, where the run
+    will create it): permission bits, which :func:`check_output_dir` reads, say yes to root
+    everywhere, also in /proc or on a read-only mount."""
+    existing = Path(run_dir).absolute()
+    while not existing.exists():
+        existing = existing.parent
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise InputError(f"run_dir: cannot write {run_dir}: creating a file in {existing} failed: "
+                         f"{e.strerror or e}") from e
 
 
-def check_settings(config: TrainConfig, world_size: int) -> list[Condition]:
+def check_settings(config: TrainConfig) -> list[Condition]:
     """The checks of a training run that read neither the base model nor the data; the conditions."""
-    config.layout(world_size)
-    check_machine(config)
     check_output_dir(config.run_dir, "run_dir")
+    check_run_dir_by_writing(config.run_dir)
     rewards = config.rewards
     load_reward_files(rewards.reward_files, "rewards.reward_files")
     check_reward_specs(rewards.rewards, "rewards.rewards")
@@ -353,14 +354,13 @@ class Problems:
             raise UserError(f"{len(self.errors)} problems: {listed}")
 
 
-def check_base_model(config: TrainConfig, hf_config: dict, world_size: int) -> ModelConfig:
-    """The policy's shape from ``base_model``'s ``config.json``, checked against the layout, the
-    context the config asks for and every safetensors header."""
+def check_base_model(config: TrainConfig, hf_config: dict) -> ModelConfig:
+    """The policy's shape from ``base_model``'s ``config.json``, checked against the context the
+    config asks for and every safetensors header."""
     model = model_shape(hf_config, "base_model",
                         make_vocab_size_divisible_by=config.policy.model.make_vocab_size_divisible_by)
     with about("base_model"):
         engine_class(config.rollout.engine).check_model(hf_config)
-    check_model_split(model, config.policy.parallel, world_size, "policy.parallel (base_model's shape)")
     if config.rollout.max_model_len > model.max_position_embeddings:
         raise ConfigError(f"rollout.max_model_len: expected <= {model.max_position_embeddings}, the "
                           f"max_position_embeddings of base_model, got {config.rollout.max_model_len}")
@@ -368,28 +368,40 @@ def check_base_model(config: TrainConfig, hf_config: dict, world_size: int) -> M
     return model
 
 
-def check_training(config: TrainConfig, world_size: int) -> TrainingInputs:
-    """Every check of a training run that needs no model. Checks that do not depend on each
+def check_training(config: TrainConfig, machine: Machine, world_size: int) -> TrainingInputs:
+    """Every check of a training run that needs no model, and the run resolved for ``machine``
+    (the command's, this one), ``world_size`` ranks and the base model's shape. Checks that do not depend on each
     other all run; their errors come as one line (:class:`Problems`)."""
     problems = Problems()
-    conditions = hf_config = model = samples = lengths = resume_step = None
+    conditions = hf_config = model = samples = lengths = resolved = resume_step = None
     with problems.check():
-        conditions = check_settings(config, world_size)
+        conditions = check_settings(config)
     with problems.check():
         hf_config = read_model_config(config.base_model, "base_model")
     if hf_config is not None:
         with problems.check():
-            model = check_base_model(config, hf_config, world_size)
+            model = check_base_model(config, hf_config)
     with problems.check():
         samples = training_prompts(config)
     if samples is not None and hf_config is not None:
         with problems.check():
             lengths = check_prompt_lengths(samples, config)
-    if model is not None:
+    if model is not None and lengths is not None:
         with problems.check():
-            resume_step = check_resume(config, model)
+            resolved = resolve(config, machine, world_size, model, _longest_prompt(config, lengths))
+    if resolved is not None:
+        with problems.check():
+            resume_step = check_resume(config, model, resolved)
     problems.raise_any()
-    return TrainingInputs(samples, hf_config, model, conditions, max(lengths), resume_step)
+    return TrainingInputs(samples, hf_config, model, conditions, resume_step, resolved)
+
+
+def _longest_prompt(config: TrainConfig, lengths: Sequence[int]) -> int:
+    """What the KV cache is sized for before each rollout's max_new_tokens: the data's longest
+    prompt, or for a multi-turn family the whole token budget a trajectory may fill."""
+    if get_task(config.data.family).multi_turn:
+        return config.rollout.max_model_len - config.rollout.max_new_tokens
+    return max(lengths)
 
 
 # Keys whose value may change when a run directory resumes: how the run is laid out, sized,
@@ -422,7 +434,7 @@ def _flatten(data, prefix: str = "") -> dict:
     return {prefix[:-1]: data}
 
 
-def check_resume(config: TrainConfig, model: ModelConfig) -> int:
+def check_resume(config: TrainConfig, model: ModelConfig, resolved: Resolved) -> int:
     """The step a run directory resumes from (0: none to resume). It resumes only when allowed,
     from a complete training checkpoint of ``model``'s shape, of the same run (the settings
     that change what it trains are the same, unless ``checkpoint.resume: force``), at this
@@ -456,7 +468,7 @@ def check_resume(config: TrainConfig, model: ModelConfig) -> int:
     if state.data_position != expected:
         raise ConfigError(f"data.prompts_per_step: the checkpoint of step {state.step} was taken after "
                           f"{state.data_position} prompts, this config would resume after {expected}")
-    if config.policy.resolved(this_machine()).optim.use_distributed_optimizer:
+    if resolved.policy.config.optim.use_distributed_optimizer:
         parallel = config.policy.parallel
         check_reshardable(directory, state, {key: getattr(parallel, key) for key in LAYOUT_KEYS})
     check_files(directory)

@@ -11,4 +11,5 @@ def make_trainer(config):
     from gdpo_megatron.trainer import Trainer
     from support.placement import this_rank
 
-    return Trainer(config, check_training(config, dist.get_world_size()), this_rank())
+    placement = this_rank()
+    return Trainer(config, check_training(config, placement.machine, dist.get_world_size()), placement)

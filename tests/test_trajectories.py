@@ -239,4 +239,4 @@ def test_gdpo_eval_refuses_a_multi_turn_family(tmp_path):
 
     with pytest.raises(ConfigError, match=r"^--family: multi_turn is multi-turn; gdpo-eval scores single completions"):
         data_section(parse(["--model", str(tmp_path), "--data", str(ROOT / "examples/data/city_desk.jsonl"),
-                            "--family", "multi_turn"]))
+                            "--family", "multi_turn"]), None, {})

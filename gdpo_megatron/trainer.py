@@ -6,7 +6,8 @@ first rank is its *leader*, whose rollouts and rewards the others receive. Per s
 
 1. each data-parallel replica takes its share of the step's prompts and samples ``G``
    completions per prompt with its colocated vLLM engine (every rank calls ``generate``:
-   ranks of one vLLM tensor-parallel group must);
+   ranks of one vLLM tensor-parallel group must); a multi-turn family's rollouts are
+   trajectories through its environment (:mod:`gdpo_megatron.trajectories`);
 2. the leader scores them in its reward process pool as they finish;
 3. advantages come from :func:`gdpo_megatron.advantages.compute_advantages` all-reduced over
    the data-parallel group (exact GDPO over the whole step, whatever the split);
@@ -48,7 +49,7 @@ from gdpo_megatron.advantages import compute_advantages
 from gdpo_megatron.distributed.advantages import AllReduce
 from gdpo_megatron.distributed.threads import use_rank_threads
 from gdpo_megatron.distributed.collectives import all_reduce_sums, any_rank, fail_together, leader_broadcast
-from gdpo_megatron.experience import PromptSchedule, Rollouts, reward_submitter, to_policy_batch
+from gdpo_megatron.experience import PromptSchedule, Rollouts, reward_submitter, to_policy_batch, trajectory_submitter
 from gdpo_megatron.inputs import TrainingInputs
 from gdpo_megatron.metrics import MetricsLogger
 from gdpo_megatron.config.policy import SHAPE_FIELDS
@@ -58,6 +59,7 @@ from gdpo_megatron.progress import Progress
 from gdpo_megatron.rewards.stage import RewardStage
 from gdpo_megatron.rollout.engine import RolloutEngine, SamplingConfig, derive_seed
 from gdpo_megatron.rollout.factory import build_engine
+from gdpo_megatron.trajectories import TrajectoryRollouts, trajectory_metrics
 from gdpo_megatron.run_dir import CHECKPOINT_DIR, HF_EXPORT_DIR
 
 # Signals that stop a run after the step in progress, with a checkpoint: Slurm's time-limit
@@ -133,6 +135,7 @@ class Trainer:
             state = self.checkpoints.load(self.worker.model, self.worker.optimizer, self.worker.scheduler)
             self.start_step = state.step
 
+        self.trajectories = TrajectoryRollouts.for_run(config)  # None: single-turn rollouts
         self.worker.release_memory()  # before the engine sizes itself from the free memory, and the first rollout
         rollout = dataclasses.replace(config.rollout, kv_cache_gib=resolved.kv_cache_gib)  # sized by preflight
         self.engine: RolloutEngine = build_engine(rollout, config.base_model, self.placement.machine, seed=config.seed)
@@ -188,19 +191,26 @@ class Trainer:
             indices = self.schedule.indices(step)[self.dp_rank :: self.dp_size]
             samples = [self.samples[i] for i in indices]
             global_ids = list(range(self.dp_rank, cfg.data.prompts_per_step, self.dp_size))
-            prompt_ids = fail_together(lambda: self._encode(samples), self.device)
-            sampling = SamplingConfig(
+            multi_turn = self.trajectories is not None
+            prompt_ids = [] if multi_turn else fail_together(lambda: self._encode(samples), self.device)
+            sampling = SamplingConfig(  # a trajectory's keys name its prompt within the step: one seed for all ranks
                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                 max_new_tokens=cfg.rollout.max_new_tokens, stop=tuple(cfg.rollout.stop),
-                seed=derive_seed(cfg.seed, step, self.dp_rank))
-            # The leader scores each completion as soon as the engine finishes it.
+                seed=derive_seed(cfg.seed, step) if multi_turn else derive_seed(cfg.seed, step, self.dp_rank))
+            # The leader scores each completion (trajectory) as soon as it is finished.
             scoring = self.reward_stage.begin(len(samples) * G) if self.is_leader else None
             cached_before = self.engine.prefix_cache
             with _timed(times, "generate"):
-                groups = self.engine.generate(prompt_ids, G, sampling,
-                                              on_completion=scoring and reward_submitter(scoring, samples, G))
+                if multi_turn:
+                    completions = self.trajectories.roll_out(
+                        self.engine, samples, G, sampling, global_ids, self.is_leader,
+                        share=lambda obj: leader_broadcast(obj, self.mp_group),
+                        on_finished=scoring and trajectory_submitter(scoring, samples, G))
+                else:
+                    groups = self.engine.generate(prompt_ids, G, sampling,
+                                                  on_completion=scoring and reward_submitter(scoring, samples, G))
+                    completions = leader_broadcast([c for group in groups for c in group], self.mp_group)
             prefix_cache = self.engine.prefix_cache - cached_before
-            completions = leader_broadcast([c for group in groups for c in group], self.mp_group)
             group_ids = torch.tensor(global_ids, device=self.device).repeat_interleave(G)
             rollouts = Rollouts(prompt_ids, group_ids, completions)
 
@@ -233,6 +243,9 @@ class Trainer:
         metrics.update(result.metrics(self.reward_names))
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
         metrics.update(self._rollout_metrics(rollouts, prefix_cache, times["step"]))
+        if self.trajectories is not None:
+            metrics.update(trajectory_metrics(rollouts.completions,
+                                              lambda sums: all_reduce_sums(sums, self.device, self.dp_group)))
         metrics["rollout/logprob_mismatch"] = mismatch
         metrics.update({f"time/{k}": v for k, v in times.items()})
         return metrics

@@ -48,10 +48,12 @@ _CORE = {
     "resolve": {"config", "device", "policy", "rollout"},  # the launch's decisions (the engine sizes its cache)
     "progress": set(),  # the training progress on stderr
     "inputs": {"advantages", "config", "data", "resolve"},
-    "experience": {"config", "data", "policy", "rewards", "rollout"},
+    "trajectories": {"config", "data", "environments", "rollout", "tasks"},
+    "experience": {"config", "data", "policy", "rewards", "rollout", "trajectories"},
     "evaluate": {"config", "data", "device", "errors", "rewards", "rollout"},
     "trainer": {"advantages", "checkpoint", "config", "data", "device", "distributed", "errors", "experience",
-                "inputs", "metrics", "policy", "progress", "quiet", "resolve", "rewards", "rollout", "run_dir"},
+                "inputs", "metrics", "policy", "progress", "quiet", "resolve", "rewards", "rollout", "run_dir",
+                "trajectories"},
 }
 CORE = set(_CORE)
 # Which units each unit may import (its own modules always).

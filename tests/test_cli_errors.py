@@ -82,7 +82,7 @@ def train(base_model, run_dir, *overrides):
     ("rewards.timeout_s=0", "rewards.timeout_s: expected > 0 seconds, got 0.0"),
     ("rewards.num_workers=0", "rewards.num_workers: expected >= 1 (reward worker processes), got 0"),
     ("data.family=poetry",
-     "data.family: expected one of ('math', 'tool', 'code', 'toolrl', 'bfcl_multi_turn'), got 'poetry'"),
+     "data.family: expected one of ('math', 'tool', 'code', 'toolrl', 'bfcl_multi_turn', 'multi_turn'), got 'poetry'"),
     ("policy.micro_batch_size=0", "policy.micro_batch_size: expected >= 1, got 0"),
     ("rollout.top_p=0", "rollout.top_p: expected in (0, 1], got 0.0"),
     ("rollout.gpu_memory_utilization=1.5", "rollout.gpu_memory_utilization: expected in (0, 1], got 1.5"),

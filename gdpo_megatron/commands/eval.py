@@ -26,7 +26,7 @@ from pathlib import Path
 from gdpo_megatron.checkpoint.trained_with import TRAINING_FILE, TrainedWith, read_trained_with
 from gdpo_megatron.commands.console import (ArgumentParser, console_entry, positive_float, positive_int,
                                             quiet_defaults)
-from gdpo_megatron.config import DataConfig, from_dict
+from gdpo_megatron.config import ConfigError, DataConfig, from_dict
 from gdpo_megatron.config.rewards import RewardSpec
 from gdpo_megatron.config.rollout import TEMPERATURE_RANGE
 from gdpo_megatron.errors import UsageError
@@ -176,7 +176,9 @@ def data_section(args: argparse.Namespace, trained: TrainedWith | None, origins:
             recorded = getattr(prompts, key, NOT_RECORDED) if same_task else NOT_RECORDED
             values[key] = _pick(origins, key, getattr(args, key), recorded, None)
     data = from_dict(DataConfig, {key: value for key, value in values.items() if value is not None}, "data")
-    get_task(data.family, "data.family")
+    if get_task(data.family, "data.family").multi_turn:
+        raise ConfigError(f"--family: {data.family} is multi-turn; gdpo-eval scores single completions, not "
+                          "trajectories through an environment")
     return data
 
 

@@ -36,7 +36,7 @@ from gdpo_megatron.inputs import TrainingInputs
 from gdpo_megatron.config.policy import SHAPE_FIELDS, ModelConfig, ParallelConfig
 from gdpo_megatron.config.environment import EnvironmentConfig
 from gdpo_megatron.config.rewards import RewardSpec
-from gdpo_megatron.environments.registry import environment_class, environment_reference
+from gdpo_megatron.environments.registry import check_family_environment, environment_class, environment_reference
 from gdpo_megatron.rewards import sandbox
 from gdpo_megatron.rewards.registry import (SignatureError, load_reward_file, registered_rewards, runs_code,
                                              validate_specs)
@@ -311,6 +311,8 @@ def check_settings(config: TrainConfig) -> list[Condition]:
     check_reward_specs(rewards.rewards, "rewards.rewards")
     check_sandbox_python(rewards.sandbox_python, "rewards.sandbox_python")
     check_environment(config.environment, "environment")
+    family = get_task(config.data.family, "data.family")
+    check_family_environment(config.environment, family.name, family.multi_turn, family.environment)
     check_code_sandbox(rewards.rewards, "rewards.rewards", rewards.allow_weaker_sandbox,
                        "set rewards.allow_weaker_sandbox=true")
     return conditions_by_column(config.advantage.conditions, rewards.names)
@@ -386,12 +388,20 @@ def check_training(config: TrainConfig, machine: Machine, world_size: int) -> Tr
             lengths = check_prompt_lengths(samples, config)
     if model is not None and lengths is not None:
         with problems.check():
-            resolved = resolve(config, machine, world_size, model, max(lengths))
+            resolved = resolve(config, machine, world_size, model, _longest_prompt(config, lengths))
     if resolved is not None:
         with problems.check():
             resume_step = check_resume(config, model, resolved)
     problems.raise_any()
     return TrainingInputs(samples, hf_config, model, conditions, resume_step, resolved)
+
+
+def _longest_prompt(config: TrainConfig, lengths: Sequence[int]) -> int:
+    """What the KV cache is sized for before each rollout's max_new_tokens: the data's longest
+    prompt, or for a multi-turn family the whole token budget a trajectory may fill."""
+    if get_task(config.data.family).multi_turn:
+        return config.rollout.max_model_len - config.rollout.max_new_tokens
+    return max(lengths)
 
 
 # Keys whose value may change when a run directory resumes: how the run is laid out, sized,

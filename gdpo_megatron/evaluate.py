@@ -9,7 +9,6 @@ GPU the engine's own sizing: see ``RolloutEngine.kv_cache_gib``), never a share 
 """
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Sequence
 
@@ -32,12 +31,10 @@ def engine_section(model: ModelConfig, machine: Machine, prompt_tokens: Sequence
     """The rollout section the engine is built from: ``rollout.engine``'s default, one rank, the
     context ``max_model_len`` and a KV cache of ``kv_cache_gib`` GiB, else the engine's size for
     all the prompts (of ``prompt_tokens`` tokens each) generating ``max_new_tokens`` at once."""
-    from gdpo_megatron.rollout.factory import engine_class
+    from gdpo_megatron.resolve import resolve_engine
 
     rollout = RolloutConfig(max_new_tokens=max_new_tokens, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib)
-    size = engine_class(rollout.engine).kv_cache_gib(rollout, model, machine, len(prompt_tokens),
-                                                     max(prompt_tokens) + max_new_tokens)
-    return dataclasses.replace(rollout, kv_cache_gib=size)
+    return resolve_engine(rollout, model, machine, len(prompt_tokens), max(prompt_tokens) + max_new_tokens)
 
 
 def evaluate(model_dir: str | Path, samples: Sequence[Sample], rewards: Sequence[RewardSpec] = (), *,

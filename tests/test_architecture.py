@@ -50,7 +50,7 @@ _CORE = {
     "inputs": {"advantages", "config", "data", "resolve"},
     "trajectories": {"config", "data", "environments", "rollout", "tasks"},
     "experience": {"config", "data", "policy", "rewards", "rollout", "trajectories"},
-    "evaluate": {"config", "data", "device", "errors", "rewards", "rollout"},
+    "evaluate": {"config", "data", "device", "errors", "resolve", "rewards", "rollout"},
     "trainer": {"advantages", "checkpoint", "config", "data", "device", "distributed", "errors", "experience",
                 "inputs", "metrics", "policy", "progress", "quiet", "resolve", "rewards", "rollout", "run_dir",
                 "trajectories"},

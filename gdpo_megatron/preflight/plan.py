@@ -382,8 +382,7 @@ def checkpoint_host_memory(config: TrainConfig, cluster: Cluster) -> CheckpointH
     """Host memory per node for the distributed optimizer's state in a checkpoint; None without
     a distributed optimizer. Ranks fill the nodes in order, in megatron-core's rank order
     (TP fastest, then DP, then PP), so the data-parallel rank 0s of a pipeline stage share nodes."""
-    config = dataclasses.replace(config, policy=config.policy.resolved(CUDA))
-    policy = config.policy
+    policy = resolve(config, CUDA, cluster.world_size, runs_here=False).policy.config
     if not policy.optim.use_distributed_optimizer:
         return None
     parallel = policy.parallel

@@ -1,18 +1,24 @@
-"""Evaluate a Hugging Face checkpoint: greedy completions scored by rewards or by BFCL's checker.
+"""Evaluate a Hugging Face checkpoint: completions scored by rewards or by BFCL's checker.
 
-Completions come from the rollout engine the trainer uses (``rollout.engine``'s default,
-laid out as a default rollout section: one rank, the engine's own memory sizing). Prompts longer than the context
-left for the answer are skipped and counted, never cut.
+Completions are sampled as ``sampling`` says (temperature 0: greedy) by the rollout engine
+the trainer uses (``rollout.engine``'s default, one rank), each seeded on its own. Prompts
+longer than the context left for the answer are skipped and counted, never cut. The engine's
+KV cache is ``kv_cache_gib`` where given, else the engine's size for the evaluation (on the
+CPU: every evaluated prompt at once, each up to the longest one plus ``max_new_tokens``; on
+GPU the engine's own sizing: see ``RolloutEngine.kv_cache_gib``), never a share of the host.
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Sequence
 
+from gdpo_megatron.config.policy import ModelConfig
+from gdpo_megatron.config.rewards import RewardSpec
+from gdpo_megatron.config.rollout import RolloutConfig
 from gdpo_megatron.data.chat import encode_prompt
 from gdpo_megatron.data.samples import Sample
-from gdpo_megatron.config.rewards import RewardSpec
 from gdpo_megatron.device import Machine
+from gdpo_megatron.rollout.engine import SamplingConfig
 
 
 def fits(prompt_tokens: int, max_new_tokens: int, max_model_len: int) -> bool:
@@ -20,28 +26,44 @@ def fits(prompt_tokens: int, max_new_tokens: int, max_model_len: int) -> bool:
     return prompt_tokens + max_new_tokens <= max_model_len
 
 
+def engine_section(model: ModelConfig, machine: Machine, prompt_tokens: Sequence[int], max_new_tokens: int,
+                   max_model_len: int, kv_cache_gib: float | None = None) -> RolloutConfig:
+    """The rollout section the engine is built from: ``rollout.engine``'s default, one rank, the
+    context ``max_model_len`` and a KV cache of ``kv_cache_gib`` GiB, else the engine's size for
+    all the prompts (of ``prompt_tokens`` tokens each) generating ``max_new_tokens`` at once."""
+    from gdpo_megatron.resolve import resolve_engine
+
+    rollout = RolloutConfig(max_new_tokens=max_new_tokens, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib)
+    return resolve_engine(rollout, model, machine, len(prompt_tokens), max(prompt_tokens) + max_new_tokens)
+
+
 def evaluate(model_dir: str | Path, samples: Sequence[Sample], rewards: Sequence[RewardSpec] = (), *,
-             machine: Machine, bfcl: bool = False, max_new_tokens: int = 256, max_model_len: int = 2048,
-             num_workers: int = 2, allow_weaker_sandbox: bool = False) -> tuple[dict[str, float], list[str]]:
-    """Metrics (``eval/...``) and the completions of the samples that fit (in order);
-    ``allow_weaker_sandbox`` as the reward stage takes it; the engine runs on ``machine`` (this one)."""
+             machine: Machine, model: ModelConfig, sampling: SamplingConfig, max_model_len: int = 2048,
+             kv_cache_gib: float | None = None, bfcl: bool = False, num_workers: int = 2,
+             allow_weaker_sandbox: bool = False) -> tuple[dict[str, float], list[str]]:
+    """Metrics (``eval/...``) and the completions of the samples that fit (in order).
+
+    ``model``: the checkpoint's shape (what its KV cache holds per token); ``sampling``: how
+    completions are drawn; ``allow_weaker_sandbox`` as the reward stage takes it; the engine
+    runs on ``machine`` (this one)."""
+    from transformers import AutoTokenizer
+
     from gdpo_megatron.data.bfcl import bfcl_accuracy
     from gdpo_megatron.rewards.stage import RewardStage
-    from gdpo_megatron.config.rollout import RolloutConfig
-    from gdpo_megatron.rollout.engine import SamplingConfig
     from gdpo_megatron.rollout.factory import build_engine
 
-    engine = build_engine(RolloutConfig(max_new_tokens=max_new_tokens, max_model_len=max_model_len), str(model_dir),
-                          machine)
+    max_new_tokens = sampling.max_new_tokens
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)  # the files the engine loads its tokenizer from
+    encoded = [(s, encode_prompt(tokenizer, s.messages)) for s in samples]
+    kept = [(s, ids) for s, ids in encoded if fits(len(ids), max_new_tokens, max_model_len)]
+    metrics = {"eval/prompts": float(len(kept)), "eval/skipped_too_long": float(len(samples) - len(kept))}
+    if not kept:
+        return metrics, []
+    rollout = engine_section(model, machine, [len(ids) for _, ids in kept], max_new_tokens, max_model_len,
+                             kv_cache_gib)
+    engine = build_engine(rollout, str(model_dir), machine)
     try:
-        tokenizer = engine.tokenizer
-        encoded = [(s, encode_prompt(tokenizer, s.messages)) for s in samples]
-        kept = [(s, ids) for s, ids in encoded if fits(len(ids), max_new_tokens, max_model_len)]
-        metrics = {"eval/prompts": float(len(kept)), "eval/skipped_too_long": float(len(samples) - len(kept))}
-        if not kept:
-            return metrics, []
-        groups = engine.generate([ids for _, ids in kept], 1,
-                                 SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens))
+        groups = engine.generate([ids for _, ids in kept], 1, sampling)
     finally:
         engine.close()
     completions = [g[0] for g in groups]

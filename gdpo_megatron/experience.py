@@ -1,4 +1,10 @@
-"""One step's experience: which prompts, their rollouts, and the policy batch they pack into."""
+"""One step's experience: which prompts, their rollouts, and the policy batch they pack into.
+
+A rollout is a single completion of its prompt, or a multi-turn trajectory
+(:class:`~gdpo_megatron.trajectories.TrajectoryRollout`): its prompt, then spans of
+tokens, the model's and the environment's or user's in turn. Either way the policy batch
+trains on the model's tokens only.
+"""
 from __future__ import annotations
 
 import random
@@ -11,6 +17,7 @@ from gdpo_megatron.data.samples import Sample
 from gdpo_megatron.policy.batch import PolicyBatch
 from gdpo_megatron.rewards.stage import RewardBatch
 from gdpo_megatron.rollout.engine import Completion
+from gdpo_megatron.trajectories import Span, TrajectoryRollout
 
 
 class PromptSchedule:
@@ -44,39 +51,54 @@ class PromptSchedule:
 
 @dataclass
 class Rollouts:
-    """A replica's rollouts, ``G`` per prompt, grouped by prompt."""
+    """A replica's rollouts, ``G`` per prompt, grouped by prompt: completions of the prompts
+    (``prompt_ids``, one per prompt), or trajectories (each with its own prompt)."""
 
     prompt_ids: list[list[int]]  # one per prompt
     group_ids: torch.Tensor  # [n] the step's global prompt id of each rollout
-    completions: list[Completion]  # [n]
+    completions: list[Completion | TrajectoryRollout]  # [n]
+
+    def row(self, i: int, group_size: int) -> tuple[list[int], list[Span]]:
+        """Rollout ``i``'s prompt and the spans of tokens after it."""
+        c = self.completions[i]
+        if isinstance(c, TrajectoryRollout):
+            return c.prompt_ids, c.spans
+        return self.prompt_ids[i // group_size], [Span(c.token_ids, c.logprobs)]
 
     @property
     def num_tokens(self) -> list[int]:
-        return [len(c.token_ids) for c in self.completions]
+        """The model's tokens of each rollout."""
+        return [c.model_tokens if isinstance(c, TrajectoryRollout) else len(c.token_ids) for c in self.completions]
 
 
 def to_policy_batch(rollouts: Rollouts, group_size: int, advantages: torch.Tensor, keep: torch.Tensor,
                     pad_id: int, pad_multiple: int = 1) -> PolicyBatch:
-    """Prompt + completion rows, right-padded to a multiple of ``pad_multiple`` tokens; the loss
-    covers the completion tokens of kept rollouts.
+    """Prompt + completion (or trajectory) rows, right-padded to a multiple of ``pad_multiple``
+    tokens; the loss covers the model's tokens of kept rollouts, never a prompt's, an
+    environment's or a user's.
 
-    ``rollout_logprobs`` are the engine's sampling logprobs placed at their targets' positions.
+    ``rollout_logprobs`` are the engine's sampling logprobs placed at their targets' positions
+    (0 elsewhere).
     """
-    rows = [(rollouts.prompt_ids[i // group_size], c) for i, c in enumerate(rollouts.completions)]
-    width = -(-max(len(p) + len(c.token_ids) for p, c in rows) // pad_multiple) * pad_multiple
+    rows = [rollouts.row(i, group_size) for i in range(len(rollouts.completions))]
+    lengths = [len(prompt) + sum(len(s.token_ids) for s in spans) for prompt, spans in rows]
+    width = -(-max(lengths) // pad_multiple) * pad_multiple
     n = len(rows)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
     loss_mask = torch.zeros(n, width, dtype=torch.bool)
     rollout_logprobs = torch.zeros(n, width - 1, dtype=torch.float32)
-    for i, (prompt, completion) in enumerate(rows):
-        start, stop = len(prompt), len(prompt) + len(completion.token_ids)
-        input_ids[i, :start] = torch.tensor(prompt)
-        input_ids[i, start:stop] = torch.tensor(completion.token_ids)
-        loss_mask[i, start:stop] = bool(keep[i])
-        rollout_logprobs[i, start - 1 : stop - 1] = torch.tensor(completion.logprobs, dtype=torch.float32)
-    lengths = torch.tensor([len(p) + len(c.token_ids) for p, c in rows], dtype=torch.long)
+    for i, (prompt, spans) in enumerate(rows):
+        input_ids[i, :len(prompt)] = torch.tensor(prompt)
+        start = len(prompt)
+        for span in spans:
+            stop = start + len(span.token_ids)
+            input_ids[i, start:stop] = torch.tensor(span.token_ids, dtype=torch.long)
+            if span.is_model:
+                loss_mask[i, start:stop] = bool(keep[i])
+                rollout_logprobs[i, start - 1 : stop - 1] = torch.tensor(span.logprobs, dtype=torch.float32)
+            start = stop
     return PolicyBatch(input_ids=input_ids, loss_mask=loss_mask, advantages=advantages.float(),
-                       rollout_logprobs=rollout_logprobs, lengths=lengths)
+                       rollout_logprobs=rollout_logprobs, lengths=torch.tensor(lengths, dtype=torch.long))
 
 
 def reward_submitter(batch: RewardBatch, samples: Sequence[Sample], group_size: int):
@@ -85,6 +107,19 @@ def reward_submitter(batch: RewardBatch, samples: Sequence[Sample], group_size: 
     truths = [s.reward_truth() for s in samples]
 
     def submit(i: int, j: int, completion: Completion) -> None:
-        batch.submit(i * group_size + j, completion.text, len(completion.token_ids), truths[i])
+        batch.submit(i * group_size + j, completion.text, len(completion.token_ids), truths[i], samples[i].id)
+
+    return submit
+
+
+def trajectory_submitter(batch: RewardBatch, samples: Sequence[Sample], group_size: int):
+    """The ``on_finished`` callback of :meth:`TrajectoryRollouts.roll_out
+    <gdpo_megatron.trajectories.TrajectoryRollouts.roll_out>`: trajectory ``k`` goes to
+    the reward batch as rollout ``k``, its :class:`~gdpo_megatron.environments.Trajectory` as
+    the completion (what the multi-turn rewards judge) and its model tokens as its length."""
+    truths = [s.reward_truth() for s in samples]
+
+    def submit(k: int, rollout: TrajectoryRollout) -> None:
+        batch.submit(k, rollout.trajectory, rollout.model_tokens, truths[k // group_size])
 
     return submit

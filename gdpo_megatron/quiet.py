@@ -24,6 +24,9 @@ PYTHON_WARNINGS = (
      "vLLM reads every attribute of torch.distributed while it looks for kernels"),
     (r"`load_state_dict` is deprecated",
      "megatron-core loads checkpoints through torch's old name for the same function"),
+    (r"Please use DTensor instead and we are deprecating ShardedTensor",
+     "megatron-core's distributed checkpoints are made of torch's ShardedTensor; torch's successor, DTensor, "
+     "is not what they hold"),
 )
 
 

@@ -69,10 +69,18 @@ def resolve(config: TrainConfig, machine: Machine, world_size: int, model: Optio
     layout = _layout(config, world_size, resolved_policy.data_parallel_size)
     _check_rollout(config.rollout, machine)
     prompt = config.data.max_prompt_tokens if longest_prompt is None else longest_prompt
-    kv_cache = engine_class(config.rollout.engine).kv_cache_gib(
-        config.rollout, resolved_policy.config.model, machine, layout.rollouts_per_replica,
-        prompt + config.rollout.max_new_tokens)
-    return Resolved(machine, resolved_policy, layout, kv_cache)
+    engine = resolve_engine(config.rollout, resolved_policy.config.model, machine, layout.rollouts_per_replica,
+                            prompt + config.rollout.max_new_tokens)
+    return Resolved(machine, resolved_policy, layout, engine.kv_cache_gib)
+
+
+def resolve_engine(rollout: RolloutConfig, model: ModelConfig, machine: Machine, sequences: int,
+                   tokens_per_sequence: int) -> RolloutConfig:
+    """``rollout`` with the KV cache its engine builds on ``machine`` for ``sequences`` sequences
+    of ``tokens_per_sequence`` tokens of ``model`` at once, as the engine sizes it
+    (``RolloutEngine.kv_cache_gib``): a training step's rollouts, or ``gdpo-eval``'s prompts."""
+    size = engine_class(rollout.engine).kv_cache_gib(rollout, model, machine, sequences, tokens_per_sequence)
+    return dataclasses.replace(rollout, kv_cache_gib=size)
 
 
 def resolve_policy(policy: PolicyConfig, machine: Machine, world_size: int, *, runs_here: bool = True,

@@ -6,7 +6,8 @@ first rank is its *leader*, whose rollouts and rewards the others receive. Per s
 
 1. each data-parallel replica takes its share of the step's prompts and samples ``G``
    completions per prompt with its colocated vLLM engine (every rank calls ``generate``:
-   ranks of one vLLM tensor-parallel group must);
+   ranks of one vLLM tensor-parallel group must); a multi-turn family's rollouts are
+   trajectories through its environment (:mod:`gdpo_megatron.trajectories`);
 2. the leader scores them in its reward process pool as they finish;
 3. advantages come from :func:`gdpo_megatron.advantages.compute_advantages` all-reduced over
    the data-parallel group (exact GDPO over the whole step, whatever the split);
@@ -16,11 +17,12 @@ first rank is its *leader*, whose rollouts and rewards the others receive. Per s
 5. metrics go to ``run_dir/metrics.jsonl`` (and wandb), checkpoints to ``run_dir/checkpoints``.
 
 SIGUSR1 / SIGTERM (Slurm's warning before the time limit, or a preemption) and Ctrl-C make the
-loop finish the step in progress, save a checkpoint and return; a rerun resumes from it. A
-second Ctrl-C stops at once. SIGTERM bounds the wait: unless the step has finished within
-``checkpoint.stop_timeout_s`` (or at a second SIGTERM), the process ends its reward workers
-and exits with the status that resumes it from its last checkpoint, saving nothing new; a
-checkpoint being written is finished first.
+loop finish the step in progress, save a checkpoint and return; a rerun resumes from it. One
+that arrives during start-up (once the Trainer exists) makes ``train`` return before the first
+step, with nothing to save. A second Ctrl-C stops at once (:class:`StoppedAtOnce`). SIGTERM
+bounds the wait: unless the step has finished within ``checkpoint.stop_timeout_s`` (or at a
+second SIGTERM), the process ends its reward workers and exits with the status that resumes it
+from its last checkpoint, saving nothing new; a checkpoint being written is finished first.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ from tqdm import tqdm
 from gdpo_megatron.checkpoint.hf_io import load_hf_weights, save_hf_checkpoint
 from gdpo_megatron.checkpoint.manager import CheckpointManager
 from gdpo_megatron.checkpoint.state import complete_steps
-from gdpo_megatron.commands.train import EXIT_REQUEUE
+from gdpo_megatron.checkpoint.trained_with import trained_with, write_trained_with
 from gdpo_megatron.checkpoint.weight_stream import iter_hf_weights
 from gdpo_megatron.config import TrainConfig, to_dict
 from gdpo_megatron.data.chat import encode_prompt
@@ -52,15 +54,18 @@ from gdpo_megatron.advantages import compute_advantages
 from gdpo_megatron.distributed.advantages import AllReduce
 from gdpo_megatron.distributed.threads import use_rank_threads
 from gdpo_megatron.distributed.collectives import all_reduce_sums, any_rank, fail_together, leader_broadcast
-from gdpo_megatron.experience import PromptSchedule, Rollouts, reward_submitter, to_policy_batch
+from gdpo_megatron.exit_status import EXIT_REQUEUE
+from gdpo_megatron.experience import PromptSchedule, Rollouts, reward_submitter, to_policy_batch, trajectory_submitter
 from gdpo_megatron.inputs import TrainingInputs
 from gdpo_megatron.metrics import MetricsLogger
 from gdpo_megatron.config.policy import SHAPE_FIELDS
 from gdpo_megatron.device import Placement
 from gdpo_megatron.policy.worker import PolicyWorker
+from gdpo_megatron.progress import Progress
 from gdpo_megatron.rewards.stage import RewardStage
 from gdpo_megatron.rollout.engine import RolloutEngine, SamplingConfig, derive_seed
 from gdpo_megatron.rollout.factory import build_engine
+from gdpo_megatron.trajectories import TrajectoryRollouts, trajectory_metrics
 from gdpo_megatron.run_dir import CHECKPOINT_DIR, HF_EXPORT_DIR
 
 # Signals that stop a run after the step in progress, with a checkpoint: Slurm's time-limit
@@ -69,6 +74,10 @@ STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 # What Trainer.train returns: the run reached config.steps; it was stopped by Ctrl-C; it was
 # stopped by the scheduler (a job to requeue).
 DONE, STOPPED, PREEMPTED = "done", "stopped", "preempted"
+
+
+class StoppedAtOnce(KeyboardInterrupt):
+    """A second Ctrl-C: the run stops where it is, without a checkpoint."""
 
 
 class Trainer:
@@ -135,6 +144,7 @@ class Trainer:
             state = self.checkpoints.load(self.worker.model, self.worker.optimizer, self.worker.scheduler)
             self.start_step = state.step
 
+        self.trajectories = TrajectoryRollouts.for_run(config)  # None: single-turn rollouts
         self.worker.release_memory()  # before the engine sizes itself from the free memory, and the first rollout
         rollout = dataclasses.replace(config.rollout, kv_cache_gib=resolved.kv_cache_gib)  # sized by preflight
         self.engine: RolloutEngine = build_engine(rollout, config.base_model, self.placement.machine, seed=config.seed)
@@ -152,24 +162,26 @@ class Trainer:
 
     def train(self) -> str:
         """Run from the resumed step to ``config.steps``: :data:`DONE`, or :data:`STOPPED` /
-        :data:`PREEMPTED` when a stop signal ended it after a step, with a checkpoint."""
-        steps = range(self.start_step, self.config.steps)
-        bar = tqdm(steps, desc=self.config.advantage.mode, initial=self.start_step, total=self.config.steps,
-                   disable=not (self.is_rank0 and self.config.logging.progress_bar))
+        :data:`PREEMPTED` when a stop signal ended it after a step, with a checkpoint (or before
+        the first step, when it arrived during start-up)."""
+        progress = Progress(self.start_step, self.config.steps, self.config.advantage.mode,
+                            enabled=self.is_rank0 and self.config.logging.progress_bar)
         outcome = DONE
+        if any_rank(self._stop_signal is not None, self.device):  # asked during start-up: no step to finish
+            return self._stopped_by()
         try:
-            for step in bar:
+            for step in range(self.start_step, self.config.steps):
                 self.step_started = step
                 metrics = self.step(step)
                 if self.logger:
                     self.logger.log(step + 1, metrics)
-                    bar.set_postfix({n: f"{metrics[f'reward/{n}/mean']:.2f}" for n in self.reward_names})
+                progress.step_done(step + 1, {n: metrics[f"reward/{n}/mean"] for n in self.reward_names})
                 last = step + 1 == self.config.steps
                 if any_rank(self._stop_signal is not None, self.device):  # every rank stops after the same step
                     with self._writing:
                         self.save(step + 1)
                         self._ended.set()
-                    outcome = STOPPED if self._stop_signal == signal.SIGINT else PREEMPTED
+                    outcome = self._stopped_by()
                     break
                 every = self.config.checkpoint.save_every
                 if last or (every and (step + 1) % every == 0):
@@ -177,7 +189,7 @@ class Trainer:
             if outcome == DONE and self.config.checkpoint.export_hf:
                 self.export_hf(self.run_dir / HF_EXPORT_DIR)
         finally:
-            bar.close()
+            progress.close()
         return outcome
 
     def step(self, step: int) -> dict[str, float]:
@@ -190,19 +202,26 @@ class Trainer:
             indices = self.schedule.indices(step)[self.dp_rank :: self.dp_size]
             samples = [self.samples[i] for i in indices]
             global_ids = list(range(self.dp_rank, cfg.data.prompts_per_step, self.dp_size))
-            prompt_ids = fail_together(lambda: self._encode(samples), self.device)
-            sampling = SamplingConfig(
+            multi_turn = self.trajectories is not None
+            prompt_ids = [] if multi_turn else fail_together(lambda: self._encode(samples), self.device)
+            sampling = SamplingConfig(  # a trajectory's keys name its prompt within the step: one seed for all ranks
                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                 max_new_tokens=cfg.rollout.max_new_tokens, stop=tuple(cfg.rollout.stop),
-                seed=derive_seed(cfg.seed, step, self.dp_rank))
-            # The leader scores each completion as soon as the engine finishes it.
+                seed=derive_seed(cfg.seed, step) if multi_turn else derive_seed(cfg.seed, step, self.dp_rank))
+            # The leader scores each completion (trajectory) as soon as it is finished.
             scoring = self.reward_stage.begin(len(samples) * G) if self.is_leader else None
             cached_before = self.engine.prefix_cache
             with _timed(times, "generate"):
-                groups = self.engine.generate(prompt_ids, G, sampling,
-                                              on_completion=scoring and reward_submitter(scoring, samples, G))
+                if multi_turn:
+                    completions = self.trajectories.roll_out(
+                        self.engine, samples, G, sampling, global_ids, self.is_leader,
+                        share=lambda obj: leader_broadcast(obj, self.mp_group),
+                        on_finished=scoring and trajectory_submitter(scoring, samples, G))
+                else:
+                    groups = self.engine.generate(prompt_ids, G, sampling,
+                                                  on_completion=scoring and reward_submitter(scoring, samples, G))
+                    completions = leader_broadcast([c for group in groups for c in group], self.mp_group)
             prefix_cache = self.engine.prefix_cache - cached_before
-            completions = leader_broadcast([c for group in groups for c in group], self.mp_group)
             group_ids = torch.tensor(global_ids, device=self.device).repeat_interleave(G)
             rollouts = Rollouts(prompt_ids, group_ids, completions)
 
@@ -235,6 +254,9 @@ class Trainer:
         metrics.update(result.metrics(self.reward_names))
         metrics.update({f"train/{k}": v for k, v in train_metrics.items()})
         metrics.update(self._rollout_metrics(rollouts, prefix_cache, times["step"]))
+        if self.trajectories is not None:
+            metrics.update(trajectory_metrics(rollouts.completions,
+                                              lambda sums: all_reduce_sums(sums, self.device, self.dp_group)))
         metrics["rollout/logprob_mismatch"] = mismatch
         metrics.update({f"time/{k}": v for k, v in times.items()})
         return metrics
@@ -282,6 +304,7 @@ class Trainer:
         total_tokens, n, truncated, queries, hits = all_reduce_sums(
             [sum(tokens), len(tokens), truncated, prefix_cache.queries, prefix_cache.hits], self.device, self.dp_group)
         return {
+            "rollout/count": n,
             "rollout/prefix_cache_hit_frac": hits / max(queries, 1.0),
             "rollout/tokens_generated": total_tokens,
             "rollout/completion_tokens_mean": total_tokens / n,
@@ -294,11 +317,13 @@ class Trainer:
 
     def _request_stop(self, signum, frame) -> None:
         if signum == signal.SIGINT and self._stop_signal == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop at once
+            raise StoppedAtOnce
         if signum == signal.SIGTERM and self._stop_watchdog is not None:
             self._stop_now("interrupted by a second SIGTERM")
         announce = self._stop_signal is None
         self._stop_signal = self._stop_signal or signum
+        then = ("finishing this step, then saving a checkpoint" if self.step_started is not None
+                else "stopping once start-up is done, before the first step")
         again = " (Ctrl-C again to stop at once)" if signum == signal.SIGINT else ""
         if signum == signal.SIGTERM:  # also after SIGUSR1: Slurm's SIGTERM at the time limit
             timeout = self.config.checkpoint.stop_timeout_s
@@ -308,7 +333,11 @@ class Trainer:
                                      "SIGTERM again stops at once)")
         if announce and self.is_rank0:
             what = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-            tqdm.write(f"gdpo-train: {what}: finishing this step, then saving a checkpoint{again}", file=sys.stderr)
+            tqdm.write(f"gdpo-train: {what}: {then}{again}", file=sys.stderr)
+
+    def _stopped_by(self) -> str:
+        """How a run stopped by a signal ended: :data:`STOPPED` by Ctrl-C, else :data:`PREEMPTED`."""
+        return STOPPED if self._stop_signal == signal.SIGINT else PREEMPTED
 
     def _stop_after(self, seconds: float) -> None:
         """SIGTERM's watchdog: unless the run has ended as asked within ``seconds``, stop it at
@@ -341,7 +370,8 @@ class Trainer:
                                          data_position=step * self.config.data.prompts_per_step, config=config)
 
     def export_hf(self, out_dir: Path) -> Path:
-        """The current policy as a Hugging Face directory with the base model's tokenizer.
+        """The current policy as a Hugging Face directory with the base model's tokenizer and
+        how it was prompted and sampled (:mod:`~gdpo_megatron.checkpoint.trained_with`).
 
         An export already there (from an earlier run of this run directory) is replaced only
         once the new one is complete.
@@ -358,6 +388,7 @@ class Trainer:
                            base_hf_config=self.hf_config,
                            tokenizer_dir=self.config.base_model)
         if self.is_rank0:
+            write_trained_with(new, trained_with(to_dict(self.config)))
             old = out_dir.with_name(f"{out_dir.name}.old")
             if out_dir.exists():
                 os.replace(out_dir, old)

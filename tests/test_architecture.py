@@ -29,6 +29,7 @@ TOP = "gdpo_megatron"
 # The core, bottom up: each unit imports only units listed before it.
 _CORE = {
     "errors": set(),
+    "exit_status": set(),  # the statuses a scheduler reads
     "config": {"errors"},  # the schema; ConfigError is a UserError
     "device": {"config"},
     "advantages": {"config"},
@@ -46,11 +47,14 @@ _CORE = {
     "quiet": {"rollout"},  # third-party warnings and log levels (the engines' harmless records)
     "run_dir": {"checkpoint", "errors", "metrics"},
     "resolve": {"config", "device", "policy", "rollout"},  # the launch's decisions (the engine sizes its cache)
+    "progress": set(),  # the training progress on stderr
     "inputs": {"advantages", "config", "data", "resolve"},
-    "experience": {"config", "data", "policy", "rewards", "rollout"},
-    "evaluate": {"config", "data", "device", "errors", "rewards", "rollout"},
-    "trainer": {"advantages", "checkpoint", "config", "data", "device", "distributed", "errors", "experience",
-                "inputs", "metrics", "policy", "quiet", "resolve", "rewards", "rollout", "run_dir"},
+    "trajectories": {"config", "data", "environments", "rollout", "tasks"},
+    "experience": {"config", "data", "policy", "rewards", "rollout", "trajectories"},
+    "evaluate": {"config", "data", "device", "errors", "resolve", "rewards", "rollout"},
+    "trainer": {"advantages", "checkpoint", "config", "data", "device", "distributed", "errors", "exit_status",
+                "experience", "inputs", "metrics", "policy", "progress", "quiet", "resolve", "rewards", "rollout",
+                "run_dir", "trajectories"},
 }
 CORE = set(_CORE)
 # Which units each unit may import (its own modules always).

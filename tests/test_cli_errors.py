@@ -5,6 +5,7 @@ through torchrun for real, where the line must appear once and be torchrun's roo
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -90,7 +91,7 @@ def train(base_model, run_dir, *overrides):
     ("rewards.timeout_s=0", "rewards.timeout_s: expected > 0 seconds, got 0.0"),
     ("rewards.num_workers=0", "rewards.num_workers: expected >= 1 (reward worker processes), got 0"),
     ("data.family=poetry",
-     "data.family: expected one of ('math', 'tool', 'code', 'toolrl', 'bfcl_multi_turn'), got 'poetry'"),
+     "data.family: expected one of ('math', 'tool', 'code', 'toolrl', 'bfcl_multi_turn', 'multi_turn'), got 'poetry'"),
     ("policy.micro_batch_size=0", "policy.micro_batch_size: expected >= 1, got 0"),
     ("rollout.top_p=0", "rollout.top_p: expected in (0, 1], got 0.0"),
     ("rollout.gpu_memory_utilization=1.5", "rollout.gpu_memory_utilization: expected in (0, 1], got 1.5"),
@@ -199,10 +200,29 @@ def test_train_config_file_and_command_line(base_model, tmp_path, capsys):
                       "got 'trian'")
 
 
+def test_the_module_lists_its_commands_on_help():
+    """``python -m gdpo_megatron --help``: status 0, one line per console script of setup.py."""
+    import re
+
+    scripts = re.findall(r'"gdpo-([a-z]+) = gdpo_megatron\.commands\.([a-z]+):', Path("setup.py").read_text())
+    for flag in ("--help", "-h"):
+        done = subprocess.run([sys.executable, "-m", "gdpo_megatron", flag], capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "GDPO_MALLOC": "system"})
+        assert done.returncode == 0 and done.stderr == "", done.stderr
+        lines = done.stdout.splitlines()
+        assert lines[0] == ("usage: python -m gdpo_megatron COMMAND [ARGS ...]   (python -m gdpo_megatron COMMAND "
+                            "--help: the command's arguments)")
+        listed = [line.split()[0] for line in lines[3:]]
+        assert lines[2] == "commands:" and sorted(listed) == sorted(name for name, _ in scripts)
+        assert all(line.endswith(f"(gdpo-{name})") for name, line in zip(listed, lines[3:]))
+
+
 def test_train_paths_that_cannot_be_used(base_model, tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     expect_user_error(capsys, tmp_path, train(base_model, tmp_path / "file" / "run"),
                       f"run_dir: cannot create {tmp_path / 'file' / 'run'}: {tmp_path / 'file'} is a file")
+    # Permission bits let root write anywhere; /proc still takes no new file, for root or not.
+    expect_user_error(capsys, tmp_path, train(base_model, "/proc/x"), "error: run_dir: cannot write /proc/x: ")
     expect_user_error(capsys, tmp_path, train(tmp_path / "no_model", tmp_path / "run"),
                       f"base_model: {tmp_path / 'no_model'} is not a directory")
     no_template = tmp_path / "no_template"
@@ -404,6 +424,45 @@ def test_train_reward_files_that_exit_or_register_no_function(base_model, tmp_pa
                                               "rewards.rewards.0.name=mine"),
                       f"rewards.reward_files.0: importing {other} failed: ValueError: reward 'mine': expected a "
                       "function, got 5")
+
+
+WRONG_SIGNATURES = """from gdpo_megatron.rewards import register_reward
+
+
+@register_reward("cli_two_arguments")
+def two_arguments(completion, ground_truth):
+    return 1.0
+
+
+@register_reward("cli_needs_scale")
+def needs_scale(completion, num_tokens, ground_truth, scale):
+    return scale
+"""
+
+
+def test_train_reward_whose_function_is_no_reward_is_named_with_its_signature(base_model, tmp_path, capsys,
+                                                                              nothing_heavy):
+    rewards = tmp_path / "my_rewards.py"
+    rewards.write_text(WRONG_SIGNATURES)
+    lines = WRONG_SIGNATURES.splitlines()  # Python places a decorated function at its first decorator
+    line_of = {name: lines.index(f'@register_reward("{name}")') + 1 for name in ("cli_two_arguments", "cli_needs_scale")}
+    module = f"gdpo_megatron_user_rewards.my_rewards_{hashlib.sha1(str(rewards).encode()).hexdigest()[:12]}"
+    use = [f"rewards.reward_files=[{rewards}]", "advantage.conditions=[]"]
+    # The function cannot take a reward's arguments: the reward (by its name key) and its
+    # definition are at fault, not its (empty) kwargs.
+    expect_user_error(capsys, tmp_path, train(base_model, tmp_path / "run", *use,
+                                              "rewards.rewards=[{name: tool_format}, {name: cli_two_arguments}]"),
+                      f"rewards.rewards.1.name: reward 'cli_two_arguments' is {module}.two_arguments(completion, "
+                      f"ground_truth) ({rewards}:{line_of['cli_two_arguments']}), "
+                      "which cannot be called as a reward, fn(completion, num_tokens, ground_truth, **kwargs): too "
+                      "many positional arguments")
+    # A parameter the config's kwargs must give: the kwargs are at fault.
+    expect_user_error(capsys, tmp_path, train(base_model, tmp_path / "run", *use,
+                                              "rewards.rewards=[{name: tool_format}, {name: cli_needs_scale}]"),
+                      f"rewards.rewards.1.kwargs: reward 'cli_needs_scale': kwargs {{}} do not fit {module}.needs_scale"
+                      f"(completion, num_tokens, ground_truth, scale) ({rewards}:"
+                      f"{line_of['cli_needs_scale']}): missing a "
+                      "required argument: 'scale'")
 
 
 def test_train_data_whose_rows_are_all_left_out(base_model, tmp_path, capsys, nothing_heavy):
@@ -640,6 +699,17 @@ def test_eval_split_of_a_file(base_model, tmp_path, capsys, nothing_heavy):
                                                            "--split", "test"]),
                       "--data: dataset examples/data/tool_demo.jsonl: split 'test' was asked for, but a file has "
                       "no splits")
+
+
+def test_eval_kv_cache_holds_one_whole_context(base_model, tmp_path, capsys, nothing_heavy):
+    hf = json.loads((Path(base_model) / "config.json").read_text())
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    per_token = 2 * hf["num_hidden_layers"] * hf["num_key_value_heads"] * head_dim * 4  # fp32 K and V
+    least = (512 // 32 + 1) * 32 * per_token / 2**30  # 512 tokens in CPU blocks of 32, and the block vLLM keeps
+    expect_user_error(capsys, tmp_path, lambda: eval_main(["--model", str(base_model), "--bfcl", "--max-model-len",
+                                                           "512", "--kv-cache-gib", "0.0001"]),
+                      f"--kv-cache-gib: 0.0001 holds less than one sequence of --max-model-len 512 tokens, which the "
+                      f"engine needs ({least:.3g} GiB); give at least that or a shorter --max-model-len")
 
 
 # ---- gdpo-convert -------------------------------------------------------------------------------

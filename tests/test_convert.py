@@ -340,6 +340,16 @@ def test_cli_runs_as_a_single_process_command(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip() == f"wrote {root / 'step_0'}"
     assert "import: 100%" in run.stderr  # the progress bar
+    back = subprocess.run(
+        [sys.executable, "-m", "gdpo_megatron", "convert", "megatron-to-hf", str(root), str(tmp_path / "back")],
+        env={**env, "MASTER_PORT": str(free_port())}, capture_output=True, text=True, timeout=300,
+    )
+    assert back.returncode == 0, back.stderr[-3000:]
+    assert back.stdout.strip() == f"wrote {tmp_path / 'back'}"
+    # The libraries' known, harmless warnings (gdpo_megatron.quiet) are filtered: only the progress bars are left.
+    for done, bar in ((run, "import"), (back, "export")):
+        redraws = [part for line in done.stderr.splitlines() for part in line.split("\r") if part]
+        assert redraws and all(part.startswith(f"{bar}: ") for part in redraws), done.stderr[-3000:]
     state = read_training_state(root / "step_0")
     assert state.config["hf_config"] == json.loads((directory / "config.json").read_text())
     assert state.config["model"]["vocab_size"] == VOCAB and state.world_size == 1

@@ -42,6 +42,25 @@ def test_call_block_tells_call_attempts_from_plain_answers():
     assert call_block("[broken(") == "[broken("  # an attempt, which then fails to parse
 
 
+
+def test_json_tool_calls_in_tags_are_calls_too():
+    message = ('<think>weather</think>\n<tool_call>\n[{"name": "get_weather", "arguments": {"city": "Oslo"}}]\n'
+               '</tool_call>\n<tool_call>{"name": "ls", "arguments": {}}</tool_call>')
+    block = call_block(message)
+    assert block == ('<tool_call>\n[{"name": "get_weather", "arguments": {"city": "Oslo"}}]\n</tool_call>'
+                     '<tool_call>{"name": "ls", "arguments": {}}</tool_call>')
+    assert parse_calls(block) == [Call("get_weather", (), {"city": "Oslo"}), Call("ls")]
+    assert call_block("</tool_call>") is None  # a closing tag alone is prose
+    for text, why in [('<tool_call>{"name": "ls", ', "not a JSON tool call"),
+                      ('<tool_call>["ls"]</tool_call>', "expected a tool call object with a 'name'"),
+                      ('<tool_call>{"name": "os.system", "arguments": {}}</tool_call>', "not a callable function name"),
+                      ('<tool_call>{"name": "__class__"}</tool_call>', "not a callable function name"),
+                      ('<tool_call>{"name": "cd", "arguments": "x"}</tool_call>', "must be an object"),
+                      ("<tool_call>" + "[" + ", ".join(['{"name": "ls"}'] * 65) + "]</tool_call>", "over the limit")]:
+        with pytest.raises(CallRefused, match=re.escape(why)):
+            parse_calls(call_block(text))
+
+
 SIDE_EFFECT = "/tmp/gdpo_environment_attack_marker"
 
 ATTACKS = {

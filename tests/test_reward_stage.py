@@ -353,6 +353,60 @@ def test_a_failure_scores_the_declared_low_bound_and_a_value_outside_the_bounds_
     assert [metrics[f"reward/{spec.name}/failures"] for spec in specs] == [1, 1, 1]
 
 
+REPORTED_REWARDS = '''
+import time
+from gdpo_megatron.rewards import register_reward
+
+@register_reward("stage_none_but_on_0", bounds=(0, 1))
+def none_but_on_0(completion, num_tokens, ground_truth):
+    return 1.0 if ground_truth["i"] == 0 else None
+
+@register_reward("stage_too_high_on_2", bounds=(0, 1))
+def too_high_on_2(completion, num_tokens, ground_truth):
+    return 7.5 if ground_truth["i"] == 2 else 0.5
+
+@register_reward("stage_sleeps_on_1", bounds=(-1, 1))
+def sleeps_on_1(completion, num_tokens, ground_truth):
+    if ground_truth["i"] == 1:
+        time.sleep(3600)
+    return 0.0
+
+@register_reward("stage_divides_by_i")
+def divides_by_i(completion, num_tokens, ground_truth):
+    return 1 / ground_truth["i"]
+'''
+
+
+def test_each_failing_reward_is_reported_by_name_with_the_first_failures_sample(tmp_path, caplog):
+    path = tmp_path / "reported.py"
+    path.write_text(REPORTED_REWARDS)
+    specs = [RewardSpec("stage_none_but_on_0"), RewardSpec("stage_too_high_on_2"),
+             RewardSpec("stage_sleeps_on_1", timeout_s=1.0), RewardSpec("stage_divides_by_i"), RewardSpec("length")]
+    ids = ["row-a", "row-b", "row-c", "row-d"]
+    with RewardStage(specs, num_workers=1, reward_files=[path]) as stage:
+        batch = stage.begin(len(ids))
+        for i, sample_id in enumerate(ids):
+            batch.submit(i, "x", 1, {"i": i}, sample_id)
+        with caplog.at_level("WARNING", logger="gdpo_megatron.rewards.stage"):
+            rewards, metrics = batch.collect()
+    assert [metrics[f"reward/{spec.name}/failures"] for spec in specs] == [3, 1, 1, 1, 0]
+    reports = [r.getMessage() for r in caplog.records]
+    assert len(reports) == 4  # one per failing reward, none for length
+    assert reports[0] == ("reward 'stage_none_but_on_0' failed on 3 of 4 rollouts, each scoring its failure value "
+                          "0; the first, sample 'row-b' (rollout 1): returned None, expected a finite number")
+    assert reports[1] == ("reward 'stage_too_high_on_2' failed on 1 of 4 rollouts, each scoring its failure value 0; "
+                          "the first, sample 'row-c' (rollout 2): returned 7.5, outside its declared bounds [0, 1]")
+    assert reports[2] == ("reward 'stage_sleeps_on_1' failed on 1 of 4 rollouts, 1 timed out, each scoring its "
+                          "failure value -1; the first, sample 'row-b' (rollout 1): timed out after 1 s")
+    first, *frames = reports[3].splitlines()
+    assert first == ("reward 'stage_divides_by_i' failed on 1 of 4 rollouts, each scoring its failure value 0; the "
+                     "first, sample 'row-a' (rollout 0): raised ZeroDivisionError: division by zero")
+    # The reward's own frame, the line that raised; not the stage's worker loop.
+    line = REPORTED_REWARDS.splitlines().index('    return 1 / ground_truth["i"]') + 1
+    assert frames[:2] == [f'  File "{path}", line {line}, in divides_by_i', '    return 1 / ground_truth["i"]']
+    assert "_worker_main" not in reports[3]
+
+
 
 SCORE_ONE_PROGRAM = """
 import json, sys

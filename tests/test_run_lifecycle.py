@@ -3,6 +3,7 @@ run rerun, another config refused, a forced resume, Ctrl-C, SIGTERM during a lon
 metrics after a crash."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -60,6 +61,7 @@ def test_a_new_run_says_so_and_ends_with_where_its_outputs_are(finished):
     for name in ("distinct_chars", "vowel_share"):
         means = [r[f"reward/{name}/mean"] for r in records(run_dir)]
         assert f"  {name:<20} {sum(means) / 3:8.3f} -> {sum(means) / 3:8.3f}" in out  # 3 steps: both windows
+    assert "reward failures: none in 48 calls of each reward" in out.splitlines()  # 3 steps x 4 prompts x 4
     for line in (f"checkpoint: {run_dir}/checkpoints/step_3", f"Hugging Face export: {run_dir}/hf",
                  f"metrics: {run_dir}/metrics.jsonl", f"plot: {run_dir}/rewards.png", f"plot: {run_dir}/diagnostics.png"):
         assert line in out.splitlines()
@@ -163,6 +165,78 @@ def test_sigterm_during_a_long_step_stops_in_bounded_time_without_saving_it(base
     assert steps_logged(run_dir) == [1]
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_1"]
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+MOSTLY_FAILING = """
+from gdpo_megatron.rewards.registry import register_reward
+
+
+@register_reward("none_unless_weather", bounds=(0.0, 1.0))
+def none_unless_weather(completion, num_tokens, ground_truth):
+    return 1.0 if ground_truth["tool_calls"][0]["name"] == "get_weather" else None
+"""
+
+
+def test_a_reward_that_mostly_fails_is_named_counted_and_warned_about(base, tmp_path):
+    """Also: progress into a log file (stderr not a terminal) is plain lines, no carriage returns."""
+    (tmp_path / "failing.py").write_text(MOSTLY_FAILING)
+    run_dir = tmp_path / "run"
+    out, err, status = train(base, run_dir, "logging.progress_bar=true",
+                             f"rewards.reward_files=[tests/data/reference_rewards.py, {tmp_path / 'failing.py'}]",
+                             "rewards.rewards=[{name: distinct_chars}, {name: vowel_share}, "
+                             "{name: none_unless_weather}]")
+    assert status == 0, err
+    steps = records(run_dir)
+    failures = [r["reward/none_unless_weather/failures"] for r in steps]
+    # Each failure scores 0 and each success 1: a step's mean is its share of successes.
+    assert [16 * (1 - r["reward/none_unless_weather/mean"]) for r in steps] == pytest.approx(failures)
+    assert sum(failures) > 24  # tool_demo.jsonl asks for the weather in few of its prompts
+    out = out[out.index("gdpo-train: finished\n"):]
+    share = sum(failures) / 48
+    assert (f"reward failures, of 48 calls each:\n  none_unless_weather  {sum(failures):8.0f} ({share:.0%}), "
+            "0 timed out\n") in out
+    assert (f"warning: reward none_unless_weather failed on {share:.0%} of its calls: its scores were mostly its "
+            "failure value, not a judgment of the completions; the log names each step's first failure of it"
+            ) in out.splitlines()
+    reports = [line for line in err.splitlines() if line.startswith("reward 'none_unless_weather' failed on ")]
+    assert [int(line.split()[4]) for line in reports] == failures
+    assert all(re.search(r"the first, sample 'tool-demo-[0-9-]+' \(rollout [0-9]+\): returned None, expected a "
+                         r"finite number$", line) for line in reports)
+    assert "Traceback" not in err and "\r" not in err
+    progress = [line for line in err.splitlines() if line.startswith("gdpo-train: step ")]
+    assert progress[0].startswith("gdpo-train: step 1/3, ") and progress[-1].startswith("gdpo-train: step 3/3, ")
+    assert len(progress) <= 3 and all(re.fullmatch(
+        r"gdpo-train: step [12]/3, [0-9.]+ s/step, about [0-9]+:[0-5][0-9] left; distinct_chars [0-9.]+, "
+        r"vowel_share [0-9.]+, none_unless_weather [0-9.]+", line) for line in progress[:-1])
+    assert re.fullmatch(r"gdpo-train: step 3/3, [0-9.]+ s/step; distinct_chars [0-9.]+, vowel_share [0-9.]+, "
+                        r"none_unless_weather [0-9.]+", progress[-1])
+
+
+def test_ctrl_c_during_start_up_stops_it(base, tmp_path):
+    run_dir = tmp_path / "run"
+    process = train(base, run_dir, wait=False)
+    assert process.stderr.readline() == f"gdpo-train: a new run in {run_dir}, 3 steps\n"
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 130, err
+    assert "second Ctrl-C" not in err and "Traceback" not in err
+    assert (err.splitlines()[-1] == "gdpo-train: stopped by Ctrl-C during start-up, before any step; rerun the same "
+            "command to start the run")
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
+
+    # Once the trainer holds the signals (here: while vLLM loads the weights), the run stops
+    # before its first step rather than training one.
+    process = train(base, run_dir, wait=False)
+    while "Loading safetensors checkpoint shards" not in process.stderr.readline():
+        assert process.poll() is None
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 130, err
+    assert ("gdpo-train: Ctrl-C: stopping once start-up is done, before the first step (Ctrl-C again to stop at "
+            "once)") in err.splitlines()
+    assert "Traceback" not in err and "error:" not in err
+    assert "gdpo-train: stopped by Ctrl-C; rerun the same command to resume\n" in out
+    assert steps_so_far(run_dir) == [] and not (run_dir / "checkpoints").exists()
 
 
 def test_the_papers_tool_prompts_train_on_the_cpu(tmp_path):

@@ -63,6 +63,6 @@ def test_a_family_added_as_one_entry_is_read_like_the_built_in_ones(tmp_path, mo
 
 def test_an_unknown_family_names_the_known_ones():
     with pytest.raises(ConfigError, match=r"^data.family: expected one of \('math', 'tool', 'code', 'toolrl', "
-                                          r"'bfcl_multi_turn'\), "
+                                          r"'bfcl_multi_turn', 'multi_turn'\), "
                                           r"got 'poetry'$"):
         get_task("poetry", "data.family")

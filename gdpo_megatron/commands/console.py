@@ -16,7 +16,7 @@ Exit statuses of the console commands:
 69    ``gdpo-train`` lost a peer rank: its host died or stopped answering (one line says which)
 75    ``gdpo-train`` stopped by SIGUSR1/SIGTERM after saving a checkpoint, or without saving past
       ``checkpoint.stop_timeout_s`` after SIGTERM (requeue it: it resumes from the last one)
-130   stopped by Ctrl-C (``gdpo-train``: after saving a checkpoint, unless pressed twice)
+130   stopped by Ctrl-C (``gdpo-train``: after saving a checkpoint, unless pressed twice or before any step)
 ====  ==========================================================================
 
 Under torchrun the line also goes to torch's error file, so torchrun's closing

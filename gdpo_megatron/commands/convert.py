@@ -6,7 +6,9 @@
 ``hf-to-megatron`` writes ``CHECKPOINT_ROOT/step_0`` in the training-checkpoint format (the
 model only), with the model config and the Hugging Face ``config.json`` in its state, so any
 TP/PP can load it. ``megatron-to-hf`` reads a converted or a training checkpoint (default:
-the newest). One process is enough; under ``torchrun`` the work is split over TP/PP ranks.
+the newest); from a training checkpoint it also writes how the run prompted and sampled
+(:mod:`gdpo_megatron.checkpoint.trained_with`), as gdpo-train's export does. One process is
+enough; under ``torchrun`` the work is split over TP/PP ranks.
 """
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ import torch.distributed as dist
 
 from gdpo_megatron.checkpoint.hf_files import TOKENIZER_FILES
 from gdpo_megatron.checkpoint.state import check_files, complete_steps, model_section, read_training_state, step_dir
-from gdpo_megatron.commands.console import ArgumentParser, console_entry, positive_float, positive_int
+from gdpo_megatron.checkpoint.trained_with import TrainedWith, trained_with, write_trained_with
+from gdpo_megatron.commands.console import (ArgumentParser, console_entry, positive_float, positive_int,
+                                            quiet_defaults)
 from gdpo_megatron.errors import InputError, UsageError
 from gdpo_megatron.config.policy import DTYPES, ModelConfig, ParallelConfig, PrecisionConfig
 from gdpo_megatron.device import this_machine
@@ -80,6 +84,7 @@ class Plan:
     hf_config: Optional[dict]  # the Hugging Face config.json read or stored with the checkpoint
     step: int = 0  # megatron-to-hf: the checkpoint to read
     tokenizer: Optional[Path] = None  # megatron-to-hf: where the tokenizer files come from
+    trained: Optional[TrainedWith] = None  # megatron-to-hf of a training checkpoint: how the run prompted
 
 
 def check(args, parallel: ParallelConfig, world_size: int) -> Plan:
@@ -117,7 +122,8 @@ def check(args, parallel: ParallelConfig, world_size: int) -> Plan:
     check_layout(model, parallel, world_size, layout)
     if tokenizer is None and "hf_dir" in saved and Path(saved["hf_dir"]).is_dir():
         tokenizer = Path(saved["hf_dir"])  # the imported model's, when it is still there
-    return Plan(model, saved.get("hf_config"), step, tokenizer)
+    trained = trained_with(saved) if {"data", "rollout"} <= saved.keys() else None
+    return Plan(model, saved.get("hf_config"), step, tokenizer, trained)
 
 
 def _hf_to_megatron(args, plan: Plan, placement, parallel: ParallelConfig, precision: PrecisionConfig) -> None:
@@ -144,6 +150,8 @@ def _megatron_to_hf(args, plan: Plan, placement, parallel: ParallelConfig, preci
                               tokenizer_dir=plan.tokenizer, max_shard_bytes=int(args.max_shard_gb * 2**30),
                               progress=True)
     if dist.get_rank() == 0:
+        if plan.trained is not None:
+            write_trained_with(path, plan.trained)
         print(f"wrote {path}")
 
 
@@ -151,6 +159,7 @@ def _megatron_to_hf(args, plan: Plan, placement, parallel: ParallelConfig, preci
 def main(argv: list[str]) -> int:
     """Entry point; uses the process group if one exists, else starts one from the launcher env."""
     args = parse(argv)
+    quiet_defaults()
     parallel = ParallelConfig(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
     machine = this_machine()
     precision = resolve_precision(PrecisionConfig(dtype=args.dtype or "auto"), machine)

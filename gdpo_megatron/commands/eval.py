@@ -1,36 +1,64 @@
-"""``gdpo-eval``: greedy completions of a Hugging Face checkpoint, scored.
+"""``gdpo-eval``: completions of a Hugging Face checkpoint, scored.
 
 ``gdpo-eval --model runs/x/hf --bfcl`` reports BFCL accuracy per category (exact calls,
 BFCL's string normalization); ``--data FILE --family F --rewards a,b`` reports each reward's
 mean on any prompt file or dataset directory (ToolRL's test split: ``--data
 rlla_4k/test.parquet --family toolrl --rewards toolrl_format,toolrl_correctness``). ``--data``
 and its options are the config's ``data`` section (``--prompt-key`` is ``data.prompt_key``),
-built and checked by the config loader as a training config's is. Every input is checked
-before the engine starts.
+built and checked by the config loader as a training config's is.
+
+A model gdpo-train exported carries how it was trained (``gdpo_training.json``,
+:mod:`gdpo_megatron.checkpoint.trained_with`): every prompt and sampling setting the command
+line leaves out is the training's (its family, system prompt and fields for its own family;
+``max_new_tokens``, temperature, top-p/top-k and stop strings), so the scores are comparable
+to the rewards training reported. Other models get the defaults: the family's instructions,
+256 new tokens, greedy. One line on stderr says which settings were used and where each came
+from. Every input is checked before the engine starts.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
-from gdpo_megatron.commands.console import ArgumentParser, console_entry, positive_int, quiet_defaults
-from gdpo_megatron.config import DataConfig, from_dict
-from gdpo_megatron.errors import UsageError
+from gdpo_megatron.checkpoint.trained_with import TRAINING_FILE, TrainedWith, read_trained_with
+from gdpo_megatron.commands.console import (ArgumentParser, console_entry, positive_float, positive_int,
+                                            quiet_defaults)
+from gdpo_megatron.config import ConfigError, DataConfig, from_dict
 from gdpo_megatron.config.rewards import RewardSpec
+from gdpo_megatron.config.rollout import TEMPERATURE_RANGE
+from gdpo_megatron.errors import UsageError
 from gdpo_megatron.tasks import get_task, task_names
 
 # The options that go with --data, each a key of the data section, and their help.
 DATA_OPTIONS = {
-    "--family": ("family", f"with --data: the task family ({', '.join(task_names())})"),
-    "--system-prompt": ("system_prompt", "with --data: instructions ('' for none)"),
+    "--family": ("family", f"with --data: the task family ({', '.join(task_names())}; default: the training's)"),
+    "--system-prompt": ("system_prompt", "with --data: instructions ('' for none; default: the training's, else "
+                                         "the family's)"),
     "--split": ("split", "with --data: the split of a datasets directory (default: train of a DatasetDict, all "
                          "of a single dataset)"),
-    "--prompt-key": ("prompt_key", "with --data: the prompt field"),
-    "--system-key": ("system_key", "with --data: the system field"),
-    "--ground-truth-key": ("ground_truth_key", "with --data: the ground truth field"),
+    "--prompt-key": ("prompt_key", "with --data: the prompt field (default: the training's, else the usual ones)"),
+    "--system-key": ("system_key", "with --data: the system field (default: the training's)"),
+    "--ground-truth-key": ("ground_truth_key", "with --data: the ground truth field (default: the training's, else "
+                                               "the family's)"),
 }
+# Without a training record: the new tokens of a completion, and greedy decoding.
+DEFAULT_MAX_NEW_TOKENS = 256
+GREEDY = 0.0
+# Where a setting came from, as the settings line says it.
+GIVEN, TRAINED, DEFAULT = "given", "trained", "default"
+NOT_RECORDED = object()  # a setting the model's training record does not hold
+
+
+def temperature(text: str) -> float:
+    """argparse type: 0 (greedy) or a sampling temperature vLLM and the trainer accept."""
+    value = float(text)
+    low, high = TEMPERATURE_RANGE
+    if value != GREEDY and not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"expected 0 (greedy) or a number in [{low}, {high:g}], got {text}")
+    return value
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -47,29 +75,128 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         help="comma-separated reward names to report (with --data, default: the family's rewards)")
     parser.add_argument("--limit", type=positive_int, default=None,
                         help="at most this many prompts (per BFCL category)")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=256)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=None,
+                        help=f"tokens per completion (default: the training's, else {DEFAULT_MAX_NEW_TOKENS})")
+    parser.add_argument("--temperature", type=temperature, default=None,
+                        help="0 for greedy decoding (default: the training's, with its top-p/top-k, else 0)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds each sampled completion (default 0)")
     parser.add_argument("--max-model-len", type=positive_int, default=None,
                         help="context of the engine (default: the model's max_position_embeddings)")
+    parser.add_argument("--kv-cache-gib", type=positive_float, default=None,
+                        help="the engine's KV cache, as rollout.kv_cache_gib (default on the CPU: what every prompt "
+                             "needs at once, the longest prompt plus --max-new-tokens each; on GPU vLLM's sizing)")
     parser.add_argument("--out", default=None, help="also write the metrics to this JSON file")
     parser.add_argument("--allow-weaker-sandbox", action="store_true",
                         help="run rewards that execute model-written code (code_pass, code_no_bug) at the sandbox's "
                              "weaker 'basic' level where bubblewrap cannot run (see docs/rewards.md)")
     args = parser.parse_args(argv)
-    if args.data is not None and args.family is None:
-        parser.error("--data needs --family")
     given = [flag for flag, (key, _) in DATA_OPTIONS.items() if getattr(args, key) is not None]
     if args.bfcl and given:
         parser.error(f"{given[0]} goes with --data, not --bfcl")
     return args
 
 
-def data_section(args: argparse.Namespace) -> DataConfig:
+@dataclasses.dataclass
+class Settings:
+    """How the evaluation prompts and samples, and where each setting came from (:data:`GIVEN`,
+    :data:`TRAINED` or :data:`DEFAULT`)."""
+
+    data: DataConfig | None  # None: BFCL's prompts
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop: list[str]
+    seed: int
+    origins: dict[str, str]  # setting -> where it came from
+
+    def describe(self, model: str, trained: TrainedWith | None) -> str:
+        """The line that says what the evaluation uses: each setting, and where it came from."""
+        def shown(name: str, value) -> str:
+            return f"{value} ({self.origins[name]})"
+
+        if self.data is None:
+            prompts = "BFCL's prompts"
+        else:
+            system = self.data.system_prompt
+            system = {None: "the family's", "": "none"}.get(system) or repr(_shorten(system))
+            prompts = f"family {shown('family', self.data.family)}, system prompt {shown('system_prompt', system)}"
+            prompts += "".join(f", {key} {shown(key, getattr(self.data, key))}" for key in FIELD_KEYS
+                               if getattr(self.data, key) is not None)
+        if self.temperature == GREEDY:
+            sampling = shown("temperature", "greedy")
+        else:
+            sampling = f"temperature {shown('temperature', f'{self.temperature:g}')}, seed {self.seed}"
+            if self.top_p < 1 or self.top_k > 0:
+                sampling += f", top_p {self.top_p:g}, top_k {self.top_k} ({TRAINED})"
+        if self.stop:
+            sampling += f", stop {self.stop!r} ({TRAINED})"
+        source = (f"{TRAINED}: {Path(model) / TRAINING_FILE}" if trained is not None
+                  else f"{model} has no {TRAINING_FILE}")
+        limits = f"max_new_tokens {shown('max_new_tokens', self.max_new_tokens)}, {sampling}"
+        return f"gdpo-eval: {prompts}; {limits}; {source}"
+
+
+# The data keys that name fields of the rows.
+FIELD_KEYS = ("prompt_key", "system_key", "ground_truth_key")
+
+
+def settings(args: argparse.Namespace, trained: TrainedWith | None) -> Settings:
+    """The command line's settings, those it leaves out taken from ``trained`` (the model's
+    training record; its data settings only for its own family), else the defaults."""
+    origins: dict[str, str] = {}
+    rollout = trained.rollout if trained is not None else None
+    data = None if args.bfcl else data_section(args, trained, origins)
+    return Settings(
+        data=data,
+        max_new_tokens=_pick(origins, "max_new_tokens", args.max_new_tokens,
+                             rollout.max_new_tokens if rollout else NOT_RECORDED, DEFAULT_MAX_NEW_TOKENS),
+        temperature=_pick(origins, "temperature", args.temperature,
+                          rollout.temperature if rollout else NOT_RECORDED, GREEDY),
+        top_p=rollout.top_p if rollout else 1.0,
+        top_k=rollout.top_k if rollout else -1,
+        stop=list(rollout.stop) if rollout else [],
+        seed=args.seed,
+        origins=origins)
+
+
+def data_section(args: argparse.Namespace, trained: TrainedWith | None, origins: dict[str, str]) -> DataConfig:
     """``--data`` and its options as the config's ``data`` section, converted and checked by the
-    config loader and the task registry as gdpo-train's are (a ConfigError names the ``data.*`` key)."""
-    values = {"train_path": args.data, **{key: getattr(args, key) for key, _ in DATA_OPTIONS.values()}}
+    config loader and the task registry as gdpo-train's are (a ConfigError names the ``data.*``
+    key). Each option left out is the training's where the family is the one it trained on;
+    ``origins`` gets where each came from."""
+    prompts = trained.data if trained is not None else None
+    family = _pick(origins, "family", args.family, prompts.family if prompts else NOT_RECORDED, None)
+    if family is None:
+        raise UsageError(f"gdpo-eval: --data needs --family ({args.model} has no {TRAINING_FILE} to take it from)")
+    same_task = prompts is not None and prompts.family == family
+    values = {"train_path": args.data, "family": family}
+    for key, _ in DATA_OPTIONS.values():
+        if key != "family":  # a null the training recorded (e.g. the family's instructions) counts as trained
+            recorded = getattr(prompts, key, NOT_RECORDED) if same_task else NOT_RECORDED
+            values[key] = _pick(origins, key, getattr(args, key), recorded, None)
     data = from_dict(DataConfig, {key: value for key, value in values.items() if value is not None}, "data")
-    get_task(data.family, "data.family")
+    if get_task(data.family, "data.family").multi_turn:
+        raise ConfigError(f"--family: {data.family} is multi-turn; gdpo-eval scores single completions, not "
+                          "trajectories through an environment")
     return data
+
+
+def _pick(origins: dict[str, str], name: str, given, trained, default):
+    """``given`` unless None, else ``trained`` unless :data:`NOT_RECORDED`, else ``default``;
+    ``origins[name]`` says which."""
+    if given is not None:
+        origins[name] = GIVEN
+        return given
+    if trained is not NOT_RECORDED:
+        origins[name] = TRAINED
+        return trained
+    origins[name] = DEFAULT
+    return default
+
+
+def _shorten(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @console_entry
@@ -77,16 +204,24 @@ def main(argv: list[str]) -> int:
     args = parse(argv)
 
     from gdpo_megatron.preflight.validation import (about, check_code_sandbox, check_output_file, check_reward_specs,
-                                                    check_weights, data_prompts, prompt_lengths, read_model_config)
+                                                    check_weights, data_prompts, model_shape, prompt_lengths,
+                                                    read_model_config)
+    from gdpo_megatron.device import this_machine
     from gdpo_megatron.rollout.factory import DEFAULT_ENGINE, engine_class
 
     quiet_defaults()
     # Every check before the engine starts.
-    data = None if args.bfcl else data_section(args)
     hf_config = read_model_config(args.model, "--model")
+    trained = read_trained_with(args.model)
+    chosen = settings(args, trained)
+    data = chosen.data
+    model = model_shape(hf_config, "--model")
     with about("--model"):
         engine_class(DEFAULT_ENGINE).check_model(hf_config)
-    max_model_len = _max_model_len(hf_config, args.max_model_len, args.max_new_tokens)
+    max_model_len = _max_model_len(hf_config, args.max_model_len, chosen.max_new_tokens)
+    machine = this_machine()
+    if args.kv_cache_gib is not None:
+        _check_kv_cache(args.kv_cache_gib, model, machine, max_model_len, chosen.max_new_tokens)
     check_weights(args.model, "--model")
     if args.rewards is not None:
         names = args.rewards.split(",")
@@ -103,13 +238,17 @@ def main(argv: list[str]) -> int:
         samples = load_bfcl(limit=args.limit)
     else:
         samples = data_prompts(data, "--data")[: args.limit]
-    tell_what_does_not_fit(samples, prompt_lengths(samples, args.model, "--model"), max_model_len, args.max_new_tokens)
+    tell_what_does_not_fit(samples, prompt_lengths(samples, args.model, "--model"), max_model_len,
+                           chosen.max_new_tokens)
+    print(chosen.describe(args.model, trained), file=sys.stderr)
 
-    from gdpo_megatron.device import this_machine
     from gdpo_megatron.evaluate import evaluate
+    from gdpo_megatron.rollout.engine import SamplingConfig
 
-    metrics, _ = evaluate(args.model, samples, rewards, machine=this_machine(), bfcl=args.bfcl,
-                          max_new_tokens=args.max_new_tokens, max_model_len=max_model_len,
+    sampling = SamplingConfig(temperature=chosen.temperature, top_p=chosen.top_p, top_k=chosen.top_k,
+                              max_new_tokens=chosen.max_new_tokens, stop=tuple(chosen.stop), seed=chosen.seed)
+    metrics, _ = evaluate(args.model, samples, rewards, machine=machine, model=model, sampling=sampling,
+                          max_model_len=max_model_len, kv_cache_gib=args.kv_cache_gib, bfcl=args.bfcl,
                           allow_weaker_sandbox=args.allow_weaker_sandbox)
     text = json.dumps(metrics, indent=2, sort_keys=True)
     print(text)
@@ -135,6 +274,18 @@ def tell_what_does_not_fit(samples: list, lengths: list[int], max_model_len: int
         print(f"gdpo-eval: {len(samples) - len(kept)} of {len(samples)} prompts are longer than --max-model-len "
               f"{max_model_len} minus --max-new-tokens {max_new_tokens} and are left out; the scores cover the "
               f"other {len(kept)}{empty}", file=sys.stderr)
+
+
+def _check_kv_cache(kv_cache_gib: float, model, machine, max_model_len: int, max_new_tokens: int) -> None:
+    """``--kv-cache-gib`` holds one sequence of the whole context, as the engine needs to start
+    (where the engine sizes its cache from the sequences: on the CPU)."""
+    from gdpo_megatron.evaluate import engine_section
+
+    least = engine_section(model, machine, [max_model_len - max_new_tokens], max_new_tokens, max_model_len).kv_cache_gib
+    if least is not None and kv_cache_gib < least:
+        raise UsageError(f"--kv-cache-gib: {kv_cache_gib:g} holds less than one sequence of --max-model-len "
+                         f"{max_model_len} tokens, which the engine needs ({least:.3g} GiB); give at least that or "
+                         "a shorter --max-model-len")
 
 
 def _max_model_len(hf_config: dict, requested: int | None, max_new_tokens: int) -> int:

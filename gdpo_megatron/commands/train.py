@@ -5,8 +5,9 @@ before the process group, the policy or vLLM exist. A run directory whose run is
 so and stops there; otherwise one line says whether the run starts or resumes. Then each rank
 joins the launcher's process group, checks its machine against the pins and the config
 (:func:`~gdpo_megatron.preflight.doctor.preflight`), and runs the
-:class:`~gdpo_megatron.trainer.Trainer`. The run ends with a summary: reward means and where
-its checkpoint, export, metrics and plots are.
+:class:`~gdpo_megatron.trainer.Trainer`. The run ends with a summary: reward means, each reward's
+failures (with a warning for a reward that mostly failed) and where its checkpoint, export,
+metrics and plots are.
 
 Exit statuses beyond :mod:`.console`'s: :data:`EXIT_REQUEUE` after SIGUSR1/SIGTERM (a
 checkpoint was saved; a Slurm script requeues the job on it), :data:`EXIT_CTRL_C` after Ctrl-C,
@@ -29,11 +30,8 @@ from pathlib import Path
 from gdpo_megatron.commands.console import (EXIT_CTRL_C, ArgumentParser, console_entry, launch_rank,
                                             quiet_defaults, say)
 from gdpo_megatron.commands.cpu_malloc import reexec_with_tcmalloc
+from gdpo_megatron.exit_status import EXIT_PEER_LOST, EXIT_REQUEUE
 
-EXIT_REQUEUE = 75  # EX_TEMPFAIL: "try again later"
-# EX_UNAVAILABLE. Not a reason to requeue by itself: a crashed peer would crash again; Slurm
-# requeues a job whose node failed (sbatch --requeue).
-EXIT_PEER_LOST = 69
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -64,11 +62,22 @@ def main(argv: list[str]) -> int:
         else f"gdpo-train: a new run in {config.run_dir}, {config.steps} steps")
     try:
         outcome = run(config, inputs, machine)
-    except KeyboardInterrupt:
-        say("gdpo-train: stopped at once by a second Ctrl-C; rerun the same command to resume from the last "
-            "checkpoint")
+    except KeyboardInterrupt as e:
+        say(_stopped_by_ctrl_c(e, inputs.resume_step))
         return EXIT_CTRL_C
     return finish(config, outcome)
+
+
+def _stopped_by_ctrl_c(interrupt: KeyboardInterrupt, resume_step: int) -> str:
+    """What a Ctrl-C that ended :func:`run` did: a second one stopped the run where it was (the
+    trainer raises ``StoppedAtOnce``); a single one before the trainer took over the signals
+    stopped the start-up."""
+    trainer = sys.modules.get("gdpo_megatron.trainer")  # not loaded: the interrupt cannot be its
+    if trainer is not None and isinstance(interrupt, trainer.StoppedAtOnce):
+        return ("gdpo-train: stopped at once by a second Ctrl-C; rerun the same command to resume from the last "
+                "checkpoint")
+    rerun = f"resume from step {resume_step}" if resume_step else "start the run"
+    return f"gdpo-train: stopped by Ctrl-C during start-up, before any step; rerun the same command to {rerun}"
 
 
 def program() -> int:
@@ -133,10 +142,12 @@ def finish(config, outcome: str) -> int:
         STOPPED: ("stopped by Ctrl-C; rerun the same command to resume", EXIT_CTRL_C),
     }[outcome]
     if launch_rank() == 0:
+        from gdpo_megatron.metrics import read_metrics
         from gdpo_megatron.plot import plot_runs
         from gdpo_megatron.run_dir import summary
 
-        plots = plot_runs([config.run_dir], config.run_dir)
+        # Nothing to plot when a stop during start-up came before the run's first step.
+        plots = plot_runs([config.run_dir], config.run_dir) if read_metrics(config.run_dir) else []
         print(f"gdpo-train: {how}\n{summary(config.run_dir, config.rewards.names, plots)}", flush=True)
     return status
 

@@ -17,10 +17,18 @@ refuses. Nothing here imports, looks up or runs a name; dispatching a parsed
 which must then parse), or when it parses as calls as it stands (``cd(folder='x')``). Any other
 message is a plain answer, which ends the model's turn: "Done (both files moved)." is not a
 failed call.
+
+Chat templates of the Hermes / Qwen kind write calls as JSON in ``<tool_call>`` tags instead:
+``<tool_call>{"name": "cd", "arguments": {"folder": "x"}}</tool_call>``, one object or a list
+of them per tag, any text (a ``<think>`` block) around the tags. A message with such a tag is
+a call attempt whose block is its tags; :func:`parse_calls` reads each tag's content with
+:func:`json.loads` (an object with a ``name`` string and an ``arguments`` object), the same
+limits applying.
 """
 from __future__ import annotations
 
 import ast
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +38,7 @@ MAX_CALLS = 64  # calls in one message
 
 _FENCE = re.compile(r"\A```[A-Za-z]*\n?(.*?)\n?```\Z", re.DOTALL)
 _LOOKS_LIKE_CALL = re.compile(r"\A[A-Za-z_][A-Za-z0-9_]*\s*\(")
+_TOOL_CALL_TAG = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 _LITERAL_TYPES = (str, int, float, bool, type(None))
 
 
@@ -54,6 +63,9 @@ class Call:
 def call_block(message: str) -> str | None:
     """The call attempt in a model ``message``, or None when the message is a plain answer."""
     text = message.strip()
+    tags = _TOOL_CALL_TAG.findall(text)
+    if tags:
+        return "".join(f"<tool_call>{tag}</tool_call>" for tag in tags)
     fenced = _FENCE.match(text)
     if fenced:
         text = fenced.group(1).strip()
@@ -72,6 +84,8 @@ def parse_calls(text: str) -> list[Call]:
     """The calls in ``text`` (see the module docstring); CallRefused for anything else."""
     if len(text) > MAX_CALL_TEXT:
         raise CallRefused(f"call text of {len(text)} characters is over the limit of {MAX_CALL_TEXT}")
+    if text.lstrip().startswith("<tool_call>"):
+        return _json_calls(_TOOL_CALL_TAG.findall(text))
     try:
         tree = ast.parse(text.strip(), mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
@@ -81,6 +95,29 @@ def parse_calls(text: str) -> list[Call]:
     if len(nodes) > MAX_CALLS:
         raise CallRefused(f"{len(nodes)} calls in one message, over the limit of {MAX_CALLS}")
     return [_call(node) for node in nodes]
+
+
+def _json_calls(tags: list[str]) -> list[Call]:
+    objects = []
+    for tag in tags:
+        try:
+            value = json.loads(tag)
+        except (ValueError, RecursionError) as e:
+            raise CallRefused(f"not a JSON tool call: {type(e).__name__}: {e}") from None
+        objects.extend(value if isinstance(value, list) else [value])
+    if len(objects) > MAX_CALLS:
+        raise CallRefused(f"{len(objects)} calls in one message, over the limit of {MAX_CALLS}")
+    calls = []
+    for value in objects:
+        if not (isinstance(value, dict) and isinstance(value.get("name"), str)):
+            raise CallRefused(f"expected a tool call object with a 'name', got {json.dumps(value)[:80]}")
+        name, arguments = value["name"], value.get("arguments", {})
+        if name.startswith("_") or not name.isidentifier():
+            raise CallRefused(f"{name!r} is not a callable function name")
+        if not isinstance(arguments, dict) or not _json_like(arguments):
+            raise CallRefused(f"{name}: 'arguments' must be an object of JSON values")
+        calls.append(Call(name, (), dict(arguments)))
+    return calls
 
 
 def _call(node: ast.AST) -> Call:

@@ -15,6 +15,7 @@ import importlib
 from pathlib import Path
 
 from gdpo_megatron.config.environment import EnvironmentConfig
+from gdpo_megatron.config.loader import ConfigError
 from gdpo_megatron.environments.environment import Environment
 from gdpo_megatron.user_files import import_user_file
 
@@ -32,6 +33,18 @@ def configured_reference(environment: EnvironmentConfig, family_environment: str
     if environment.name is None:
         return family_environment
     return environment_reference(environment.name, environment.file)
+
+
+def check_family_environment(environment: EnvironmentConfig, family: str, multi_turn: bool,
+                             family_environment: str | None) -> None:
+    """ConfigError when the config's ``environment`` does not fit ``data.family``: a multi-turn
+    family's rollouts need an environment, a single-turn family's take none."""
+    if multi_turn and configured_reference(environment, family_environment) is None:
+        raise ConfigError(f"environment.name: data.family={family} rolls out trajectories through an environment; "
+                          "name one (environment.file and environment.name for your own)")
+    if not multi_turn and environment.name is not None:
+        raise ConfigError(f"environment.name: data.family={family} is single-turn (one completion per rollout); "
+                          f"use a multi-turn family (multi_turn, bfcl_multi_turn) or leave environment.name null")
 
 
 def environment_class(ref: str) -> type[Environment]:

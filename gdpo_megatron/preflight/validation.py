@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import tempfile
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
@@ -39,9 +40,10 @@ from gdpo_megatron.inputs import TrainingInputs
 from gdpo_megatron.config.policy import SHAPE_FIELDS, ModelConfig, ParallelConfig
 from gdpo_megatron.config.environment import EnvironmentConfig
 from gdpo_megatron.config.rewards import RewardSpec
-from gdpo_megatron.environments.registry import environment_class, environment_reference
+from gdpo_megatron.environments.registry import check_family_environment, environment_class, environment_reference
 from gdpo_megatron.rewards import sandbox
-from gdpo_megatron.rewards.registry import load_reward_file, registered_rewards, runs_code, validate_specs
+from gdpo_megatron.rewards.registry import (SignatureError, load_reward_file, registered_rewards, runs_code,
+                                             validate_specs)
 from gdpo_megatron.resolve import Resolved, check_model_split, data_parallel_size, resolve
 from gdpo_megatron.rollout.factory import engine_class
 from gdpo_megatron.run_dir import CHECKPOINT_DIR
@@ -235,6 +237,8 @@ def check_reward_specs(specs: Sequence[RewardSpec], key: str, *, in_config: bool
                                   f"(registered: {', '.join(known)}){hint}")
             try:
                 validate_specs([spec])
+            except SignatureError as e:  # the function, not the kwargs
+                raise ConfigError(f"{name_key}: {e}") from e
             except ValueError as e:
                 raise ConfigError(f"{kwargs_key}: {e}") from e
     problems.raise_any()
@@ -322,6 +326,21 @@ def launch_world_size() -> int:
         raise InputError(f"launch environment: {e}") from e
 
 
+def check_run_dir_by_writing(run_dir: str | os.PathLike) -> None:
+    """Create and remove a file in ``run_dir`` (or in its nearest existing parent, where the run
+    will create it): permission bits, which :func:`check_output_dir` reads, say yes to root
+    everywhere, also in /proc or on a read-only mount."""
+    existing = Path(run_dir).absolute()
+    while not existing.exists():
+        existing = existing.parent
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise InputError(f"run_dir: cannot write {run_dir}: creating a file in {existing} failed: "
+                         f"{e.strerror or e}") from e
+
+
 def check_settings(config: TrainConfig) -> list[Condition]:
     """The checks of a training run that read neither the base model nor the data; the
     conditions. Independent checks all run (the rewards are checked once their files imported,
@@ -329,6 +348,7 @@ def check_settings(config: TrainConfig) -> list[Condition]:
     problems, rewards = Problems(), config.rewards
     with problems.check():
         check_output_dir(config.run_dir, "run_dir")
+        check_run_dir_by_writing(config.run_dir)
     with problems.check():
         check_sandbox_python(rewards.sandbox_python, "rewards.sandbox_python")
     with problems.check():
@@ -338,6 +358,8 @@ def check_settings(config: TrainConfig) -> list[Condition]:
                            "set rewards.allow_weaker_sandbox=true")
     with problems.check():
         check_environment(config.environment, "environment")
+        family = get_task(config.data.family, "data.family")
+        check_family_environment(config.environment, family.name, family.multi_turn, family.environment)
     problems.raise_any()
     return conditions_by_column(config.advantage.conditions, rewards.names)
 
@@ -392,7 +414,7 @@ def check_training(config: TrainConfig, machine: Machine, world_size: int) -> Tr
             lengths = check_prompt_lengths(samples, config)
     if model is not None and lengths is not None:
         with problems.check():
-            resolved = resolve(config, machine, world_size, model, max(lengths))
+            resolved = resolve(config, machine, world_size, model, _longest_prompt(config, lengths))
     if resolved is not None:
         if batch_fits:
             with problems.check():
@@ -440,6 +462,14 @@ def check_host_memory(config: TrainConfig, resolved: Resolved, ranks: int, avail
                           f"{group} rollouts, with the KV cache that holds them, {need}; at most "
                           f"{fitting} prompts per step would fit")
     raise ConfigError(f"base_model: the run {need}; even its weights, policy and the smallest KV cache do not fit")
+
+
+def _longest_prompt(config: TrainConfig, lengths: Sequence[int]) -> int:
+    """What the KV cache is sized for before each rollout's max_new_tokens: the data's longest
+    prompt, or for a multi-turn family the whole token budget a trajectory may fill."""
+    if get_task(config.data.family).multi_turn:
+        return config.rollout.max_model_len - config.rollout.max_new_tokens
+    return max(lengths)
 
 
 # Keys whose value may change when a run directory resumes: how the run is laid out, sized,

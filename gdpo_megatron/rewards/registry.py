@@ -110,14 +110,26 @@ def failure_score(spec: RewardSpec) -> float:
     return bounds[0] if bounds is not None else 0.0
 
 
+class SignatureError(ValueError):
+    """A reward's function cannot be called as ``fn(completion, num_tokens, ground_truth, ...)``,
+    whatever its kwargs."""
+
+
 def validate_specs(specs: Sequence[RewardSpec]) -> None:
-    """Each reward registered, and its kwargs accepted by its function (and its check)."""
+    """Each reward registered, its function callable as a reward (else :class:`SignatureError`),
+    and its kwargs accepted by its function (and its check)."""
     for spec in specs:
         registered = _registered(spec.name)
+        signature = inspect.signature(registered.fn)
         try:
-            inspect.signature(registered.fn).bind("", 0, {}, **spec.kwargs)
+            signature.bind_partial("", 0, {})
         except TypeError as e:
-            raise ValueError(f"reward {spec.name!r}: kwargs {spec.kwargs} do not fit {_qualname(registered.fn)}: "
+            raise SignatureError(f"reward {spec.name!r} is {_described(registered.fn)}, which cannot be called as a "
+                                 f"reward, fn(completion, num_tokens, ground_truth, **kwargs): {e}") from None
+        try:
+            signature.bind("", 0, {}, **spec.kwargs)
+        except TypeError as e:
+            raise ValueError(f"reward {spec.name!r}: kwargs {spec.kwargs} do not fit {_described(registered.fn)}: "
                              f"{e}") from None
         if registered.check is not None:
             try:
@@ -132,3 +144,12 @@ def _is_finite_number(value: Any) -> bool:
 
 def _qualname(fn: Callable) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _described(fn: Callable) -> str:
+    """``name(its, signature)``, and where it is defined when Python knows."""
+    try:
+        where = f" ({inspect.getsourcefile(fn)}:{fn.__code__.co_firstlineno})"
+    except (TypeError, AttributeError):
+        where = ""
+    return f"{_qualname(fn)}{inspect.signature(fn)}{where}"

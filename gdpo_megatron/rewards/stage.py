@@ -7,9 +7,11 @@ its own timeout. A call that raises, returns a non-finite or non-numeric value o
 the reward's declared bounds, runs past its timeout, or takes its worker down scores the
 reward's failure score (:func:`~gdpo_megatron.rewards.registry.failure_score`: its lowest value unless the config sets
 ``failure_value``), so failing is never paid more than an honest wrong answer, and is counted
-in ``reward/<name>/failures`` (timeouts also in ``reward/<name>/timeouts``) and logged; so is
-a call whose code sandbox failed for its own reasons (``SandboxError``), never scored as the
-program's result. A worker that times out is killed and replaced; the sandboxed programs it
+in ``reward/<name>/failures`` (timeouts also in ``reward/<name>/timeouts``). Each batch logs one
+warning per failing reward: its name, how many of the batch's rollouts failed, and the first
+failure's sample and reason (what it returned, or what it raised with its innermost frames). A
+call whose code sandbox failed for its own reasons (``SandboxError``) is such a failure too,
+never scored as the program's result. A worker that times out is killed and replaced; the sandboxed programs it
 started and their working directories go with it. A worker that may have been damaged by a
 completion (its sandbox failed, or a sandboxed process outlived its run) is replaced too,
 after the call; the rewards of the rollout it had not scored yet go to another worker.
@@ -80,19 +82,34 @@ def _score(conn: Connection, specs: Sequence[RewardSpec], fns, bounds) -> None:
             damage = None
             try:
                 value = fns[k](completion, num_tokens, metadata, **specs[k].kwargs)
-                if not isinstance(value, numbers.Real) or not math.isfinite(value):
-                    raise TypeError(f"returned {value!r}, expected a finite number")
-                if bounds[k] is not None and not bounds[k][0] <= value <= bounds[k][1]:
-                    raise ValueError(f"returned {value!r}, outside its declared bounds {bounds[k]}")
-                conn.send((_VALUE, rollout, k, float(value)))
             except (Exception, SystemExit) as e:
-                conn.send((_ERROR, rollout, k, traceback.format_exc(limit=-3)))
+                conn.send((_ERROR, rollout, k, _raised(e)))
                 if isinstance(e, sandbox.SandboxError):
                     damage = f"its code sandbox failed: {e}"
+            else:
+                wrong = _wrong_value(value, bounds[k])
+                conn.send((_ERROR, rollout, k, wrong) if wrong else (_VALUE, rollout, k, float(value)))
             damage = damage or sandbox.damage()
             if damage is not None:
                 conn.send((_DAMAGED, damage))
                 return
+
+
+def _raised(error: BaseException) -> str:
+    """Why a reward call failed by raising: ``raised ValueError: ...``, then the innermost frames
+    (at most three) of the reward's code."""
+    frames = traceback.extract_tb(error.__traceback__)[1:]  # not _worker_main's own frame
+    where = "".join(traceback.format_list(frames[-3:]))
+    return f"raised {''.join(traceback.format_exception_only(error)).strip()}" + (f"\n{where.rstrip()}" if where else "")
+
+
+def _wrong_value(value, bounds: tuple[float, float] | None) -> str | None:
+    """Why a returned value cannot be a score (None if it can)."""
+    if not isinstance(value, numbers.Real) or not math.isfinite(value):
+        return f"returned {value!r}, expected a finite number"
+    if bounds is not None and not bounds[0] <= value <= bounds[1]:
+        return f"returned {value!r}, outside its declared bounds [{bounds[0]:g}, {bounds[1]:g}]"
+    return None
 
 
 @dataclass
@@ -269,7 +286,7 @@ class RewardStage:
             if worker.rollout is not None:
                 limit = self.timeouts[worker.indices[0]]
                 if now >= worker.started + limit:
-                    self._replace(worker, batch, f"timed out after {limit} s", timed_out=True)
+                    self._replace(worker, batch, f"timed out after {limit:g} s", timed_out=True)
 
     def _start_worker(self) -> _Worker:
         parent, child = self._ctx.Pipe()
@@ -328,15 +345,19 @@ class RewardBatch:
         self._inputs: dict[int, tuple[str, int, dict]] = {}
         self._waiting: deque[tuple[int, deque[int]]] = deque()
         self._values = [[math.nan] * K for _ in range(n)]
+        self._sample_ids: dict[int, str] = {}
         self._failures, self._timeouts = [0] * K, [0] * K
-        self._first_error: list[str | None] = [None] * K
+        self._first_error: list[tuple[int, str] | None] = [None] * K  # (rollout, why) per reward
         self._error: BaseException | None = None
 
-    def submit(self, i: int, completion: str, num_tokens: int, metadata: dict) -> None:
-        """Rollout ``i`` (in ``[0, n)``, each once) is ready to be scored."""
+    def submit(self, i: int, completion: str, num_tokens: int, metadata: dict, sample_id: str | None = None) -> None:
+        """Rollout ``i`` (in ``[0, n)``, each once) is ready to be scored; ``sample_id``: the id
+        of its prompt, which a failure's message names."""
         if not 0 <= i < self.n or i in self._inputs:
             raise ValueError(f"reward stage: rollout {i} is out of [0, {self.n}) or was submitted twice")
         self._inputs[i] = (completion, num_tokens, metadata)
+        if sample_id is not None:
+            self._sample_ids[i] = sample_id
         self._waiting.append((i, deque(range(len(self._stage.specs)))))
         if self._error is not None:
             return
@@ -354,10 +375,9 @@ class RewardBatch:
             raise ValueError(f"reward stage: collect() after {len(self._inputs)} of {self.n} rollouts were submitted")
         self._stage.complete(self)
         names = self._stage.names
-        for k, why in enumerate(self._first_error):
-            if why is not None:
-                log.warning("reward %s failed on %d of %d rollouts; first failure:\n%s",
-                            names[k], self._failures[k], self.n, why)
+        for k, first in enumerate(self._first_error):
+            if first is not None:
+                log.warning(self._failure_report(k, *first))
         rewards = torch.tensor(self._values, dtype=torch.float32).reshape(self.n, len(names))
         metrics = {}
         for k, name in enumerate(names):
@@ -395,4 +415,12 @@ class RewardBatch:
         self._values[i][k] = self._stage.failure_scores[k]
         self._failures[k] += 1
         self._timeouts[k] += timed_out
-        self._first_error[k] = self._first_error[k] or why
+        self._first_error[k] = self._first_error[k] or (i, why)
+
+    def _failure_report(self, k: int, i: int, why: str) -> str:
+        """``reward 'name' failed on F of N rollouts (...); the first, of sample 'id': <why>``."""
+        stage = self._stage
+        timeouts = f", {self._timeouts[k]} timed out" if self._timeouts[k] else ""
+        sample = f"sample {self._sample_ids[i]!r} (rollout {i})" if i in self._sample_ids else f"rollout {i}"
+        return (f"reward {stage.names[k]!r} failed on {self._failures[k]} of {self.n} rollouts{timeouts}, each "
+                f"scoring its failure value {stage.failure_scores[k]:g}; the first, {sample}: {why}")

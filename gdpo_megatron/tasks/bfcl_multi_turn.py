@@ -19,6 +19,7 @@ import json
 from typing import Any
 
 from gdpo_megatron.environments.bfcl import available_tools, check_config, reference_problem
+from gdpo_megatron.tasks.multi_turn import REWARDS, check_fields, check_turns
 from gdpo_megatron.tasks.task import Task, UnusableGroundTruth
 
 SYSTEM_PROMPT = (
@@ -38,22 +39,13 @@ SYSTEM_PROMPT = (
 
 
 def parse_ground_truth(value: Any, key: str, row: dict, where: str) -> dict:
-    if not isinstance(value, dict) or set(value) != {"environment_config", "reference_calls", "later_turns"}:
-        raise ValueError(f"{where}: {key!r} must be a dict of environment_config, reference_calls and later_turns")
+    check_fields(value, key, where)
     try:
         check_config(value["environment_config"])
     except ValueError as e:
         raise ValueError(f"{where}: {key}.environment_config: {e}") from None
-    reference, later = value["reference_calls"], value["later_turns"]
-    if not (isinstance(reference, list) and reference
-            and all(isinstance(t, list) and all(isinstance(c, str) for c in t) for t in reference)):
-        raise ValueError(f"{where}: {key}.reference_calls must be a non-empty list (one per user turn) of "
-                         "lists of call strings")
-    if not (isinstance(later, list) and len(later) == len(reference) - 1 and all(
-            isinstance(t, list) and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in t)
-            for t in later)):
-        raise ValueError(f"{where}: {key}.later_turns must hold the user messages of the {len(reference) - 1} "
-                         "turns after the first")
+    check_turns(value, key, where)
+    reference = value["reference_calls"]
     problem = reference_problem(value["environment_config"], reference)
     if problem:
         raise UnusableGroundTruth(f"{where}: {problem}", "reference calls that do not fit the question's functions")
@@ -70,6 +62,7 @@ TASK = Task(
     ground_truth_keys=("multi_turn",),
     parse_ground_truth=parse_ground_truth,
     instructions=instructions,
-    rewards=("multi_turn_format", "multi_turn_state", "multi_turn_response", "multi_turn_efficiency"),
+    rewards=REWARDS,
     environment="bfcl",
+    multi_turn=True,
 )

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 from gdpo_megatron.config.loader import require
-from gdpo_megatron.tasks import bfcl_multi_turn, code, math, tool, toolrl
+from gdpo_megatron.tasks import bfcl_multi_turn, code, math, multi_turn, tool, toolrl
 from gdpo_megatron.tasks.task import Task
 
 TASKS: dict[str, Task] = {task.name: task for task in (math.TASK, tool.TASK, code.TASK, toolrl.TASK,
-                                                       bfcl_multi_turn.TASK)}
+                                                       bfcl_multi_turn.TASK, multi_turn.TASK)}
 
 
 def task_names() -> tuple[str, ...]:

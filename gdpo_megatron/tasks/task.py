@@ -44,6 +44,9 @@ class Task:
     # Whether a chat's final assistant message (NeMo-RL's layout) is the ground truth when
     # none of ground_truth_keys is there.
     reference_in_chat: bool = False
-    # The environment a multi-turn family's rollouts step through (a reference that
-    # gdpo_megatron.environments.registry resolves, e.g. "bfcl"); None for a single-turn family.
+    # Whether a rollout is a multi-turn trajectory through an environment (else one completion).
+    multi_turn: bool = False
+    # The environment a multi-turn family's rollouts step through by default (a reference that
+    # gdpo_megatron.environments.registry resolves, e.g. "bfcl"); None: the config's
+    # environment section names it (a single-turn family has none).
     environment: str | None = None

@@ -15,7 +15,10 @@ from pathlib import Path
 
 from gdpo_megatron.rewards.sandbox.limits import SandboxError
 
-REAP_TIMEOUT_S = 5.0
+# How long a killed process may take to be gone before that is an error. The kernel ends a PID
+# namespace's init only once every process in it is gone; on a loaded machine (load 14, two
+# cores) that took over 5 s for a run that had forked 31 processes.
+REAP_TIMEOUT_S = 30.0
 # Sandbox user ids: _UID_BASE + user * _UID_STRIDE + the pid of the process running the sandbox.
 _UID_BASE, _UID_STRIDE = 10_000_000, 1 << 22  # the stride is above the largest pid (PID_MAX_LIMIT)
 SANDBOX_USERS = 2  # per caller: runs started side by side run as different users

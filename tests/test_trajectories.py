@@ -1,0 +1,259 @@
+"""Multi-turn rollouts: trajectory rows of the policy batch, chat-template continuations, and a
+trainer run through a user's environment on the demo model."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from gdpo_megatron.config import ConfigError, TrainConfig, load_config
+from gdpo_megatron.data.chat import encode_prompt, render_prompt
+from gdpo_megatron.environments import Trajectory
+from gdpo_megatron.experience import Rollouts, to_policy_batch
+from gdpo_megatron.trajectories import Span, TemplateMismatch, TrajectoryRollout, continuation_tokens
+
+ROOT = Path(__file__).resolve().parents[1]
+CITY_DESK = ROOT / "examples" / "environments" / "city_desk.py"
+
+
+def _trajectory(prompt, spans):
+    return TrajectoryRollout(prompt, spans, Trajectory.from_texts("env", [["x"]]), "answered",
+                             sum(s.is_model for s in spans))
+
+
+def test_only_the_model_spans_are_trained_with_their_sampling_logprobs():
+    # prompt | model | environment | model | user | model, and a second row: prompt | model
+    a = _trajectory([1, 2, 3], [Span([4, 5], [-0.1, -0.2]), Span([6, 7, 8]), Span([9], [-0.3]), Span([10]),
+                                Span([11, 12], [-0.4, -0.5])])
+    b = _trajectory([21, 22, 23, 24, 25], [Span([26], [-0.6])])
+    rollouts = Rollouts([], torch.tensor([0, 1]), [a, b])
+    batch = to_policy_batch(rollouts, 2, torch.tensor([1.0, -1.0]), torch.tensor([True, True]), pad_id=0,
+                            pad_multiple=4)
+    assert batch.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [21, 22, 23, 24, 25, 26] + [0] * 6]
+    model_positions = [[3, 4, 8, 10, 11], [5]]  # by hand: where each model token sits in its row
+    expected_mask = torch.zeros(2, 12, dtype=torch.bool)
+    expected_logprobs = torch.zeros(2, 11)
+    for row, (positions, logprobs) in enumerate(zip(model_positions, [[-0.1, -0.2, -0.3, -0.4, -0.5], [-0.6]])):
+        for p, lp in zip(positions, logprobs):
+            expected_mask[row, p] = True
+            expected_logprobs[row, p - 1] = lp  # the logprob of target p is predicted at p - 1
+    assert torch.equal(batch.loss_mask, expected_mask)
+    assert torch.equal(batch.rollout_logprobs, expected_logprobs)
+    assert batch.lengths.tolist() == [12, 6]
+    assert rollouts.num_tokens == [5, 1]
+    batch.validate(vocab_size=32)
+    assert int(batch.first_target()) == 2  # the first model token's target column
+    # token-budget micro-batches keep each row's masks and logprobs
+    order, micro = batch.split_by_tokens(12)
+    assert [m.size for m in micro] == [1, 1] and order.tolist() == [0, 1]
+    assert torch.equal(micro[1].loss_mask, expected_mask[1:, :6])
+    assert torch.equal(micro[1].rollout_logprobs, expected_logprobs[1:, :5])
+    # a rollout out of the update (the group filter) trains on nothing
+    kept = to_policy_batch(rollouts, 2, torch.tensor([1.0, -1.0]), torch.tensor([False, True]), pad_id=0)
+    assert not kept.loss_mask[0].any() and torch.equal(kept.loss_mask[1], expected_mask[1])
+
+
+QWEN_LIKE = (  # Qwen2.5's layout: tool results grouped in a user turn as <tool_response> blocks
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}"
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "\n<tool_response>\n{{ m.content }}\n</tool_response>"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+DROPS_EARLIER_THOUGHTS = QWEN_LIKE.replace(
+    "{{ m.content }}<|im_end|>\n{% endif %}",
+    "{% if m.role == 'assistant' and not loop.last %}{{ m.content.split('</think>')[-1] }}"
+    "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endif %}")
+
+
+def _tokenizer(template=None):
+    """The demo model's tokenizer; with ``template``, Qwen's special tokens too."""
+    from gdpo_megatron.demo.warmup import build_tokenizer
+
+    tok = build_tokenizer()
+    if template is not None:
+        tok.add_special_tokens({"eos_token": "<|im_end|>", "additional_special_tokens": ["<|im_start|>"]})
+        tok.chat_template = template
+    return tok
+
+
+@pytest.fixture(scope="module")
+def tokenizers():
+    return {"demo": _tokenizer(), "qwen_like": _tokenizer(QWEN_LIKE)}
+
+
+@pytest.mark.parametrize("template", ["demo", "qwen_like"])
+def test_continuations_extend_the_tokens_as_the_template_renders_the_chat(tokenizers, template):
+    tok = tokenizers[template]
+    chat = [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": "Weather in Oslo?"}]
+    tokens = encode_prompt(tok, chat)
+    turns = [
+        ("[get_weather(city='Oslo')]", [{"role": "tool", "content": '{"weather": "rain"}'}]),
+        ("[get_time(city='Oslo')]", [{"role": "tool", "content": "09:00"}, {"role": "tool", "content": "ok"}]),
+        ("Rain, and it is nine.", [{"role": "user", "content": "And in Lima?"}]),
+    ]
+    for reply, new in turns:
+        sampled = tok(reply, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        text, following = continuation_tokens(tok, chat, sampled, "stop", new)
+        assert text == reply  # the end-of-turn token is the template's, not the reply's
+        earlier = list(tokens)
+        tokens = tokens + sampled + following
+        assert tokens[:len(earlier)] == earlier
+        chat = [*chat, {"role": "assistant", "content": reply}, *new]
+        assert tok.decode(tokens, skip_special_tokens=False) == render_prompt(tok, chat)
+        assert tok.decode(following, skip_special_tokens=False).endswith(render_prompt(tok, chat)[-12:])
+    # a reply cut by max_new_tokens: the template closes it
+    cut = tok("[get_wea", add_special_tokens=False)["input_ids"]
+    text, following = continuation_tokens(tok, chat, cut, "length", [{"role": "tool", "content": "err"}])
+    whole = [*chat, {"role": "assistant", "content": text}, {"role": "tool", "content": "err"}]
+    assert tok.decode(tokens + cut + following, skip_special_tokens=False) == render_prompt(tok, whole)
+
+
+def test_a_template_that_rewrites_earlier_turns_cannot_be_continued():
+    tok = _tokenizer(DROPS_EARLIER_THOUGHTS)
+    chat = [{"role": "user", "content": "Weather in Oslo?"}]
+    sampled = tok("<think>look</think>[get_weather(city='Oslo')]", add_special_tokens=False)["input_ids"]
+    with pytest.raises(TemplateMismatch, match="renders the trajectory so far differently once tool messages follow"):
+        continuation_tokens(tok, chat, sampled + [tok.eos_token_id], "stop", [{"role": "tool", "content": "rain"}])
+
+
+def test_preflight_refuses_a_family_and_environment_that_do_not_fit():
+    from gdpo_megatron.config import EnvironmentConfig
+    from gdpo_megatron.environments.registry import check_family_environment
+
+    with pytest.raises(ConfigError, match=r"^environment.name: data.family=multi_turn rolls out trajectories"):
+        check_family_environment(EnvironmentConfig(), "multi_turn", True, None)
+    with pytest.raises(ConfigError, match=r"^environment.name: data.family=tool is single-turn"):
+        check_family_environment(EnvironmentConfig(name="bfcl"), "tool", False, None)
+    check_family_environment(EnvironmentConfig(), "bfcl_multi_turn", True, "bfcl")
+    check_family_environment(EnvironmentConfig(name="CityDesk", file=str(CITY_DESK)), "multi_turn", True, None)
+
+
+# ---- a run on the demo model through a user's environment ---------------------------------------
+
+CONFIG = "configs/multi_turn_cpu.yaml"  # CityDesk, the two-turn questions of examples/data/city_desk.jsonl
+
+
+def _overrides(base_model, run_dir, steps, *extra):
+    return [f"base_model={base_model}", f"run_dir={run_dir}", f"steps={steps}", "data.prompts_per_step=2",
+            "rollout.group_size=2", "policy.micro_batch_size=2", "checkpoint.save_every=0",
+            "checkpoint.export_hf=false", "logging.progress_bar=false", *extra]
+
+
+def _train_and_roll_out(overrides):
+    """Train, then roll out the first step's prompts once more with the trained engine."""
+    from gdpo_megatron.experience import to_policy_batch
+    from gdpo_megatron.rollout.engine import SamplingConfig
+    from support.trainer import make_trainer
+
+    trainer = make_trainer(load_config(TrainConfig, CONFIG, overrides))
+    try:
+        trainer.train()
+        samples = [trainer.samples[i] for i in trainer.schedule.indices(0)]
+        before = trainer.engine.prefix_cache
+        rollouts = trainer.trajectories.roll_out(trainer.engine, samples, 2, SamplingConfig(max_new_tokens=48, seed=7),
+                                                 list(range(len(samples))))
+        cache = trainer.engine.prefix_cache - before
+        batch = to_policy_batch(Rollouts([], torch.zeros(len(rollouts)), rollouts), 2, torch.ones(len(rollouts)),
+                                torch.ones(len(rollouts), dtype=torch.bool), 0)
+        decoded = [[(trainer.tokenizer.decode(s.token_ids), s.is_model) for s in r.spans] for r in rollouts]
+        return rollouts, batch, decoded, (cache.queries, cache.hits)
+    finally:
+        trainer.close()
+
+
+@pytest.mark.slow
+def test_a_run_steps_trajectories_through_a_users_environment(demo_base_model, tmp_path):
+    from gdpo_megatron.metrics import read_metrics
+    from support.local_world import run_local
+
+    run_dir = tmp_path / "run"
+    ((rollouts, batch, decoded, (queries, hits)),) = run_local(
+        _train_and_roll_out, 1, _overrides(demo_base_model, run_dir, 2))
+
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r["rollout/model_turns_mean"] > 1  # the model went again after the environment's replies
+        assert r["rollout/observation_tokens_mean"] > 0
+        assert r["rollout/prefix_cache_hit_frac"] > 0  # later turns reuse the earlier turns' blocks
+        assert sum(r[f"rollout/ended_{e}_frac"] for e in ("answered", "turn_limit", "token_budget", "failed")) == 1
+        assert r["rollout/ended_failed_frac"] == 0 and r["reward/multi_turn_state/failures"] == 0
+        assert 0 <= r["reward/multi_turn_format/mean"] <= 1 and 0 <= r["reward/multi_turn_state/mean"] <= 1
+        # the policy's recompute over the whole trajectory matches vLLM at the model's tokens
+        assert r["rollout/logprob_mismatch"] < 1e-3 and r["train/num_tokens"] > 0
+    assert hits > 0 and queries > hits
+
+    observations = [text for spans in decoded for text, is_model in spans if not is_model]
+    assert any('"city":' in text for text in observations), observations  # CityDesk's replies
+    for rollout, row_mask, row_ids in zip(rollouts, batch.loss_mask, batch.input_ids):
+        assert rollout.trajectory.environment.endswith("city_desk.py:CityDesk")
+        assert rollout.model_turns == sum(s.is_model for s in rollout.spans) >= 1
+        position = len(rollout.prompt_ids)
+        for span in rollout.spans:  # masks: the model's spans, nothing of the environment's or the user's
+            stop = position + len(span.token_ids)
+            assert row_ids[position:stop].tolist() == span.token_ids
+            assert row_mask[position:stop].all() if span.is_model else not row_mask[position:stop].any()
+            position = stop
+        assert not row_mask[:len(rollout.prompt_ids)].any() and not row_mask[position:].any()
+        assert len(rollout.prompt_ids) + sum(len(s.token_ids) for s in rollout.spans) <= 320
+        texts = [m.text for turn in rollout.trajectory.turns for m in turn]
+        assert len(texts) == rollout.model_turns
+
+
+def _train(overrides):
+    from support.trainer import make_trainer
+
+    trainer = make_trainer(load_config(TrainConfig, CONFIG, overrides))
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [(), ("policy.parallel.tensor_model_parallel_size=2",)], ids=["dp2", "tp2"])
+def test_trajectories_and_their_rewards_are_the_same_on_two_ranks(demo_base_model, tmp_path, layout):
+    """Two data-parallel replicas (each rolling out half the step's prompts), or one replica of
+    two tensor-parallel ranks (the leader's environments, the other rank's engine fed what came
+    back), roll out the same trajectories as one rank: the same rewards, turns and tokens."""
+    from gdpo_megatron.metrics import read_metrics
+    from support.local_world import run_local
+
+    records = {}
+    for name, world in (("one", 1), ("two", 2)):
+        run_dir = tmp_path / name
+        extra = layout if world == 2 else ()
+        assert run_local(_train, world, _overrides(demo_base_model, run_dir, 1, *extra)) == ["done"] * world
+        (records[name],) = read_metrics(run_dir)
+    same = [k for k in records["one"] if k.startswith(("reward/", "advantage/", "rollout/"))
+            and not k.startswith(("rollout/logprob_mismatch", "rollout/prefix_cache"))]
+    assert {k: records["two"][k] for k in same} == pytest.approx({k: records["one"][k] for k in same}, abs=1e-9)
+    assert records["one"]["rollout/model_turns_mean"] > 1
+
+
+def test_gdpo_eval_refuses_a_multi_turn_family(tmp_path):
+    from gdpo_megatron.commands.eval import data_section, parse
+
+    with pytest.raises(ConfigError, match=r"^--family: multi_turn is multi-turn; gdpo-eval scores single completions"):
+        data_section(parse(["--model", str(tmp_path), "--data", str(ROOT / "examples/data/city_desk.jsonl"),
+                            "--family", "multi_turn"]), None, {})
+
+
+@pytest.mark.slow
+def test_a_short_multi_turn_run_learns_the_call_format(demo_base_model, tmp_path):
+    """configs/multi_turn_cpu.yaml for 20 steps: the share of the model's call attempts that
+    parse and fit CityDesk's functions rises (about 0.3 -> 0.6 here)."""
+    from gdpo_megatron.metrics import read_metrics
+    from support.local_world import run_local
+
+    run_dir = tmp_path / "learn"
+    overrides = [f"base_model={demo_base_model}", f"run_dir={run_dir}", "checkpoint.save_every=0",
+                 "checkpoint.export_hf=false", "logging.progress_bar=false"]
+    assert run_local(_train, 1, overrides) == ["done"]
+    format_means = [r["reward/multi_turn_format/mean"] for r in read_metrics(run_dir)]
+    assert len(format_means) == 20
+    first, last = sum(format_means[:5]) / 5, sum(format_means[-5:]) / 5
+    assert last > first + 0.1, format_means

@@ -24,8 +24,11 @@ class UserError(Exception):
 def together(errors: Sequence[UserError]) -> UserError:
     """One error to raise for independent ``errors`` (at least one): the error itself if it is
     alone, else an error of their nearest common class holding each (``mistakes``), one line
-    each in its message."""
-    flat = [m for e in errors for m in (e.mistakes or (e,))]
+    each in its message. A mistake two checks found (the same message) is named once."""
+    first: dict[str, UserError] = {}
+    for mistake in (m for e in errors for m in (e.mistakes or (e,))):
+        first.setdefault(str(mistake), mistake)
+    flat = list(first.values())
     if len(flat) == 1:
         return flat[0]
     common = next(c for c in type(flat[0]).__mro__ if all(isinstance(e, c) for e in flat))

@@ -615,6 +615,9 @@ def main() -> None:
     if args.trl_tcmalloc and tcmalloc_library() is None:
         raise SystemExit("--trl-tcmalloc: tcmalloc is not installed (Debian/Ubuntu: libtcmalloc-minimal4)")
 
+    for option, python in (("--trl-python", args.trl_python), ("--trl-vllm-python", args.trl_vllm_python)):
+        if python and not os.access(python, os.X_OK):
+            raise SystemExit(f"{option}: {python} is not an executable python")
     pythons = {side: sys.executable for side in SIDES} | {"trl": args.trl_python, "trl-vllm": args.trl_vllm_python}
     sides = [side for side in SIDES if pythons[side]]
     rows = []

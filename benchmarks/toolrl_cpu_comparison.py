@@ -1,6 +1,6 @@
 """GDPO vs GRPO vs GRPO without std on ToolRL's task on a CPU, registered before it was run.
 
-    python benchmarks/toolrl_cpu_comparison.py [--seeds 8] [--steps 60] [--jobs 2]
+    python benchmarks/toolrl_cpu_comparison.py [--seeds 8] [--steps 100] [--jobs 2]
                                                [--out runs/toolrl_cpu_comparison]
 
 The registration (docs/benchmarks.md, "ToolRL on the CPU: GDPO vs GRPO, registered"):
@@ -12,14 +12,14 @@ The registration (docs/benchmarks.md, "ToolRL on the CPU: GDPO vs GRPO, register
 - Arms: ``advantage.mode`` gdpo, grpo, grpo_no_std, all else equal. Seed index s runs every
   arm with ``seed=s data.shuffle_seed=s``: the same prompt order and sampling seed, so the
   arms share their first rollouts and are compared in pairs.
-- Seeds: ``SEEDS`` = 8 per arm, 24 runs of ``STEPS`` = 60 steps.
+- Seeds: ``SEEDS`` = 8 per arm, 24 runs of ``STEPS`` = 100 steps.
 - Endpoints: held-out ``toolrl_correctness`` mean and held-out ``toolrl_format`` mean of
   the final export.
 - Test: two-sided paired t-test over the seed indices, GDPO against each other arm, on both
   endpoints: 4 tests, Holm-Bonferroni at a family-wise alpha of 0.05. The report also counts
   the seeds each arm wins.
-- Format collapse (the signature the paper reports on this task: the format reward's
-  training mean falling back after it has risen), descriptive, no test: a run collapses when
+- Format collapse (the paper's signature of a failed multi-reward run, the format reward
+  lost, made operational here), descriptive, no test: a run collapses when
   its training ``toolrl_format`` trailing mean over ``SMOOTH`` steps ends below half of its
   peak and the peak is at least ``COLLAPSE_PEAK``; counted per arm, with the held-out
   format score of the collapsed runs.
@@ -49,7 +49,7 @@ from gdpo_megatron.metrics import read_metrics
 from gdpo_megatron.plot import plot_runs
 
 SEEDS = 8
-STEPS = 60
+STEPS = 100
 ALPHA = 0.05
 SMOOTH = 5
 COLLAPSE_PEAK = 0.2

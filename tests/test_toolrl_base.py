@@ -2,7 +2,6 @@
 import hashlib
 import json
 import re
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest

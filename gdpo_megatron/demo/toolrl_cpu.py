@@ -12,7 +12,6 @@ Each stage is its own process (the engines of one do not stay in memory for the 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess

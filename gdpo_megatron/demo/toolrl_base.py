@@ -17,8 +17,10 @@ Warm-up. Supervised steps on the warm-up rows, loss on the answer tokens only. E
 ``<think>`` block is cut to its first sentences (at least ``THINK_CHARS`` characters): the
 full distilled blocks run to about 400 tokens, which a CPU run cannot afford to sample; the
 shape ToolRL's format reward checks (think block, then ``<tool_call>`` and/or
-``<response>``) is unchanged. The default budget leaves a model that writes ToolRL's format
-in some completions and a correct call rarely, so both rewards have spread to learn from.
+``<response>``) is unchanged. The default budget (200 steps of 4 rows, about 7 minutes of
+one core) leaves a model that writes ToolRL's format in about a quarter of its greedy
+completions on the test prompts, but gets no part of a reference call right yet (the
+measurements: docs/benchmarks.md, "ToolRL on the CPU").
 """
 from __future__ import annotations
 
@@ -110,7 +112,7 @@ def answer_loss(model, batch: list[tuple[list[int], int]], pad_id: int) -> torch
     return torch.nn.functional.cross_entropy(logits, ids[:, 1:][where])
 
 
-def make_toolrl_base(out_dir: str | Path, steps: int = 300, batch_size: int = 4, lr: float = 2e-3, seed: int = 0,
+def make_toolrl_base(out_dir: str | Path, steps: int = 200, batch_size: int = 4, lr: float = 2e-3, seed: int = 0,
                      log=print) -> Path:
     """Warm up a random Llama of ``SHAPE`` on the warm-up rows; write it, its tokenizer and
     the RL prompt rows to ``out_dir``."""
@@ -157,7 +159,7 @@ def make_toolrl_base(out_dir: str | Path, steps: int = 300, batch_size: int = 4,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gdpo_megatron.demo.toolrl_base", description=__doc__.split("\n")[0])
     parser.add_argument("out_dir", nargs="?", default="runs/toolrl_base")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)

@@ -161,10 +161,12 @@ def census(config: TrainConfig, prompts: int) -> tuple[list[str], dict]:
 
 # ---- 3. training runs ------------------------------------------------------------------------
 
-def train(mode: str, seed: int, steps: int, run_dir: Path, overrides: list[str]) -> Path:
+def train(mode: str, seed: int, steps: int, run_dir: Path, overrides: list[str], config: str = CONFIG) -> Path:
+    """One ``gdpo-train`` process of ``config`` (one thread, its output in ``<run_dir>.log``);
+    a run that finished earlier is reused."""
     if (run_dir / "hf").is_dir():
-        return run_dir  # finished earlier: reuse
-    cmd = [sys.executable, "-m", "gdpo_megatron", "train", "--config", CONFIG, *overrides,
+        return run_dir
+    cmd = [sys.executable, "-m", "gdpo_megatron", "train", "--config", config, *overrides,
            f"advantage.mode={mode}", f"seed={seed}", f"data.shuffle_seed={seed}", f"steps={steps}",
            f"run_dir={run_dir}", "logging.progress_bar=false", "checkpoint.save_every=0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}

@@ -24,7 +24,7 @@ what else differs). Each TRL side is a row of every table, against the same runs
 Workloads (``WORKLOADS``), each on a random fp32 Llama that both sides start from:
 - ``tool``: the paper's tool-calling shape. ToolRL's bundled test prompts (tool schemas and
   ToolRL's system prompt, ~3,000 characters: ~800 tokens) with a tokenizer of realistic
-  vocabulary (``workload_tokenizer.py``), 8 completions of at most 256 tokens per prompt,
+  vocabulary (``gdpo_megatron/demo/repo_tokenizer.py``), 8 completions of at most 256 tokens per prompt,
   ToolRL's two rewards;
 - ``math``: short prompts (the bundled math set, the math system prompt), 8 completions of at
   most 512 tokens per prompt, the two math rewards;
@@ -111,7 +111,7 @@ TRL_VLLM_BLOCK_SIZE = 128  # vLLM's KV cache block on CPU where the caller sets 
 @dataclass(frozen=True)
 class Model:
     """A random fp32 Llama's shape; ``tokenizer``: "demo" (the demo's 512-token BPE and chat
-    template) or "realistic" (``workload_tokenizer``: ~18k tokens of BPE in 32k rows, ChatML)."""
+    template) or "realistic" (``repo_tokenizer``: ~18k tokens of BPE in 32k rows, ChatML)."""
 
     hidden: int
     heads: int
@@ -176,7 +176,7 @@ def write_model(path: Path, model: Model) -> int:
     if model.tokenizer == "demo":
         from gdpo_megatron.demo.warmup import build_tokenizer
     else:
-        from workload_tokenizer import build_tokenizer
+        from gdpo_megatron.demo.repo_tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer()
     config = LlamaConfig(

@@ -68,7 +68,7 @@ from support.memory import logprob_step_bytes_per_logit  # noqa: E402  (policy_s
 
 from gdpo_megatron.config import TrainConfig, from_dict  # noqa: E402
 from gdpo_megatron.config.policy import ModelConfig, OptimConfig, PolicyConfig, PrecisionConfig  # noqa: E402
-from gdpo_megatron.device import CUDA, place_rank  # noqa: E402
+from gdpo_megatron.device import place_rank, this_machine  # noqa: E402
 from gdpo_megatron.policy.batch import PolicyBatch  # noqa: E402
 
 GIB = 2**30
@@ -91,6 +91,11 @@ class Sizes:
     check_rows: int
     check_length: int
     copy_gib: float
+
+
+def this_rank():
+    """The one rank's placement on this machine: its GPU, or the CPU in a dry run."""
+    return place_rank(this_machine(), 0)
 
 
 def sizes(dry_run: bool) -> Sizes:
@@ -305,7 +310,7 @@ def update(name: str, size: Sizes) -> dict:
     config = update_policy(model, size)
     batch = rows_of(model, size.rows, size.shortest, longest)
     cuda = torch.cuda.is_available()
-    with PolicyWorker(resolved_here(config), place_rank(CUDA, 0)) as worker:
+    with PolicyWorker(resolved_here(config), this_rank()) as worker:
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -386,7 +391,7 @@ def agreement(size: Sizes, work: Path) -> dict:
                             optim=OptimConfig(lr=1e-4), micro_batch_size=batch.size)
 
     exported = work / "fp32"
-    with PolicyWorker(resolved_here(policy("fp32")), place_rank(CUDA, 0)) as worker:  # random weights, exported in fp32
+    with PolicyWorker(resolved_here(policy("fp32")), this_rank()) as worker:  # random weights, exported in fp32
         save_hf_checkpoint(worker.gpt_model, model, exported)
         ours = worker.compute_logprobs(batch).cpu()
     hf = load_transformers(exported, torch.float32)
@@ -395,7 +400,7 @@ def agreement(size: Sizes, work: Path) -> dict:
     _free()
 
     init = lambda m: load_hf_weights(m, model, exported)  # noqa: E731
-    with PolicyWorker(resolved_here(policy("bf16")), place_rank(CUDA, 0), init_weights=init) as worker:
+    with PolicyWorker(resolved_here(policy("bf16")), this_rank(), init_weights=init) as worker:
         ours = worker.compute_logprobs(batch).cpu()
         hf = load_transformers(exported, torch.bfloat16)
         result["logprobs"]["bf16"] = gap(ours, transformers_logprobs(hf, batch), targets)
@@ -458,14 +463,14 @@ def checkpoint_round_trip(size: Sizes, work: Path) -> dict:
         tensors.update({f"optimizer.{k}": v for k, v in _tensors(worker.optimizer.state_dict()).items()})
         return {k: v.detach().cpu().clone() for k, v in tensors.items()}
 
-    with PolicyWorker(resolved_here(config), place_rank(CUDA, 0), seed=1) as worker:
+    with PolicyWorker(resolved_here(config), this_rank(), seed=1) as worker:
         worker.train_step(batch)
         started = time.perf_counter()
         manager.save(1, worker.model, worker.optimizer, worker.scheduler)
         save_s = time.perf_counter() - started
         saved = state(worker)
     _free()
-    with PolicyWorker(resolved_here(config), place_rank(CUDA, 0), seed=2) as worker:
+    with PolicyWorker(resolved_here(config), this_rank(), seed=2) as worker:
         started = time.perf_counter()
         manager.load(worker.model, worker.optimizer, worker.scheduler)
         load_s = time.perf_counter() - started
@@ -482,9 +487,9 @@ def sleep_copy(size: Sizes) -> dict:
     """Pinned host <-> GPU copy speed, and what vLLM's level-1 sleep would copy per step for a
     7B model: its weights to the host at sleep and back at wake."""
     from gdpo_megatron.config.rollout import RolloutConfig
-    from gdpo_megatron.preflight.plan import engine_weights
+    from gdpo_megatron.preflight.plan import ENGINE_DTYPE_BYTES, engine_weights
 
-    weights_7b = engine_weights(ModelConfig.preset("qwen2-7b"), RolloutConfig())
+    weights_7b = engine_weights(ModelConfig.preset("qwen2-7b"), RolloutConfig(), ENGINE_DTYPE_BYTES)
     if not torch.cuda.is_available():
         return {"skipped": "pinned memory needs CUDA", "weights_7b_gib": weights_7b / GIB}
     elements = int(size.copy_gib * GIB) // 2
@@ -548,8 +553,8 @@ def main(argv: list[str] | None = None) -> int:
     if "tests" not in skip:  # first, while this process holds no GPU memory
         report["tests"] = run_part("tests", gpu_tests, args.out, args.tests_timeout)
         save()
-    cpu_compat.install(CUDA)
-    init_distributed(CUDA)
+    cpu_compat.install(this_machine())
+    init_distributed(this_machine())
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         work = Path(tmp)
         if "update" not in skip:

@@ -495,7 +495,7 @@ def test_rollout_temperature_is_bounded_where_vllm_bounds_it(temperature, accept
         assert RolloutConfig(temperature=temperature).temperature == temperature
         assert SamplingParams(temperature=temperature).temperature == temperature  # vLLM takes it as it is
     else:
-        with pytest.raises(ConfigError, match=r"rollout.temperature: expected in \[0.01, 2\]"):
+        with pytest.raises(ConfigError, match=r"rollout.temperature: expected > 0 \(.*\) and in \[0.01, 2\]"):
             RolloutConfig(temperature=temperature)
     # the bounds are vLLM's: above 2 it refuses, below 0.01 it samples at 0.01
     low, high = TEMPERATURE_RANGE

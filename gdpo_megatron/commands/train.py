@@ -58,9 +58,9 @@ def main(argv: list[str]) -> int:
         say(f"gdpo-train: {config.run_dir} has finished step {inputs.resume_step} of {config.steps}: nothing to "
             "train (raise steps to train on)")
         return 0
-    say(f"gdpo-train: resuming {config.run_dir} from step {inputs.resume_step} of {config.steps}" if inputs.resume_step
-        else f"gdpo-train: a new run in {config.run_dir}, {config.steps} steps")
-    try:
+    try:  # a Ctrl-C from the moment the run is announced stops it as one in start-up does
+        say(f"gdpo-train: resuming {config.run_dir} from step {inputs.resume_step} of {config.steps}"
+            if inputs.resume_step else f"gdpo-train: a new run in {config.run_dir}, {config.steps} steps")
         outcome = run(config, inputs, machine)
     except KeyboardInterrupt as e:
         say(_stopped_by_ctrl_c(e, inputs.resume_step))

@@ -38,7 +38,7 @@ from safetensors.torch import load_file
 
 from gdpo_megatron.checkpoint.state import TMP_PREFIX, complete_steps, step_dir
 from gdpo_megatron.commands.train import EXIT_PEER_LOST
-from support.metrics_file import computed, records, steps_so_far
+from support.metrics_file import computed, records
 from support.slurm_cluster import TwoHostSlurm, cluster, missing, sweep_stale_hosts
 
 SCRIPT = "slurm/gdpo_tiny_cpu.sh"

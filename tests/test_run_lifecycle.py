@@ -224,14 +224,17 @@ def test_ctrl_c_during_start_up_stops_it(base, tmp_path):
             "command to start the run")
     assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
 
-    # Once the trainer holds the signals (here: while vLLM loads the weights), the run stops
-    # before its first step rather than training one. (This test reads the line after the
-    # trainer printed it: on a busy machine a step may have begun by then, and the run then
-    # stops after it, as a Ctrl-C in a step does.)
+    # Once the trainer holds the signals and its reward workers run (the forkserver and two
+    # workers: their start ignores the signals Slurm sends every process), the run stops before
+    # its first step rather than training one; on a busy machine a step may have begun by the
+    # time this test looks, and the run then stops after it, as a Ctrl-C in a step does.
     run_dir = tmp_path / "run2"
     process = train(base, run_dir, "steps=1000", wait=False)
-    while "Loading safetensors checkpoint shards" not in process.stderr.readline():
+    trainer = psutil.Process(process.pid)
+    while len(trainer.children(recursive=True)) < 3:
         assert process.poll() is None
+        time.sleep(0.05)
+    time.sleep(0.5)
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=300)
     assert process.returncode == 130, err

@@ -610,8 +610,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         return child_main(args.child, args.workloads[0], args.model, args.steps, args.result)
-    if not args.trl_python:
-        raise SystemExit("--trl-python (or GDPO_TRL_PYTHON): the python of an environment with TRL installed")
+    if not (args.trl_python or args.trl_vllm_python):
+        raise SystemExit("--trl-python or --trl-vllm-python (or GDPO_TRL_PYTHON / GDPO_TRL_VLLM_PYTHON): "
+                         "the python of an environment with TRL installed")
     if args.trl_tcmalloc and tcmalloc_library() is None:
         raise SystemExit("--trl-tcmalloc: tcmalloc is not installed (Debian/Ubuntu: libtcmalloc-minimal4)")
 

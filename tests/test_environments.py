@@ -1,6 +1,9 @@
 """The environment seam: a user's environment named in the config, run in its own process where
 a raise or a step past the time limit fails the trajectory, never the caller."""
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,10 +23,11 @@ SHOPPING = environment_reference("ShoppingList", str(EXAMPLE))
 
 BROKEN = '''
 import os
+import time
 from gdpo_megatron.environments import Environment
 
 TOOLS = [{"name": n, "parameters": {"type": "dict", "properties": {}, "required": []}}
-         for n in ("spin", "die", "fail")]
+         for n in ("spin", "die", "nap", "fail")]
 
 
 class Broken(Environment):
@@ -45,6 +49,9 @@ class Broken(Environment):
                 pass
         if name == "die":
             os._exit(3)
+        if name == "nap":
+            time.sleep(1)
+            return "rested"
         raise ValueError("this call always fails")
 '''
 
@@ -119,6 +126,55 @@ def test_a_step_past_its_time_limit_is_killed(broken):
     assert host._process is None
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # killed and reaped
+
+
+# A rank that holds a host, killed while its request runs (a lost peer's os._exit, NCCL's
+# SIGABRT and the OOM killer end it just as abruptly: no clean-up of its own).
+KILLED_HOLDER = """
+import os, signal, sys
+from gdpo_megatron.environments import Call
+from gdpo_megatron.environments.host import EnvironmentHost
+
+if __name__ == "__main__":
+    host = EnvironmentHost(sys.argv[1], step_timeout_s=30)
+    host.reset({})
+    host._conn.send(("step", ([Call(sys.argv[2])],)))
+    print(host._process.pid, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _ended(pid: int) -> bool:
+    """Gone, or a zombie nobody reaps (its parent is gone too)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("call", ["nap", "spin"])
+def test_an_environment_ends_quietly_with_the_process_that_holds_it(broken, tmp_path, call):
+    """The holder dies while its environment runs a call, one that returns or one stuck in a
+    loop: the environment's process ends at once, without a word."""
+    script = tmp_path / "holder.py"
+    script.write_text(KILLED_HOLDER)
+    holder = subprocess.Popen([sys.executable, str(script), broken, call], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    child = None
+    try:
+        child = int(holder.stdout.readline())
+        assert holder.wait(timeout=60) == -9
+        deadline = time.monotonic() + 30
+        while not _ended(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _ended(child)
+        # Read to the end: every process that shares the holder's stderr (forkserver, child) has exited.
+        _, err = holder.communicate(timeout=30)
+    finally:
+        holder.kill()
+        if child is not None and not _ended(child):
+            os.kill(child, signal.SIGKILL)
+    assert err == ""
 
 
 def test_the_config_names_a_users_environment_and_preflight_checks_it(tmp_path):

@@ -19,7 +19,10 @@ The contract (what a trajectory's rollout can rely on):
   ``step_timeout_s``, a result that cannot be sent back, or the child dying raises
   :class:`EnvironmentFailed` here; the host is closed by then, and the trajectory is recorded
   with that ``failure`` (:class:`~gdpo_megatron.environments.trajectory.Trajectory`): every
-  reward of it fails and is counted, the training step goes on.
+  reward of it fails and is counted, the training step goes on;
+* the child never outlives the process that holds its host, however that one ends (a lost
+  peer's ``os._exit``, SIGKILL, NCCL's SIGABRT): it exits without a word as soon as the host's
+  end of the pipe closes, also in the middle of a call (a thread of its own waits for that).
 
 As with any multiprocessing code, a script that builds a host needs an
 ``if __name__ == "__main__":`` guard.
@@ -27,6 +30,9 @@ As with any multiprocessing code, a script that builds a host needs an
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import select
+import threading
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Sequence
@@ -52,7 +58,26 @@ def _context():
 
 
 def _child_main(conn: Connection, ref: str) -> None:
-    """Build the environment, then answer (method, args) requests until the pipe closes."""
+    """Build the environment, then answer (method, args) requests until the pipe closes; the
+    host's process gone (its end of the pipe closed) ends it quietly, whatever it is doing."""
+    threading.Thread(target=_exit_when_closed, args=(conn.fileno(),), daemon=True).start()
+    try:
+        _serve(conn, ref)
+    except (EOFError, OSError):  # the pipe's: nobody left to answer
+        pass
+
+
+def _exit_when_closed(fd: int) -> None:
+    """Exit the process once the other end of the pipe ``fd`` closes, even while a call runs.
+    (Its parent, the forkserver, cannot tell: every child it forked keeps it alive.)"""
+    poller = select.poll()
+    poller.register(fd, select.POLLRDHUP)
+    poller.poll()
+    os._exit(0)
+
+
+def _serve(conn: Connection, ref: str) -> None:
+    """Build the environment, then answer requests; an error ends it (the host closes it)."""
     from gdpo_megatron.environments.registry import make_environment
 
     try:
@@ -62,10 +87,7 @@ def _child_main(conn: Connection, ref: str) -> None:
         return
     conn.send(("ready", None))
     while True:
-        try:
-            method, args = conn.recv()
-        except (EOFError, OSError):
-            return
+        method, args = conn.recv()
         try:
             value = getattr(environment, method)(*args)
         except BaseException as e:

@@ -6,6 +6,7 @@
 #   sbatch slurm/gdpo_tiny_cpu.sh [key.sub=value ...]
 # The base model is configs/tiny_cpu.yaml's base_model (`make demo` writes it once) unless
 # given: sbatch slurm/gdpo_tiny_cpu.sh base_model=DIR steps=2
+# Another CPU config, named first: sbatch slurm/gdpo_tiny_cpu.sh --config configs/multi_turn_cpu.yaml
 #
 #SBATCH --job-name=gdpo-tiny-cpu
 #SBATCH --nodes=1

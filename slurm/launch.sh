@@ -107,12 +107,22 @@ requeue_after_lost_peer() {
     scontrol requeue "${SLURM_JOB_ID}"
 }
 
-# launch_training CONFIG [key.sub=value ...]
-# The run directory is RUN_DIR, else runs/<job name>-<job id>; a run_dir=... argument wins. On a
-# shared filesystem: every node writes its part of each checkpoint there.
+# launch_training CONFIG [--config OTHER] [key.sub=value ...]
+# The script's CONFIG, or the OTHER config its submitter named first (sbatch slurm/SCRIPT
+# --config configs/x.yaml steps=2), in the script's layout. The run directory is RUN_DIR, else
+# runs/<job name>-<job id>; a run_dir=... argument wins. On a shared filesystem: every node
+# writes its part of each checkpoint there.
 launch_training() {
     local config=$1
     shift
+    if [[ ${1:-} == --config ]]; then
+        if (( $# < 2 )); then
+            echo "launch_training: --config needs a config file" >&2
+            return 2
+        fi
+        config=$2
+        shift 2
+    fi
     if [[ ! -f $config ]]; then
         echo "launch_training: config $config not found in $PWD (submit from the repository root)" >&2
         return 2

@@ -97,7 +97,10 @@ def test_every_documented_command_is_valid_as_written(path, tokens):
         if tokens[1].startswith("slurm/"):
             config = re.search(r"^launch_training (\S+) ", script.read_text(), re.MULTILINE)
             if config:
-                load_config(TrainConfig, ROOT / config.group(1), tokens[2:])
+                config_file, overrides = config.group(1), tokens[2:]
+                if overrides[:1] == ["--config"]:  # another config, named first (slurm/launch.sh)
+                    config_file, overrides = overrides[1], overrides[2:]
+                load_config(TrainConfig, ROOT / config_file, overrides)
 
 
 def config_keys(cls, prefix: str = "") -> list[str]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,18 @@ def test_job_scripts_agree_with_the_trainer(capsys):
         assert options["requeue"] == "" and options["open-mode"] == "append", script
         assert re.fullmatch(r"USR1@\d+", options["signal"]), script
         assert f"launch_training {config} " in (REPO / script).read_text()
+
+
+@pytest.mark.parametrize("args, line", [
+    (("--config",), "launch_training: --config needs a config file"),
+    (("--config", "configs/none.yaml", "steps=2"),
+     f"launch_training: config configs/none.yaml not found in {REPO} (submit from the repository root)"),
+])
+def test_a_job_names_the_config_it_cannot_run(args, line):
+    """A script's config, or the one its submitter named first, must exist before anything runs."""
+    done = subprocess.run(["bash", "-c", 'source slurm/launch.sh && launch_training configs/tiny_cpu.yaml "$@"',
+                           "job", *args], cwd=REPO, capture_output=True, text=True, timeout=30, check=False)
+    assert (done.returncode, done.stderr.strip(), done.stdout) == (2, line, "")
 
 
 @pytest.mark.parametrize("script, config", GPU_JOBS)

@@ -7,7 +7,8 @@ come from Slurm's environment, and gloo runs over the link between the hosts.
 
 * Exact: a run over the two hosts logs the same rewards, advantages and losses and ends with the
   same weights, bit for bit, as the same layout on one host: data-parallel over the hosts, and a
-  tensor-parallel group that spans them.
+  tensor-parallel group that spans them; for single tool calls (configs/tiny_cpu.yaml) and for
+  multi-turn trajectories through a user's environment (configs/multi_turn_cpu.yaml).
 * A lost host, killed (its processes and slurmd die, in a step or while a checkpoint is
   written) or cut off (its link goes down): the rank left prints one line naming the lost rank
   and host and exits within ``distributed.timeout_s``, or is aborted by SIGABRT as NCCL's
@@ -47,6 +48,15 @@ TIMEOUT_S = 10  # distributed.timeout_s of the runs: a silent peer is given up a
 # export at the end.
 TINY = ("data.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=64", "policy.micro_batch_size=4",
         "logging.progress_bar=false", "checkpoint.keep_last=4", f"distributed.timeout_s={TIMEOUT_S}")
+# The multi-turn config at its smallest (2 prompts x 4 trajectories of the demo model through
+# examples/environments/city_desk.py, up to 2 messages per user turn), named first to replace the
+# script's config. Its data, environment file and run directory resolve from the job's working
+# directory, the repository on the shared filesystem, on both hosts; each rank runs the
+# environments of the trajectories it generates (a generous time per environment step: one that
+# timed out under load would fail its trajectory in one run only).
+MULTI_TURN = ("--config", "configs/multi_turn_cpu.yaml", "data.prompts_per_step=2", "policy.micro_batch_size=4",
+              "environment.step_timeout_s=60", "logging.progress_bar=false")
+CONFIGS = {"tool calls": TINY, "multi-turn": MULTI_TURN}
 TWO_HOSTS = ("--nodes=2", "--ntasks-per-node=1")
 ONE_HOST = ("--nodes=1", "--ntasks-per-node=2", "--nodelist=h1")
 FIRST_STEPS_TIMEOUT_S = 240
@@ -131,8 +141,9 @@ def base_model(demo_base_model):
     return Path(demo_base_model)
 
 
-def _submit(hosts, options, base_model, run_dir, *overrides) -> str:
-    return hosts.sbatch(SCRIPT, f"base_model={base_model}", f"run_dir={run_dir}", *TINY, *overrides, options=options)
+def _submit(hosts, options, base_model, run_dir, *overrides, config=TINY) -> str:
+    return hosts.sbatch(SCRIPT, *config, f"base_model={base_model}", f"run_dir={run_dir}", *overrides,
+                        options=options)
 
 
 def _finished(hosts, job: str) -> str:
@@ -155,30 +166,43 @@ def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> f
 
 @pytest.mark.slurm
 @pytest.mark.slow
+@pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("layout, overrides", [
     ("data-parallel over the hosts", ()),
     ("a tensor-parallel group spanning the hosts", ("policy.parallel.tensor_model_parallel_size=2",)),
 ])
-def test_two_hosts_train_exactly_as_one_host(two_hosts, base_model, tmp_path, layout, overrides):
+def test_two_hosts_train_exactly_as_one_host(two_hosts, base_model, tmp_path, layout, overrides, config):
     steps = 2
     runs = {"two hosts": tmp_path / "two-hosts", "one host": tmp_path / "one-host"}
     link_bytes = two_hosts.link_bytes("h2")
-    jobs = {name: _submit(two_hosts, options, base_model, runs[name], f"steps={steps}", *overrides)
+    jobs = {name: _submit(two_hosts, options, base_model, runs[name], f"steps={steps}", *overrides,
+                          config=CONFIGS[config])
             for name, options in (("two hosts", TWO_HOSTS), ("one host", ONE_HOST))}
     logs = {"two hosts": _finished(two_hosts, jobs["two hosts"])}
     # The ranks' collectives went over the link (Slurm's own messages are a few kB).
     assert two_hosts.link_bytes("h2") - link_bytes > 2**20
     logs["one host"] = _finished(two_hosts, jobs["one host"])
-    assert f"job {jobs['two hosts']} (restart 0): 2 tasks on h[1-2]" in logs["two hosts"]
-    assert f"job {jobs['one host']} (restart 0): 2 tasks on h1" in logs["one host"]
+    config_file = "configs/multi_turn_cpu.yaml" if config == "multi-turn" else "configs/tiny_cpu.yaml"
+    assert f"job {jobs['two hosts']} (restart 0): 2 tasks on h[1-2], config {config_file}," in logs["two hosts"]
+    assert f"job {jobs['one host']} (restart 0): 2 tasks on h1, config {config_file}," in logs["one host"]
 
     two, one = (records(runs[name]) for name in ("two hosts", "one host"))
     assert [r["step"] for r in two] == [r["step"] for r in one] == list(range(1, steps + 1))
     for a, b in zip(two, one):
-        # Rewards, advantages, losses, gradient norms, tokens: the same numbers, bit for bit.
-        # Every reduction runs in the same order over the same ranks; only the wire differs.
+        # Rewards, advantages, losses, gradient norms, tokens, and for trajectories the model's
+        # turns, how they ended and the prefix cache's hits over the turns: the same numbers, bit
+        # for bit. Every reduction runs in the same order over the same ranks, and each rank's
+        # engine (in-process, fed the same requests) and environments do the same work
+        # wherever it runs; only the wire differs.
         assert computed(a) == computed(b)
     assert all(r["advantage/abs_mean"] > 0 for r in two)  # the weights move: the comparison below means something
+    if config == "multi-turn":
+        for r in two:
+            # Trajectories: the model went again after the environment's replies, every environment
+            # and reward answered.
+            assert r["rollout/model_turns_mean"] > 1 and r["rollout/ended_failed_frac"] == 0
+            assert all(r[f"reward/{name}/failures"] == 0
+                       for name in ("multi_turn_format", "multi_turn_state", "multi_turn_efficiency"))
     weights = {name: _weights(run) for name, run in runs.items()}
     assert _max_difference(weights["two hosts"], weights["one host"]) == 0.0
     assert _max_difference(weights["two hosts"], load_file(base_model / "model.safetensors")) > 0

@@ -459,3 +459,37 @@ def test_bad_step_inputs_are_named(tokenizer_dir):
             env.step([[{"role": "assistant", "content": "x"}]], [{"environment_config": {}}])
     finally:
         env.shutdown()
+
+
+def test_example_config_sections_build():
+    import yaml
+
+    from gdpo_megatron.config import RewardsConfig, from_dict
+    from gdpo_megatron.rewards.registry import validate_specs
+
+    with open(ROOT / "examples" / "nemo_rl" / "gdpo_bfcl_multi_turn_1B.yaml") as f:
+        cfg = yaml.safe_load(f)
+
+    def resolved(value):  # the interpolations into this file ("${a.b}")
+        if isinstance(value, str) and value.startswith("${"):
+            node = cfg
+            for key in value[2:-1].split("."):
+                node = node[key]
+            return node
+        return value
+
+    default = cfg["data"]["default"]
+    assert (default["processor"], default["prompt_file"], default["system_prompt_file"]) == (
+        "gdpo_megatron_multi_turn_prompt", None, None)
+    env_cfg = dict(cfg["env"][default["env_name"]])
+    assert env_cfg.pop("tokenizer") == "${policy.tokenizer.name}"
+    own = {key: resolved(env_cfg.pop(key)) for key in ("environment", "max_steps", "max_total_sequence_length",
+                                                        "max_new_tokens")}
+    episode = from_dict(multi_turn_module.EpisodeConfig, own, f"env.{default['env_name']}")
+    assert episode.max_steps == cfg["grpo"]["max_rollout_turns"]  # NeMo-RL never stops an episode first
+    assert episode.max_new_tokens < episode.max_total_sequence_length == cfg["policy"]["max_total_sequence_length"]
+    rewards = from_dict(RewardsConfig, env_cfg, f"env.{default['env_name']}")
+    validate_specs(rewards.rewards)
+    estimator = GDPOMegatronEstimator(cfg["grpo"]["adv_estimator"])
+    assert len(estimator.config.reward_weights) == len(rewards.names)  # one weight per reward column
+    assert estimator._conditions_for(sorted(rewards.names))  # the gate names rewards of the batch

@@ -142,6 +142,10 @@ class MultiTurnEnvironment(ScoringEnvironment):
         self.environment = environment_reference(self.config.environment.name, self.config.environment.file)
         cfg.setdefault("rewards", [{"name": name} for name in REWARDS])
         super().__init__(cfg)
+        if not self._tokenizer.eos_token:
+            super().shutdown()
+            raise ConfigError(f"{CONFIG_PATH}.tokenizer: {cfg['tokenizer']} has no EOS token, which ends the "
+                              "model's messages (NeMo-RL's stop_token_ids default)")
         self._episodes: dict[str, _Episode] = {}
         self._endings: Counter = Counter()  # since take_metrics
 
@@ -287,6 +291,7 @@ class MultiTurnEnvironment(ScoringEnvironment):
         return Trajectory.from_texts(self.environment, messages, e.failure)
 
     def _model_tokens(self, e: _Episode) -> int:
+        """The model's tokens in the trajectory, re-tokenized (the rewards' ``num_tokens``)."""
         texts = [t for turn in e.messages for t in turn]
         ids = self._tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         return sum(len(i) + 1 for i in ids)

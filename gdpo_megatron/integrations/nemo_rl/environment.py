@@ -7,7 +7,9 @@ rollout code builds those columns from an environment whose ``step`` returns
 every reward of the config (tool format and correctness, math, length, code pass / no-bug,
 or a user's reward file) runs in the stage's process pool with a timeout per call, code
 runs in the sandbox, and a failure scores the reward's ``failure_value`` (by default its
-declared minimum) and is counted.
+declared minimum) and is counted. :class:`ScoringEnvironment` is what it shares with the
+multi-turn environment (:mod:`gdpo_megatron.integrations.nemo_rl.multi_turn`): the stage, the
+tokenizer, the reward keys and the metrics.
 
 NeMo-RL runs environments as Ray actors, created from a registered class path with
 ``.options(...).remote(env_config)``. ``RewardStageEnvironmentActor`` (this module's

@@ -108,14 +108,23 @@ def continuation_tokens(tokenizer, chat: list[dict], sampled: Sequence[int], fin
     if finish_reason == "stop" and reply_ids and reply_ids[-1] in tokenizer.all_special_ids:
         reply_ids = reply_ids[:-1]
     reply = tokenizer.decode(reply_ids, skip_special_tokens=False)
-    so_far = render_prompt(tokenizer, chat) + tokenizer.decode(list(sampled), skip_special_tokens=False)
+    following = continuation_text(tokenizer, chat, tokenizer.decode(list(sampled), skip_special_tokens=False), reply,
+                                  new_messages)
+    return reply, tokenizer(following, add_special_tokens=False)["input_ids"]
+
+
+def continuation_text(tokenizer, chat: list[dict], sampled_text: str, reply: str, new_messages: list[dict]) -> str:
+    """The text that follows ``sampled_text`` (the model's message to ``chat`` as the sequence
+    holds it) so that the whole is the template's rendering of ``chat + [assistant reply] +
+    new_messages``. TemplateMismatch when that rendering does not extend the text so far."""
+    so_far = render_prompt(tokenizer, chat) + sampled_text
     after = render_prompt(tokenizer, [*chat, {"role": "assistant", "content": reply}, *new_messages])
     if not after.startswith(so_far):
         at = next((n for n, (a, b) in enumerate(zip(after, so_far)) if a != b), min(len(after), len(so_far)))
         raise TemplateMismatch(f"the chat template renders the trajectory so far differently once "
                                f"{', '.join(m['role'] for m in new_messages)} messages follow (from character "
                                f"{at}: {so_far[at:at + 40]!r} becomes {after[at:at + 40]!r})")
-    return reply, tokenizer(after[len(so_far):], add_special_tokens=False)["input_ids"]
+    return after[len(so_far):]
 
 
 @dataclass

@@ -4,11 +4,14 @@ environment and diagnostics. Modelled on NeMo-RL's examples/run_grpo.py (read at
 environment also has gdpo-megatron installed (see gdpo_tool_call.sh):
 
     python run_gdpo_tool_call.py --data /data/toolrl/train.jsonl [key=value overrides]
+    python run_gdpo_tool_call.py --family bfcl_multi_turn --config gdpo_bfcl_multi_turn_1B.yaml \
+        --data bfcl_multi_turn_train.jsonl [key=value overrides]
 
 Differences from run_grpo.py: gdpo-megatron's estimator factory is installed first; the
 config is examples/nemo_rl/gdpo_tool_call_1B.yaml laid over NeMo-RL's gdpo_math_1B.yaml;
---data is converted to NeMo-RL's ResponseDataset format; the reward environment and the
-data processor are registered; the logger is wrapped so that the per-reward diagnostics
+--data is converted to NeMo-RL's ResponseDataset format; the environment (the reward stage,
+or for a multi-turn family the multi-turn environment) and its data processor are registered
+under the names data.default.env_name and data.default.processor; the logger is wrapped so that the per-reward diagnostics
 reach it; only the synchronous loop is run.
 """
 # Before any other nemo_rl.algorithms import: grpo_sync imports the factory by name.
@@ -36,16 +39,17 @@ from nemo_rl.utils.config import (load_config, merge_with_override, parse_hydra_
                                   register_omegaconf_resolvers)
 from nemo_rl.utils.logger import get_next_experiment_dir  # noqa: E402
 
+from gdpo_megatron.tasks import get_task  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
-ENV_NAME = "gdpo_tool_call"  # data.default.env_name and the env section of the config
-PROCESSOR = "gdpo_megatron_prompt"  # data.default.processor
 ACTOR = "gdpo_megatron.integrations.nemo_rl.environment.RewardStageEnvironmentActor"
+MULTI_TURN_ACTOR = "gdpo_megatron.integrations.nemo_rl.multi_turn.MultiTurnEnvironmentActor"
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", required=True, help="tool-family JSONL of gdpo-megatron (examples/data/tool.jsonl)")
-    parser.add_argument("--family", default="tool", choices=["tool", "math", "code"])
+    parser.add_argument("--data", required=True, help="prompts of --family (examples/data/tool.jsonl for tool)")
+    parser.add_argument("--family", default="tool", choices=["tool", "math", "code", "multi_turn", "bfcl_multi_turn"])
     parser.add_argument("--config", default=str(HERE / "gdpo_tool_call_1B.yaml"))
     parser.add_argument("--base-config", default=str(Path(nemo_rl.__file__).resolve().parents[1] / "examples" /
                                                      "configs" / "gdpo_math_1B.yaml"),
@@ -63,13 +67,17 @@ def main() -> None:
     count = gdpo_nemo_rl.write_response_jsonl(args.data, args.family, prompts)
     print(f"Wrote {count} prompts of {args.data} to {prompts}")
     config.data.train.data_path = str(prompts)
+    processor_name, env_name = (OmegaConf.select(config, f"data.default.{key}") for key in ("processor", "env_name"))
     config = MasterConfig(**OmegaConf.to_container(config, resolve=True))
     pprint.pprint(config)
     config.logger["log_dir"] = get_next_experiment_dir(config.logger["log_dir"])
 
-    register_processor(PROCESSOR, gdpo_nemo_rl.prompt_processor)
-    register_env(ENV_NAME, ACTOR)
-    ACTOR_ENVIRONMENT_REGISTRY[ACTOR] = PY_EXECUTABLES.SYSTEM  # this Python, which has gdpo-megatron
+    multi_turn = get_task(args.family).multi_turn
+    processor = gdpo_nemo_rl.multi_turn_prompt_processor if multi_turn else gdpo_nemo_rl.prompt_processor
+    actor = MULTI_TURN_ACTOR if multi_turn else ACTOR
+    register_processor(processor_name, processor)
+    register_env(env_name, actor)
+    ACTOR_ENVIRONMENT_REGISTRY[actor] = PY_EXECUTABLES.SYSTEM  # this Python, which has gdpo-megatron
     init_ray()
 
     tokenizer = get_tokenizer(config.policy["tokenizer"])

@@ -7,7 +7,9 @@ rollout code builds those columns from an environment whose ``step`` returns
 every reward of the config (tool format and correctness, math, length, code pass / no-bug,
 or a user's reward file) runs in the stage's process pool with a timeout per call, code
 runs in the sandbox, and a failure scores the reward's ``failure_value`` (by default its
-declared minimum) and is counted.
+declared minimum) and is counted. :class:`ScoringEnvironment` is what it shares with the
+multi-turn environment (:mod:`gdpo_megatron.integrations.nemo_rl.multi_turn`): the stage, the
+tokenizer, the reward keys and the metrics.
 
 NeMo-RL runs environments as Ray actors, created from a registered class path with
 ``.options(...).remote(env_config)``. ``RewardStageEnvironmentActor`` (this module's
@@ -62,12 +64,12 @@ class EnvironmentReturn(NamedTuple):
     answers: list[str | None] | None
 
 
-class RewardStageEnvironment:
-    """NeMo-RL ``EnvironmentInterface`` (``step``, ``global_post_process_and_metrics``,
-    ``shutdown``) scoring single-turn completions with a :class:`RewardStage`.
+class ScoringEnvironment:
+    """What the plug-in's environments share: the config's reward stage, the policy's tokenizer,
+    the ``reward/<name>`` keys, and the metrics of what was scored (:meth:`take_metrics`).
 
-    Calls are served one at a time (the actor's default concurrency): the stage's own
-    process pool scores a call's rollouts in parallel.
+    ``cfg`` is the project's ``rewards`` section plus ``tokenizer``; a subclass takes its own
+    keys out first. Everything is checked before the tokenizer loads.
     """
 
     def __init__(self, cfg: Mapping):
@@ -76,8 +78,8 @@ class RewardStageEnvironment:
         cfg = dict(cfg)
         tokenizer = cfg.pop("tokenizer", None)
         if not isinstance(tokenizer, str) or not tokenizer:
-            raise ConfigError(f"{CONFIG_PATH}.tokenizer: expected the name or path of the policy's tokenizer "
-                              f"(it counts completion tokens), got {tokenizer!r}")
+            raise ConfigError(f"{CONFIG_PATH}.tokenizer: expected the name or path of the policy's tokenizer, "
+                              f"got {tokenizer!r}")
         rewards = from_dict(RewardsConfig, cfg, CONFIG_PATH)
         for i, spec in enumerate(rewards.rewards):
             if spec.weight != 1.0:
@@ -100,26 +102,6 @@ class RewardStageEnvironment:
         self.reward_keys = [REWARD_PREFIX + name for name in rewards.names]
         self._totals = None  # (rollouts, per-reward sums, failures, timeouts) since take_metrics
 
-    def step(self, message_log_batch: Sequence[Sequence[Mapping]], metadata: Sequence[Mapping]) -> EnvironmentReturn:
-        """Score each conversation's assistant text against its ground truth; every episode ends."""
-        if len(message_log_batch) != len(metadata):
-            raise ValueError(f"step: {len(message_log_batch)} message logs but {len(metadata)} metadata entries")
-        texts = [_completion(log, i) for i, log in enumerate(message_log_batch)]
-        truths = [_ground_truth(m, i) for i, m in enumerate(metadata)]
-        token_ids = self._tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-        num_tokens = [len(ids) for ids in token_ids]
-        rewards, stage_metrics = self._stage.score(texts, num_tokens, truths)
-        self._add_to_totals(rewards, stage_metrics)
-        n = len(texts)
-        return EnvironmentReturn(
-            observations=[{"role": "environment", "content": ""} for _ in range(n)],
-            metadata=list(metadata),
-            next_stop_strings=[None] * n,
-            rewards={key: rewards[:, k].clone() for k, key in enumerate(self.reward_keys)},
-            terminateds=torch.ones(n),
-            answers=None,
-        )
-
     def global_post_process_and_metrics(self, batch: Any) -> tuple[Any, dict[str, float]]:
         """The batch unchanged, and :meth:`take_metrics`."""
         return batch, self.take_metrics()
@@ -141,9 +123,11 @@ class RewardStageEnvironment:
     def shutdown(self) -> None:
         self._stage.close()
 
-    def _add_to_totals(self, rewards: torch.Tensor, stage_metrics: dict[str, float]) -> None:
+    def _score(self, completions: Sequence[Any], num_tokens: Sequence[int], truths: Sequence[dict]) -> torch.Tensor:
+        """Rewards ``[n, K]`` of the reward stage, counted for :meth:`take_metrics`."""
+        rewards, stage_metrics = self._stage.score(completions, num_tokens, truths)
         if rewards.shape[0] == 0:
-            return
+            return rewards
         K = len(self.reward_keys)
         count, sums, failures, timeouts = self._totals or (0, [0.0] * K, [0.0] * K, [0.0] * K)
         column_sums = rewards.double().sum(dim=0).tolist()
@@ -153,6 +137,44 @@ class RewardStageEnvironment:
             [f + stage_metrics[f"{key}/failures"] for f, key in zip(failures, self.reward_keys)],
             [t + stage_metrics[f"{key}/timeouts"] for t, key in zip(timeouts, self.reward_keys)],
         )
+        return rewards
+
+
+class RewardStageEnvironment(ScoringEnvironment):
+    """NeMo-RL ``EnvironmentInterface`` (``step``, ``global_post_process_and_metrics``,
+    ``shutdown``) scoring single-turn completions with a :class:`RewardStage`.
+
+    Calls are served one at a time (the actor's default concurrency): the stage's own
+    process pool scores a call's rollouts in parallel.
+    """
+
+    def step(self, message_log_batch: Sequence[Sequence[Mapping]], metadata: Sequence[Mapping]) -> EnvironmentReturn:
+        """Score each conversation's assistant text against its ground truth; every episode ends."""
+        if len(message_log_batch) != len(metadata):
+            raise ValueError(f"step: {len(message_log_batch)} message logs but {len(metadata)} metadata entries")
+        texts = [_completion(log, i) for i, log in enumerate(message_log_batch)]
+        truths = [_ground_truth(m, i) for i, m in enumerate(metadata)]
+        token_ids = self._tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        rewards = self._score(texts, [len(ids) for ids in token_ids], truths)
+        n = len(texts)
+        return EnvironmentReturn(
+            observations=[{"role": "environment", "content": ""} for _ in range(n)],
+            metadata=list(metadata),
+            next_stop_strings=[None] * n,
+            rewards={key: rewards[:, k].clone() for k, key in enumerate(self.reward_keys)},
+            terminateds=torch.ones(n),
+            answers=None,
+        )
+
+
+def ray_actor_class(cls: type, module: str, name: str) -> type:
+    """``cls`` as a Ray actor class (Ray imported here), restarted like NeMo-RL's own
+    environments if the actor dies."""
+    try:
+        import ray
+    except ImportError as e:
+        raise ImportError(f"{module}.{name} needs ray (NeMo-RL's environments are Ray actors)") from e
+    return ray.remote(max_restarts=-1, max_task_retries=-1)(cls)
 
 
 def __getattr__(name: str):
@@ -161,12 +183,7 @@ def __getattr__(name: str):
     if name != ACTOR_CLASS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     if _actor_class is None:
-        try:
-            import ray
-        except ImportError as e:
-            raise ImportError(f"{__name__}.{ACTOR_CLASS} needs ray (NeMo-RL's environments are Ray actors)") from e
-        # Like NeMo-RL's own environments: restarted (with a new reward stage) if the actor dies.
-        _actor_class = ray.remote(max_restarts=-1, max_task_retries=-1)(RewardStageEnvironment)
+        _actor_class = ray_actor_class(RewardStageEnvironment, __name__, ACTOR_CLASS)
     return _actor_class
 
 

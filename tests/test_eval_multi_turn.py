@@ -168,8 +168,9 @@ def _looked_up(call) -> str | None:
         return None
     positional = dict(zip(names[call.name], call.args))
     args = {**positional, **call.kwargs}
-    if positional.keys() & call.kwargs.keys() or set(args) != set(names[call.name]) or not all(isinstance(args[k], str) for k in ("city", "from", "to")
-                                                      if k in args):
+    if positional.keys() & call.kwargs.keys() or set(args) != set(names[call.name]):
+        return None
+    if not all(isinstance(args[k], str) for k in ("city", "from", "to") if k in args):
         return None
     if call.name != "convert_currency":
         return f"{call.name}:{args['city']}"

@@ -35,6 +35,7 @@ from gdpo_megatron.config.rewards import RewardSpec
 from gdpo_megatron.data.chat import encode_prompt
 from gdpo_megatron.data.samples import Sample
 from gdpo_megatron.device import Machine
+from gdpo_megatron.environments.calls import CallRefused, parse_calls
 from gdpo_megatron.environments.judge import judge
 from gdpo_megatron.environments.trajectory import Trajectory
 from gdpo_megatron.evaluate import engine_section, fits
@@ -61,6 +62,19 @@ def verdict(trajectory: Trajectory, ground_truth: dict) -> Verdict:
     judgement = judge(trajectory, ground_truth["environment_config"], ground_truth["reference_calls"])
     failure = judgement.first_failure
     return Verdict(judgement.valid, failure and failure[1], failure and failure[0])
+
+
+def check_reference_calls(samples: Sequence[Sample]) -> None:
+    """ValueError naming the first question whose reference calls do not parse (its verdict could
+    not be judged)."""
+    for sample in samples:
+        for turn, calls in enumerate(sample.ground_truth["reference_calls"]):
+            for text in calls:
+                try:
+                    parse_calls(text)
+                except CallRefused as e:
+                    raise ValueError(f"{sample.id}: reference call {text!r} of turn {turn} does not parse ({e})") \
+                        from None
 
 
 def evaluate_trajectories(model_dir: str | Path, samples: Sequence[Sample], rewards: Sequence[RewardSpec], *,

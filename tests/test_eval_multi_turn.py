@@ -64,7 +64,7 @@ def test_a_multi_turn_family_takes_its_environment_from_the_family_or_the_option
         section("--family", "tool", "--verdicts", "v.jsonl")
 
 
-def test_a_model_whose_context_holds_no_question_is_named_before_the_engine_starts(tmp_path, monkeypatch, capsys):
+def test_a_question_the_model_cannot_take_is_named_before_the_engine_starts(tmp_path, monkeypatch, capsys):
     from transformers import AutoTokenizer
 
     from gdpo_megatron.demo.warmup import make_base_model
@@ -81,6 +81,14 @@ def test_a_model_whose_context_holds_no_question_is_named_before_the_engine_star
     shortest = min(_prompt_tokens(tokenizer, row) for row in rows)
     assert _errors(capsys) == [f"error: --max-model-len: none of the 2 prompts fits in 1024 tokens with "
                                f"--max-new-tokens=256 (the shortest has {shortest}); nothing to evaluate"]
+    # a question whose reference calls cannot be judged
+    data = tmp_path / "desk.jsonl"
+    data.write_text(json.dumps(_city_desk_row(0, "Weather?", [["get_weather(city=open('x').read())"]], [])) + "\n")
+    assert main(["--model", model, "--data", str(data), "--family", "multi_turn", "--environment", "CityDesk",
+                 "--environment-file", str(CITY_DESK)]) == 2
+    (line,) = _errors(capsys)
+    assert line.startswith("error: --data: desk-0: reference call \"get_weather(city=open('x').read())\" of turn 0 "
+                           "does not parse ("), line
 
 
 def _system_prompt(row) -> dict:
@@ -201,25 +209,39 @@ def _city_desk_verdict(turns: list[list[str]], reference: list[list[str]]) -> tu
     return True, None, None
 
 
+def _city_desk_row(n: int, question: str, reference: list[list[str]], later: list[str]) -> dict:
+    return {"id": f"desk-{n}", "messages": [{"role": "system", "content": "Answer with one tool call."},
+                                           {"role": "user", "content": question}],
+            "multi_turn": {"environment_config": {"weather": {"Seoul": "fog"}}, "reference_calls": reference,
+                           "later_turns": [[{"role": "user", "content": text}] for text in later]}}
+
+
 @pytest.mark.slow
 def test_a_multi_turn_family_through_a_users_environment(demo_base_model, tmp_path, capsys):
-    out, verdicts = tmp_path / "metrics.json", tmp_path / "verdicts.jsonl"
-    assert main(["--model", demo_base_model, "--data", str(CITY_DESK_DATA), "--family", "multi_turn",
-                 "--environment", "CityDesk", "--environment-file", str(CITY_DESK), "--limit", "8",
-                 "--max-new-tokens", "48", "--max-model-len", "1024", "--out", str(out),
-                 "--verdicts", str(verdicts)]) == 0
+    # questions of CityDesk's layout; the demo model (greedy) asks for the weather in Seoul, then
+    # answers, so some are right and some fail a check
+    rows = [
+        _city_desk_row(0, "What is the weather in Seoul?", [["get_weather(city='Seoul')"], []], ["And the time?"]),
+        _city_desk_row(1, "What is the weather in Seoul?", [["get_weather(city='Seoul')"], ["get_time(city='Rome')"]],
+                       ["What time is it in Rome?"]),
+        _city_desk_row(2, "What time is it in Oslo?", [["get_time(city='Oslo')"]], []),
+    ]
+    data, out, verdicts = tmp_path / "desk.jsonl", tmp_path / "metrics.json", tmp_path / "verdicts.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert main(["--model", demo_base_model, "--data", str(data), "--family", "multi_turn", "--environment",
+                 "CityDesk", "--environment-file", str(CITY_DESK), "--max-new-tokens", "96", "--max-model-len", "1024",
+                 "--out", str(out), "--verdicts", str(verdicts)]) == 0
     metrics = json.loads(out.read_text())
     records = [json.loads(line) for line in verdicts.read_text().splitlines()]
-    rows = [json.loads(line) for line in CITY_DESK_DATA.read_text().splitlines()][:8]
-    assert [r["id"] for r in records] == [row["id"] for row in rows] and metrics["eval/prompts"] == 8
+    assert [r["id"] for r in records] == [row["id"] for row in rows] and metrics["eval/prompts"] == len(rows)
     expected = [_city_desk_verdict(r["turns"], row["multi_turn"]["reference_calls"]) for r, row in zip(records, rows)]
     assert [(r["valid"], r["failure"], r["turn"]) for r in records] == expected
-    assert metrics["eval/multi_turn/overall/questions"] == 8
-    assert metrics["eval/multi_turn/overall/accuracy"] == sum(valid for valid, _, _ in expected) / 8
+    assert {valid for valid, _, _ in expected} == {True, False}
+    assert metrics["eval/multi_turn/overall/questions"] == len(rows)
+    assert metrics["eval/multi_turn/overall/accuracy"] == sum(valid for valid, _, _ in expected) / len(rows)
     for name in REWARDS:
         assert metrics[f"eval/multi_turn/overall/{name}/mean"] == pytest.approx(
-            sum(r["rewards"][name] for r in records) / 8)
-    assert metrics["eval/model_turns_mean"] > 1  # the model went on after CityDesk's replies
+            sum(r["rewards"][name] for r in records) / len(rows))
     (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gdpo-eval: family")]
     assert line.startswith(f"gdpo-eval: family multi_turn (given), system prompt the family's (default), environment "
-                           f"{CITY_DESK}:CityDesk (max_steps_per_turn 8); max_new_tokens 48 (given)")
+                           f"{CITY_DESK}:CityDesk (max_steps_per_turn 8); max_new_tokens 96 (given)")

@@ -40,7 +40,7 @@ from gdpo_megatron.config.environment import EnvironmentConfig
 from gdpo_megatron.config.rewards import RewardSpec
 from gdpo_megatron.config.rollout import TEMPERATURE_RANGE
 from gdpo_megatron.data.bfcl_multi_turn import CATEGORIES as MULTI_TURN_CATEGORIES
-from gdpo_megatron.errors import UsageError
+from gdpo_megatron.errors import InputError, UsageError
 from gdpo_megatron.tasks import get_task, task_names
 
 # The options that go with --data, each a key of the data section, and their help.
@@ -318,6 +318,13 @@ def main(argv: list[str]) -> int:
         samples = load_bfcl_multi_turn(args.bfcl_multi_turn or MULTI_TURN_CATEGORIES, split, limit=args.limit)
     else:
         samples = data_prompts(data, "--data")[: args.limit]
+    if environment is not None:
+        from gdpo_megatron.evaluate_multi_turn import check_reference_calls
+
+        try:
+            check_reference_calls(samples)
+        except ValueError as e:
+            raise InputError(f"--data: {e}") from None
     tell_what_does_not_fit(samples, prompt_lengths(samples, args.model, "--model"), max_model_len,
                            chosen.max_new_tokens)
     print(chosen.describe(args.model, trained, *(environment or ())), file=sys.stderr)

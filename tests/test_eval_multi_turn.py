@@ -49,11 +49,10 @@ def test_a_command_line_that_does_not_fit_is_named(arguments, message, capsys):
 def test_a_multi_turn_family_takes_its_environment_from_the_family_or_the_options():
     def section(*arguments):
         args = parse(["--model", "m", "--data", str(CITY_DESK_DATA), *arguments])
-        return environment_section(args, args.family)
+        return environment_section(args, args.family, None, {})
 
     with pytest.raises(UsageError, match=r"^--environment: --family multi_turn rolls out trajectories through an "
-                                         r"environment; name it \(and --environment-file for your own; "
-                                         r"gdpo_training.json does not record it\)$"):
+                                         r"environment; name it \(and --environment-file for your own\)$"):
         section("--family", "multi_turn")
     reference, config = section("--family", "multi_turn", "--environment", "CityDesk", "--environment-file",
                                 str(CITY_DESK), "--max-steps-per-turn", "3")
@@ -164,8 +163,8 @@ def test_bfcl_multi_turn_verdicts_agree_with_bfcls_checker_on_the_trajectories_w
     assert sum(metrics[f"eval/ended_{e}_frac"] for e in ("answered", "turn_limit", "token_budget", "failed")) == 1
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gdpo-eval: BFCL")]
     assert lines == [f"gdpo-eval: BFCL's multi-turn questions (heldout split of base, miss_func), environment bfcl "
-                     f"(max_steps_per_turn 3); max_new_tokens 24 (given), greedy (default); {model} has no "
-                     "gdpo_training.json"]
+                     f"(default), max_steps_per_turn 3 (given); max_new_tokens 24 (given), greedy (default); {model} "
+                     "has no gdpo_training.json"]
 
 
 def _looked_up(call) -> str | None:
@@ -244,4 +243,4 @@ def test_a_multi_turn_family_through_a_users_environment(demo_base_model, tmp_pa
             sum(r["rewards"][name] for r in records) / len(rows))
     (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("gdpo-eval: family")]
     assert line.startswith(f"gdpo-eval: family multi_turn (given), system prompt the family's (default), environment "
-                           f"{CITY_DESK}:CityDesk (max_steps_per_turn 8); max_new_tokens 96 (given)")
+                           f"{CITY_DESK}:CityDesk (given), max_steps_per_turn 8 (default); max_new_tokens 96 (given)")

@@ -13,13 +13,13 @@ category) as one trajectory through BFCL's environments, as training does, and r
 category the questions, BFCL's accuracy (every turn passing its checker) and the multi-turn
 rewards' means (:mod:`gdpo_megatron.evaluate_multi_turn`); ``--verdicts FILE`` writes each
 question's verdict, failing check and turn, and trajectory as JSON Lines. ``--data`` of a
-multi-turn family is evaluated the same way, through the family's environment or the one
-``--environment`` (and ``--environment-file`` for a user's own) names.
+multi-turn family is evaluated the same way, through the environment ``--environment`` (and
+``--environment-file`` for a user's own) names, else the training's, else the family's.
 
 A model gdpo-train exported carries how it was trained (``gdpo_training.json``,
 :mod:`gdpo_megatron.checkpoint.trained_with`): every prompt and sampling setting the command
-line leaves out is the training's (its family, system prompt and fields for its own family;
-``max_new_tokens``, temperature, top-p/top-k and stop strings), so the scores are comparable
+line leaves out is the training's (its family, system prompt, fields and environment for its
+own family; ``max_new_tokens``, temperature, top-p/top-k and stop strings), so the scores are comparable
 to the rewards training reported. Other models get the defaults: the family's instructions,
 256 new tokens, greedy. One line on stderr says which settings were used and where each came
 from. Every input is checked before the engine starts.
@@ -140,7 +140,9 @@ class Settings:
     :data:`TRAINED` or :data:`DEFAULT`)."""
 
     data: DataConfig | None  # None: BFCL's prompts (``bfcl``)
+    family: str | None  # the task family of the prompts (None: BFCL's single-turn categories)
     bfcl: str | None  # which of BFCL's prompts, as the settings line says it
+    environment: tuple[str, EnvironmentConfig] | None  # a multi-turn family's: its reference and section
     max_new_tokens: int
     temperature: float
     top_p: float
@@ -149,10 +151,8 @@ class Settings:
     seed: int
     origins: dict[str, str]  # setting -> where it came from
 
-    def describe(self, model: str, trained: TrainedWith | None, environment: str | None = None,
-                 section: EnvironmentConfig | None = None) -> str:
-        """The line that says what the evaluation uses: each setting, and where it came from
-        (and, for a multi-turn evaluation, the ``environment`` and its ``section``)."""
+    def describe(self, model: str, trained: TrainedWith | None) -> str:
+        """The line that says what the evaluation uses: each setting, and where it came from."""
         def shown(name: str, value) -> str:
             return f"{value} ({self.origins[name]})"
 
@@ -164,8 +164,10 @@ class Settings:
             prompts = f"family {shown('family', self.data.family)}, system prompt {shown('system_prompt', system)}"
             prompts += "".join(f", {key} {shown(key, getattr(self.data, key))}" for key in FIELD_KEYS
                                if getattr(self.data, key) is not None)
-        if environment is not None:
-            prompts += f", environment {environment} (max_steps_per_turn {section.max_steps_per_turn})"
+        if self.environment is not None:
+            reference, section = self.environment
+            prompts += (f", environment {shown('environment', reference)}, max_steps_per_turn "
+                        f"{shown('max_steps_per_turn', section.max_steps_per_turn)}")
         if self.temperature == GREEDY:
             sampling = shown("temperature", "greedy")
         else:
@@ -190,6 +192,7 @@ def settings(args: argparse.Namespace, trained: TrainedWith | None) -> Settings:
     origins: dict[str, str] = {}
     rollout = trained.rollout if trained is not None else None
     data = None if args.data is None else data_section(args, trained, origins)
+    family = "bfcl_multi_turn" if args.bfcl_multi_turn is not None else data.family if data is not None else None
     if args.bfcl_multi_turn is not None:
         bfcl = (f"BFCL's multi-turn questions ({args.split or 'heldout'} split of "
                 f"{', '.join(args.bfcl_multi_turn or MULTI_TURN_CATEGORIES)})")
@@ -197,7 +200,9 @@ def settings(args: argparse.Namespace, trained: TrainedWith | None) -> Settings:
         bfcl = "BFCL's prompts" if args.bfcl else None
     return Settings(
         data=data,
+        family=family,
         bfcl=bfcl,
+        environment=environment_section(args, family, trained, origins) if family is not None else None,
         max_new_tokens=_pick(origins, "max_new_tokens", args.max_new_tokens,
                              rollout.max_new_tokens if rollout else NOT_RECORDED, DEFAULT_MAX_NEW_TOKENS),
         temperature=_pick(origins, "temperature", args.temperature,
@@ -229,11 +234,13 @@ def data_section(args: argparse.Namespace, trained: TrainedWith | None, origins:
     return data
 
 
-def environment_section(args: argparse.Namespace, family: str) -> tuple[str, EnvironmentConfig] | None:
+def environment_section(args: argparse.Namespace, family: str, trained: TrainedWith | None,
+                        origins: dict[str, str]) -> tuple[str, EnvironmentConfig] | None:
     """The environment the questions of a multi-turn ``family`` step through (its reference:
-    ``--environment``, else the family's) and the ``environment`` section of the options, built
-    and checked by the config loader (a ConfigError names the ``environment.*`` key); None for
-    a single-turn family, which takes none of those options."""
+    ``--environment``, else the training's where it trained ``family``, else the family's) and
+    the ``environment`` section, built and checked by the config loader (a ConfigError names the
+    ``environment.*`` key); ``origins`` gets where each came from. None for a single-turn
+    family, which takes none of the environment options."""
     from gdpo_megatron.environments.registry import configured_reference
 
     task = get_task(family)
@@ -243,12 +250,20 @@ def environment_section(args: argparse.Namespace, family: str) -> tuple[str, Env
                 raise UsageError(f"{flag}: --family {family} is single-turn (one completion per prompt); it goes "
                                  "with a multi-turn family")
         return None
-    values = {"name": args.environment, "file": args.environment_file, "max_steps_per_turn": args.max_steps_per_turn}
+    recorded = trained.environment if trained is not None and trained.data.family == family else None
+    if args.environment is None and recorded is not None and recorded.name is not None:
+        name, file, origins["environment"] = recorded.name, recorded.file, TRAINED
+    else:
+        name, file, origins["environment"] = args.environment, args.environment_file, (
+            GIVEN if args.environment is not None else DEFAULT)
+    values = {"name": name, "file": file, "step_timeout_s": recorded.step_timeout_s if recorded else None,
+              "max_steps_per_turn": _pick(origins, "max_steps_per_turn", args.max_steps_per_turn,
+                                          recorded.max_steps_per_turn if recorded else NOT_RECORDED, None)}
     section = from_dict(EnvironmentConfig, {k: v for k, v in values.items() if v is not None}, "environment")
     reference = configured_reference(section, task.environment)
     if reference is None:
         raise UsageError(f"--environment: --family {family} rolls out trajectories through an environment; name it "
-                         f"(and --environment-file for your own; {TRAINING_FILE} does not record it)")
+                         "(and --environment-file for your own)")
     return reference, section
 
 
@@ -284,9 +299,7 @@ def main(argv: list[str]) -> int:
     hf_config = read_model_config(args.model, "--model")
     trained = read_trained_with(args.model)
     chosen = settings(args, trained)
-    data = chosen.data
-    family = "bfcl_multi_turn" if args.bfcl_multi_turn is not None else data.family if data is not None else None
-    environment = environment_section(args, family) if family is not None else None
+    data, family, environment = chosen.data, chosen.family, chosen.environment
     model = model_shape(hf_config, "--model")
     with about("--model"):
         engine_class(DEFAULT_ENGINE).check_model(hf_config)
@@ -327,7 +340,7 @@ def main(argv: list[str]) -> int:
             raise InputError(f"--data: {e}") from None
     tell_what_does_not_fit(samples, prompt_lengths(samples, args.model, "--model"), max_model_len,
                            chosen.max_new_tokens)
-    print(chosen.describe(args.model, trained, *(environment or ())), file=sys.stderr)
+    print(chosen.describe(args.model, trained), file=sys.stderr)
 
     from gdpo_megatron.rollout.engine import SamplingConfig
 

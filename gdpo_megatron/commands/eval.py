@@ -19,10 +19,10 @@ multi-turn family is evaluated the same way, through the environment ``--environ
 A model gdpo-train exported carries how it was trained (``gdpo_training.json``,
 :mod:`gdpo_megatron.checkpoint.trained_with`): every prompt and sampling setting the command
 line leaves out is the training's (its family, system prompt, fields and environment for its
-own family; ``max_new_tokens``, temperature, top-p/top-k and stop strings), so the scores are comparable
-to the rewards training reported. Other models get the defaults: the family's instructions,
-256 new tokens, greedy. One line on stderr says which settings were used and where each came
-from. Every input is checked before the engine starts.
+own family; ``max_new_tokens``, temperature, top-p/top-k and stop strings), so the scores are
+comparable to the rewards training reported. Other models get the defaults: the family's
+instructions, 256 new tokens, greedy. One line on stderr says which settings were used and
+where each came from. Every input is checked before the engine starts.
 """
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         help="comma-separated reward names to report (with --data, default: the family's rewards)")
     parser.add_argument("--environment", default=None,
                         help="with --data of a multi-turn family: the environment (a built-in name, or the class "
-                             "--environment-file defines; default: the family's)")
+                             "--environment-file defines; default: the training's, else the family's)")
     parser.add_argument("--environment-file", default=None, help="with --environment: the Python file defining it")
     parser.add_argument("--max-steps-per-turn", type=positive_int, default=None,
                         help="multi-turn: the model's messages per user turn (default: "

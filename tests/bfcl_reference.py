@@ -1,19 +1,47 @@
-"""BFCL's own checker as the reference for the tool-calling reward, and calls to compare on.
+"""BFCL's own checkers as the reference for the tool-calling reward and the multi-turn verdicts,
+and calls to compare on.
 
 ``ast_checker`` is BFCL's code, imported from the installed ``bfcl-eval`` package. Its module
 imports BFCL's registry of model handlers (``constants.model_config``) only to look up, for a
 function name with a dot, whether a model's API renames it; that registry imports every
 vendor SDK, so where it cannot be imported it is replaced by one entry that renames nothing.
 Used by tests/test_rewards_tool.py and benchmarks/bfcl_agreement.py.
+
+:func:`multi_turn_verdict` is BFCL's ``multi_turn_checker`` on per-turn call lists (used by
+tests/test_bfcl_multi_turn.py and tests/test_eval_multi_turn.py). It runs the calls with
+``eval``: give it only call strings written by a test, or rendered from calls the project's
+parser accepted (a plain name and literal arguments).
 """
 from __future__ import annotations
 
 import copy
+import itertools
 import json
+import re
 import sys
 import types
 
 MODEL = "gdpo"
+MULTI_TURN_ERRORS = {"multi_turn:empty_turn_model_response": "empty",
+                     "multi_turn:instance_state_mismatch": "state",
+                     "multi_turn:execution_response_mismatch": "response"}
+_multi_turn_runs = itertools.count()  # BFCL keeps each run's instances by name: a fresh name per verdict
+
+
+def multi_turn_verdict(steps: list[list[list[str]]], row: dict) -> tuple[bool, str | None, int | None]:
+    """BFCL's verdict on a ``bfcl_multi_turn`` row's question, given per user turn the model's
+    steps (each a list of call strings): (valid, the check that failed, its turn or None)."""
+    from bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker import multi_turn_checker
+
+    truth = row["multi_turn"]
+    entry = {"id": row["id"], "initial_config": truth["environment_config"]["initial_config"],
+             "involved_classes": truth["environment_config"]["involved_classes"]}
+    result = multi_turn_checker(steps, truth["reference_calls"], entry, row["id"].rsplit("_", 1)[0],
+                                f"agreement_{next(_multi_turn_runs)}")
+    if result["valid"]:
+        return True, None, None
+    turn = re.search(r"for turn (\d+)", result["error_message"])
+    return False, MULTI_TURN_ERRORS[result["error_type"]], int(turn[1]) if turn else None
 
 
 def load_ast_checker():

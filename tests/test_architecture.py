@@ -52,6 +52,8 @@ _CORE = {
     "trajectories": {"config", "data", "environments", "rollout", "tasks"},
     "experience": {"config", "data", "policy", "rewards", "rollout", "trajectories"},
     "evaluate": {"config", "data", "device", "errors", "resolve", "rewards", "rollout"},
+    "evaluate_multi_turn": {"config", "data", "device", "environments", "evaluate", "rewards", "rollout",
+                            "trajectories"},
     "trainer": {"advantages", "checkpoint", "config", "data", "device", "distributed", "errors", "exit_status",
                 "experience", "inputs", "metrics", "policy", "progress", "quiet", "resolve", "rewards", "rollout",
                 "run_dir", "trajectories"},
@@ -62,7 +64,7 @@ ALLOWED: dict[str, set[str]] = {
     **_CORE,
     # preflight: checks before anything heavy is built: not the model, the loop or its outputs
     # (policy: its cost figures, such as the log-prob step's bytes per logit; it builds no model)
-    "preflight": CORE - {"experience", "trainer", "evaluate", "plot"},
+    "preflight": CORE - {"experience", "trainer", "evaluate", "evaluate_multi_turn", "plot"},
     # entry points: what a user or another framework calls
     "integrations": CORE | {"preflight"},
     "commands": CORE | {"preflight", TOP},

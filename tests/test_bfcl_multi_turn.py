@@ -1,16 +1,15 @@
-"""BFCL's multi-turn questions: this project's verdicts agree with BFCL's own checker, the
-rewards score trajectories through the reward stage, and the family reads through the data path.
+"""BFCL's multi-turn questions: gdpo-eval's verdicts agree with BFCL's own checker, the rewards
+score trajectories through the reward stage, and the family reads through the data path.
 
-BFCL's ``multi_turn_checker`` is imported here only (it runs calls with ``eval``, which is
-fine for the ground-truth and perturbed call lists this test writes itself).
+BFCL's ``multi_turn_checker`` (tests/bfcl_reference.py) runs calls with ``eval``, which is
+fine for the ground-truth and perturbed call lists this test writes itself.
 """
-import itertools
 import json
-import re
 
 import pytest
 import torch
 
+from bfcl_reference import multi_turn_verdict
 from gdpo_megatron.advantages import compute_advantages, conditions_by_column
 from gdpo_megatron.config import ConditionConfig
 from gdpo_megatron.config.rewards import RewardSpec
@@ -20,34 +19,16 @@ from gdpo_megatron.data.bfcl_multi_turn import (
 )
 from gdpo_megatron.environments import Trajectory, parse_calls
 from gdpo_megatron.environments.bfcl import reference_problem
-from gdpo_megatron.environments.judge import judge
+from gdpo_megatron.evaluate_multi_turn import verdict
 from gdpo_megatron.rewards import RewardStage, get_reward
 
-checker = pytest.importorskip("bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker")
-_runs = itertools.count()
-
-BFCL_ERRORS = {"multi_turn:empty_turn_model_response": "empty", "multi_turn:instance_state_mismatch": "state",
-               "multi_turn:execution_response_mismatch": "response"}
-
-
-def bfcl_verdict(steps, row):
-    """BFCL's verdict on per-turn lists of call lists: (valid, check that failed, its turn or None)."""
-    truth = row["multi_turn"]
-    entry = {"id": row["id"], "initial_config": truth["environment_config"]["initial_config"],
-             "involved_classes": truth["environment_config"]["involved_classes"]}
-    result = checker.multi_turn_checker(steps, truth["reference_calls"], entry, row["id"].rsplit("_", 1)[0],
-                                        f"agreement_{next(_runs)}")
-    if result["valid"]:
-        return True, None, None
-    turn = re.search(r"for turn (\d+)", result["error_message"])
-    return False, BFCL_ERRORS[result["error_type"]], int(turn[1]) if turn else None
+pytest.importorskip("bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker")
 
 
 def our_verdict(steps, row):
-    truth = row["multi_turn"]
-    judgement = judge(Trajectory.from_calls("bfcl", steps), truth["environment_config"], truth["reference_calls"])
-    failure = judgement.first_failure
-    return judgement.valid, failure and failure[1], failure and failure[0]
+    """gdpo-eval's verdict (the one its --bfcl-multi-turn reports) on the same call lists."""
+    v = verdict(Trajectory.from_calls("bfcl", steps), row["multi_turn"])
+    return v.valid, v.failure, v.turn
 
 
 def as_steps(turns):
@@ -122,7 +103,7 @@ def test_verdicts_agree_with_bfcls_checker(rows):
                 variants.update(perturbations(reference, n))
             for kind, turns in variants.items():
                 steps = as_steps(turns)
-                ours, theirs = our_verdict(steps, row), bfcl_verdict(steps, row)
+                ours, theirs = our_verdict(steps, row), multi_turn_verdict(steps, row)
                 assert ours[:2] == theirs[:2] and (theirs[2] is None or ours[2] == theirs[2]), (row["id"], kind)
                 checked += 1
                 if not ours[0]:

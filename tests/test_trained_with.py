@@ -1,11 +1,13 @@
 """How a run prompted and sampled travels with its export, and gdpo-eval takes from it what its
 command line leaves out (the evaluation through vLLM: test_evaluate.py)."""
 import json
+from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 
-from gdpo_megatron.checkpoint.trained_with import (TRAINING_FILE, TrainedWith, read_trained_with, trained_with,
-                                                   write_trained_with)
+from gdpo_megatron.checkpoint.trained_with import (TRAINING_FILE, TrainedEnvironment, TrainedWith, read_trained_with,
+                                                   trained_with, write_trained_with)
 from gdpo_megatron.commands.eval import parse, settings
 from gdpo_megatron.config import TrainConfig, load_config, to_dict
 from gdpo_megatron.errors import InputError, UsageError
@@ -26,7 +28,8 @@ def test_the_record_holds_the_runs_prompt_and_sampling_keys_and_reads_back(tmp_p
     assert json.loads(path.read_text()) == {
         "data": {"family": "tool", "system_prompt": "", "prompt_key": "messages", "system_key": None,
                  "ground_truth_key": None},
-        "rollout": {"max_new_tokens": 80, "temperature": 0.7, "top_p": 1.0, "top_k": -1, "stop": ["</tool_call>"]}}
+        "rollout": {"max_new_tokens": 80, "temperature": 0.7, "top_p": 1.0, "top_k": -1, "stop": ["</tool_call>"]},
+        "environment": {"name": None, "file": None, "step_timeout_s": 10.0, "max_steps_per_turn": 8}}
     assert read_trained_with(tmp_path) == record
     (tmp_path / "plain").mkdir()
     assert read_trained_with(tmp_path / "plain") is None  # any other Hugging Face model
@@ -97,3 +100,27 @@ def test_eval_of_a_model_without_a_record_keeps_the_defaults():
     with pytest.raises(UsageError, match=r"^gdpo-eval: --data needs --family \(m has no gdpo_training.json"):
         settings(parse(["--model", "m", *DATA]), None)
 
+
+
+def test_a_multi_turn_run_records_its_environment_and_eval_steps_through_it(tmp_path):
+    record = trained_with(to_dict(load_config(TrainConfig, "configs/multi_turn_cpu.yaml", [])))
+    assert (record.environment.name, record.environment.file, record.environment.max_steps_per_turn) == \
+        ("CityDesk", "examples/environments/city_desk.py", 2)
+    chosen = settings(parse(["--model", "m", "--data", "examples/data/city_desk.jsonl"]), record)
+    reference, section = chosen.environment
+    assert reference == f"{Path('examples/environments/city_desk.py').resolve()}:CityDesk"
+    assert (section.max_steps_per_turn, chosen.origins["environment"], chosen.origins["max_steps_per_turn"]) == \
+        (2, "trained", "trained")
+    given = settings(parse(["--model", "m", "--data", "examples/data/city_desk.jsonl", "--max-steps-per-turn", "5"]),
+                     record)
+    assert (given.environment[1].max_steps_per_turn, given.origins["max_steps_per_turn"]) == (5, "given")
+    # another multi-turn family takes its own environment, not the record's
+    bfcl = settings(parse(["--model", "m", "--bfcl-multi-turn"]), record)
+    assert (bfcl.environment[0], bfcl.environment[1].max_steps_per_turn, bfcl.origins["environment"]) == \
+        ("bfcl", 8, "default")
+    # a record written before environments were kept reads with the section's defaults
+    old = asdict(record)
+    del old["environment"]
+    (tmp_path / TRAINING_FILE).write_text(json.dumps(old))
+    assert read_trained_with(tmp_path).environment == TrainedEnvironment(None, None, 10.0, 8)
+    assert trained_with(old).environment == TrainedEnvironment(None, None, 10.0, 8)  # a checkpoint's config of then

@@ -234,14 +234,6 @@ def test_trajectories_and_their_rewards_are_the_same_on_two_ranks(demo_base_mode
     assert records["one"]["rollout/model_turns_mean"] > 1
 
 
-def test_gdpo_eval_refuses_a_multi_turn_family(tmp_path):
-    from gdpo_megatron.commands.eval import data_section, parse
-
-    with pytest.raises(ConfigError, match=r"^--family: multi_turn is multi-turn; gdpo-eval scores single completions"):
-        data_section(parse(["--model", str(tmp_path), "--data", str(ROOT / "examples/data/city_desk.jsonl"),
-                            "--family", "multi_turn"]), None, {})
-
-
 @pytest.mark.slow
 def test_a_short_multi_turn_run_learns_the_call_format(demo_base_model, tmp_path):
     """configs/multi_turn_cpu.yaml for 20 steps: the share of the model's call attempts that

@@ -3,14 +3,16 @@
 A model scores what its training reported only when it is prompted and sampled the same way:
 the same instructions in the system message, the same fields of the data rows, the same
 completion length, temperature and stop strings. gdpo-train's export (and gdpo-convert's of a
-training checkpoint) writes those settings of the run's config, as two sections named like
-the config's::
+training checkpoint) writes those settings of the run's config, and the ``environment`` a
+multi-turn family's trajectories stepped through, as sections named like the config's::
 
     {"data": {"family": "tool", "system_prompt": "", "prompt_key": null, "system_key": null,
               "ground_truth_key": null},
-     "rollout": {"max_new_tokens": 80, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "stop": []}}
+     "rollout": {"max_new_tokens": 80, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "stop": []},
+     "environment": {"name": null, "file": null, "step_timeout_s": 10.0, "max_steps_per_turn": 8}}
 
-and gdpo-eval reads it for every setting its command line leaves out. A directory without
+and gdpo-eval reads it for every setting its command line leaves out (a record without
+``environment``, written before it was kept, holds the section's defaults). A directory without
 the file (any other Hugging Face model) has no record: :func:`read_trained_with` returns None.
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Optional
 
+from gdpo_megatron.config.environment import EnvironmentConfig
 from gdpo_megatron.config.loader import from_dict, require
 from gdpo_megatron.config.rollout import TEMPERATURE_RANGE
 from gdpo_megatron.errors import InputError
@@ -55,18 +58,33 @@ class TrainedSampling:
 
 
 @dataclass
+class TrainedEnvironment:
+    """The keys of the run's ``environment`` section (see ``EnvironmentConfig``; ``file`` as the
+    config gave it, not checked here: a single-turn evaluation never reads it)."""
+
+    name: Optional[str] = None
+    file: Optional[str] = None
+    step_timeout_s: float = EnvironmentConfig.step_timeout_s
+    max_steps_per_turn: int = EnvironmentConfig.max_steps_per_turn
+
+
+@dataclass
 class TrainedWith:
     """What :data:`TRAINING_FILE` holds."""
 
     data: TrainedPrompts
     rollout: TrainedSampling
+    environment: TrainedEnvironment = field(default_factory=TrainedEnvironment)
 
 
 def trained_with(config: dict) -> TrainedWith:
     """The record of a run's config, as plain data (``to_dict`` of a TrainConfig, or the config a
-    training checkpoint saved)."""
-    return TrainedWith(*(cls(**{f.name: config[section][f.name] for f in fields(cls)})
-                         for section, cls in (("data", TrainedPrompts), ("rollout", TrainedSampling))))
+    training checkpoint saved; one saved before the ``environment`` section existed has none)."""
+    def section(cls, name: str):
+        return cls(**{f.name: config[name][f.name] for f in fields(cls)})
+
+    environment = section(TrainedEnvironment, "environment") if "environment" in config else TrainedEnvironment()
+    return TrainedWith(section(TrainedPrompts, "data"), section(TrainedSampling, "rollout"), environment)
 
 
 def write_trained_with(hf_dir: str | Path, record: TrainedWith) -> Path:

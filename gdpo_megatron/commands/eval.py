@@ -7,13 +7,22 @@ rlla_4k/test.parquet --family toolrl --rewards toolrl_format,toolrl_correctness`
 and its options are the config's ``data`` section (``--prompt-key`` is ``data.prompt_key``),
 built and checked by the config loader as a training config's is.
 
+``gdpo-eval --model runs/x/hf --bfcl-multi-turn [CATEGORY ...]`` rolls out each of BFCL's
+multi-turn questions (held-out split by default; ``--split train`` or ``all``; ``--limit`` per
+category) as one trajectory through BFCL's environments, as training does, and reports per
+category the questions, BFCL's accuracy (every turn passing its checker) and the multi-turn
+rewards' means (:mod:`gdpo_megatron.evaluate_multi_turn`); ``--verdicts FILE`` writes each
+question's verdict, failing check and turn, and trajectory as JSON Lines. ``--data`` of a
+multi-turn family is evaluated the same way, through the environment ``--environment`` (and
+``--environment-file`` for a user's own) names, else the training's, else the family's.
+
 A model gdpo-train exported carries how it was trained (``gdpo_training.json``,
 :mod:`gdpo_megatron.checkpoint.trained_with`): every prompt and sampling setting the command
-line leaves out is the training's (its family, system prompt and fields for its own family;
-``max_new_tokens``, temperature, top-p/top-k and stop strings), so the scores are comparable
-to the rewards training reported. Other models get the defaults: the family's instructions,
-256 new tokens, greedy. One line on stderr says which settings were used and where each came
-from. Every input is checked before the engine starts.
+line leaves out is the training's (its family, system prompt, fields and environment for its
+own family; ``max_new_tokens``, temperature, top-p/top-k and stop strings), so the scores are
+comparable to the rewards training reported. Other models get the defaults: the family's
+instructions, 256 new tokens, greedy. One line on stderr says which settings were used and
+where each came from. Every input is checked before the engine starts.
 """
 from __future__ import annotations
 
@@ -26,10 +35,12 @@ from pathlib import Path
 from gdpo_megatron.checkpoint.trained_with import TRAINING_FILE, TrainedWith, read_trained_with
 from gdpo_megatron.commands.console import (ArgumentParser, console_entry, positive_float, positive_int,
                                             quiet_defaults)
-from gdpo_megatron.config import ConfigError, DataConfig, from_dict
+from gdpo_megatron.config import DataConfig, from_dict
+from gdpo_megatron.config.environment import EnvironmentConfig
 from gdpo_megatron.config.rewards import RewardSpec
 from gdpo_megatron.config.rollout import TEMPERATURE_RANGE
-from gdpo_megatron.errors import UsageError
+from gdpo_megatron.data.bfcl_multi_turn import CATEGORIES as MULTI_TURN_CATEGORIES
+from gdpo_megatron.errors import InputError, UsageError
 from gdpo_megatron.tasks import get_task, task_names
 
 # The options that go with --data, each a key of the data section, and their help.
@@ -38,12 +49,13 @@ DATA_OPTIONS = {
     "--system-prompt": ("system_prompt", "with --data: instructions ('' for none; default: the training's, else "
                                          "the family's)"),
     "--split": ("split", "with --data: the split of a datasets directory (default: train of a DatasetDict, all "
-                         "of a single dataset)"),
+                         "of a single dataset); with --bfcl-multi-turn: heldout (default), train or all"),
     "--prompt-key": ("prompt_key", "with --data: the prompt field (default: the training's, else the usual ones)"),
     "--system-key": ("system_key", "with --data: the system field (default: the training's)"),
     "--ground-truth-key": ("ground_truth_key", "with --data: the ground truth field (default: the training's, else "
                                                "the family's)"),
 }
+MULTI_TURN_SPLITS = ("heldout", "train", "all")  # --split of --bfcl-multi-turn
 # Without a training record: the new tokens of a completion, and greedy decoding.
 DEFAULT_MAX_NEW_TOKENS = 256
 GREEDY = 0.0
@@ -67,12 +79,24 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--bfcl", action="store_true", help="the BFCL single-turn categories")
+    source.add_argument("--bfcl-multi-turn", nargs="*", choices=MULTI_TURN_CATEGORIES, metavar="CATEGORY",
+                        help=f"BFCL's multi-turn questions of these categories ({', '.join(MULTI_TURN_CATEGORIES)}; "
+                             "default: all), one trajectory each through BFCL's environments")
     source.add_argument("--data", help="a prompt file (.jsonl, .json, .parquet) or datasets directory "
                                        "(see gdpo_megatron.data.samples)")
     for flag, (_, help_text) in DATA_OPTIONS.items():
         parser.add_argument(flag, default=None, help=help_text)
     parser.add_argument("--rewards", default=None,
                         help="comma-separated reward names to report (with --data, default: the family's rewards)")
+    parser.add_argument("--environment", default=None,
+                        help="with --data of a multi-turn family: the environment (a built-in name, or the class "
+                             "--environment-file defines; default: the training's, else the family's)")
+    parser.add_argument("--environment-file", default=None, help="with --environment: the Python file defining it")
+    parser.add_argument("--max-steps-per-turn", type=positive_int, default=None,
+                        help="multi-turn: the model's messages per user turn (default: "
+                             f"{EnvironmentConfig.max_steps_per_turn}, as environment.max_steps_per_turn)")
+    parser.add_argument("--verdicts", default=None,
+                        help="multi-turn: also write each question's verdict and trajectory to this JSON Lines file")
     parser.add_argument("--limit", type=positive_int, default=None,
                         help="at most this many prompts (per BFCL category)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=None,
@@ -93,6 +117,20 @@ def parse(argv: list[str]) -> argparse.Namespace:
     given = [flag for flag, (key, _) in DATA_OPTIONS.items() if getattr(args, key) is not None]
     if args.bfcl and given:
         parser.error(f"{given[0]} goes with --data, not --bfcl")
+    if args.bfcl_multi_turn is not None:
+        others = [flag for flag in given if flag != "--split"]
+        if others:
+            parser.error(f"{others[0]} goes with --data, not --bfcl-multi-turn")
+        if args.split is not None and args.split not in MULTI_TURN_SPLITS:
+            parser.error(f"--split: with --bfcl-multi-turn, expected one of {', '.join(MULTI_TURN_SPLITS)}, "
+                         f"got {args.split!r}")
+    if args.data is None and (args.environment or args.environment_file):
+        parser.error("--environment goes with --data of a multi-turn family")
+    if args.environment_file and not args.environment:
+        parser.error("--environment-file needs --environment, the name of the class it defines")
+    if args.bfcl and (args.max_steps_per_turn or args.verdicts):
+        parser.error(f"{'--max-steps-per-turn' if args.max_steps_per_turn else '--verdicts'} goes with a multi-turn "
+                     "evaluation, not --bfcl")
     return args
 
 
@@ -101,7 +139,10 @@ class Settings:
     """How the evaluation prompts and samples, and where each setting came from (:data:`GIVEN`,
     :data:`TRAINED` or :data:`DEFAULT`)."""
 
-    data: DataConfig | None  # None: BFCL's prompts
+    data: DataConfig | None  # None: BFCL's prompts (``bfcl``)
+    family: str | None  # the task family of the prompts (None: BFCL's single-turn categories)
+    bfcl: str | None  # which of BFCL's prompts, as the settings line says it
+    environment: tuple[str, EnvironmentConfig] | None  # a multi-turn family's: its reference and section
     max_new_tokens: int
     temperature: float
     top_p: float
@@ -116,13 +157,17 @@ class Settings:
             return f"{value} ({self.origins[name]})"
 
         if self.data is None:
-            prompts = "BFCL's prompts"
+            prompts = self.bfcl
         else:
             system = self.data.system_prompt
             system = {None: "the family's", "": "none"}.get(system) or repr(_shorten(system))
             prompts = f"family {shown('family', self.data.family)}, system prompt {shown('system_prompt', system)}"
             prompts += "".join(f", {key} {shown(key, getattr(self.data, key))}" for key in FIELD_KEYS
                                if getattr(self.data, key) is not None)
+        if self.environment is not None:
+            reference, section = self.environment
+            prompts += (f", environment {shown('environment', reference)}, max_steps_per_turn "
+                        f"{shown('max_steps_per_turn', section.max_steps_per_turn)}")
         if self.temperature == GREEDY:
             sampling = shown("temperature", "greedy")
         else:
@@ -146,9 +191,18 @@ def settings(args: argparse.Namespace, trained: TrainedWith | None) -> Settings:
     training record; its data settings only for its own family), else the defaults."""
     origins: dict[str, str] = {}
     rollout = trained.rollout if trained is not None else None
-    data = None if args.bfcl else data_section(args, trained, origins)
+    data = None if args.data is None else data_section(args, trained, origins)
+    family = "bfcl_multi_turn" if args.bfcl_multi_turn is not None else data.family if data is not None else None
+    if args.bfcl_multi_turn is not None:
+        bfcl = (f"BFCL's multi-turn questions ({args.split or 'heldout'} split of "
+                f"{', '.join(args.bfcl_multi_turn or MULTI_TURN_CATEGORIES)})")
+    else:
+        bfcl = "BFCL's prompts" if args.bfcl else None
     return Settings(
         data=data,
+        family=family,
+        bfcl=bfcl,
+        environment=environment_section(args, family, trained, origins) if family is not None else None,
         max_new_tokens=_pick(origins, "max_new_tokens", args.max_new_tokens,
                              rollout.max_new_tokens if rollout else NOT_RECORDED, DEFAULT_MAX_NEW_TOKENS),
         temperature=_pick(origins, "temperature", args.temperature,
@@ -176,10 +230,41 @@ def data_section(args: argparse.Namespace, trained: TrainedWith | None, origins:
             recorded = getattr(prompts, key, NOT_RECORDED) if same_task else NOT_RECORDED
             values[key] = _pick(origins, key, getattr(args, key), recorded, None)
     data = from_dict(DataConfig, {key: value for key, value in values.items() if value is not None}, "data")
-    if get_task(data.family, "data.family").multi_turn:
-        raise ConfigError(f"--family: {data.family} is multi-turn; gdpo-eval scores single completions, not "
-                          "trajectories through an environment")
+    get_task(data.family, "data.family")
     return data
+
+
+def environment_section(args: argparse.Namespace, family: str, trained: TrainedWith | None,
+                        origins: dict[str, str]) -> tuple[str, EnvironmentConfig] | None:
+    """The environment the questions of a multi-turn ``family`` step through (its reference:
+    ``--environment``, else the training's where it trained ``family``, else the family's) and
+    the ``environment`` section, built and checked by the config loader (a ConfigError names the
+    ``environment.*`` key); ``origins`` gets where each came from. None for a single-turn
+    family, which takes none of the environment options."""
+    from gdpo_megatron.environments.registry import configured_reference
+
+    task = get_task(family)
+    if not task.multi_turn:
+        for flag in ("--environment", "--max-steps-per-turn", "--verdicts"):
+            if getattr(args, flag[2:].replace("-", "_")) is not None:
+                raise UsageError(f"{flag}: --family {family} is single-turn (one completion per prompt); it goes "
+                                 "with a multi-turn family")
+        return None
+    recorded = trained.environment if trained is not None and trained.data.family == family else None
+    if args.environment is None and recorded is not None and recorded.name is not None:
+        name, file, origins["environment"] = recorded.name, recorded.file, TRAINED
+    else:
+        name, file, origins["environment"] = args.environment, args.environment_file, (
+            GIVEN if args.environment is not None else DEFAULT)
+    values = {"name": name, "file": file, "step_timeout_s": recorded.step_timeout_s if recorded else None,
+              "max_steps_per_turn": _pick(origins, "max_steps_per_turn", args.max_steps_per_turn,
+                                          recorded.max_steps_per_turn if recorded else NOT_RECORDED, None)}
+    section = from_dict(EnvironmentConfig, {k: v for k, v in values.items() if v is not None}, "environment")
+    reference = configured_reference(section, task.environment)
+    if reference is None:
+        raise UsageError(f"--environment: --family {family} rolls out trajectories through an environment; name it "
+                         "(and --environment-file for your own)")
+    return reference, section
 
 
 def _pick(origins: dict[str, str], name: str, given, trained, default):
@@ -203,9 +288,9 @@ def _shorten(text: str, limit: int = 40) -> str:
 def main(argv: list[str]) -> int:
     args = parse(argv)
 
-    from gdpo_megatron.preflight.validation import (about, check_code_sandbox, check_output_file, check_reward_specs,
-                                                    check_weights, data_prompts, model_shape, prompt_lengths,
-                                                    read_model_config)
+    from gdpo_megatron.preflight.validation import (about, check_code_sandbox, check_environment, check_output_file,
+                                                    check_reward_specs, check_weights, data_prompts, model_shape,
+                                                    prompt_lengths, read_model_config)
     from gdpo_megatron.device import this_machine
     from gdpo_megatron.rollout.factory import DEFAULT_ENGINE, engine_class
 
@@ -214,7 +299,7 @@ def main(argv: list[str]) -> int:
     hf_config = read_model_config(args.model, "--model")
     trained = read_trained_with(args.model)
     chosen = settings(args, trained)
-    data = chosen.data
+    data, family, environment = chosen.data, chosen.family, chosen.environment
     model = model_shape(hf_config, "--model")
     with about("--model"):
         engine_class(DEFAULT_ENGINE).check_model(hf_config)
@@ -226,30 +311,57 @@ def main(argv: list[str]) -> int:
     if args.rewards is not None:
         names = args.rewards.split(",")
     else:
-        names = get_task(data.family).rewards if data is not None else ()
+        names = get_task(family).rewards if family is not None else ()
     rewards = [RewardSpec(name) for name in names if name]
     check_reward_specs(rewards, "--rewards", in_config=False)
     check_code_sandbox(rewards, "--rewards", args.allow_weaker_sandbox, "pass --allow-weaker-sandbox")
-    if args.out:
-        check_output_file(args.out, "--out")
-    if data is None:
+    for path, flag in ((args.out, "--out"), (args.verdicts, "--verdicts")):
+        if path:
+            check_output_file(path, flag)
+    if environment is not None:
+        check_environment(environment[1], "environment")
+    if args.bfcl:
         from gdpo_megatron.data.bfcl import load_bfcl
 
         samples = load_bfcl(limit=args.limit)
+    elif args.bfcl_multi_turn is not None:
+        from gdpo_megatron.data.bfcl_multi_turn import load_bfcl_multi_turn
+
+        split = {None: "heldout", "all": None}.get(args.split, args.split)
+        samples = load_bfcl_multi_turn(args.bfcl_multi_turn or MULTI_TURN_CATEGORIES, split, limit=args.limit)
     else:
         samples = data_prompts(data, "--data")[: args.limit]
+    if environment is not None:
+        from gdpo_megatron.evaluate_multi_turn import check_reference_calls
+
+        try:
+            check_reference_calls(samples)
+        except ValueError as e:
+            raise InputError(f"--data: {e}") from None
     tell_what_does_not_fit(samples, prompt_lengths(samples, args.model, "--model"), max_model_len,
                            chosen.max_new_tokens)
     print(chosen.describe(args.model, trained), file=sys.stderr)
 
-    from gdpo_megatron.evaluate import evaluate
     from gdpo_megatron.rollout.engine import SamplingConfig
 
     sampling = SamplingConfig(temperature=chosen.temperature, top_p=chosen.top_p, top_k=chosen.top_k,
                               max_new_tokens=chosen.max_new_tokens, stop=tuple(chosen.stop), seed=chosen.seed)
-    metrics, _ = evaluate(args.model, samples, rewards, machine=machine, model=model, sampling=sampling,
-                          max_model_len=max_model_len, kv_cache_gib=args.kv_cache_gib, bfcl=args.bfcl,
-                          allow_weaker_sandbox=args.allow_weaker_sandbox)
+    if environment is None:
+        from gdpo_megatron.evaluate import evaluate
+
+        metrics, _ = evaluate(args.model, samples, rewards, machine=machine, model=model, sampling=sampling,
+                              max_model_len=max_model_len, kv_cache_gib=args.kv_cache_gib, bfcl=args.bfcl,
+                              allow_weaker_sandbox=args.allow_weaker_sandbox)
+    else:
+        from gdpo_megatron.evaluate_multi_turn import evaluate_trajectories
+
+        metrics, verdicts = evaluate_trajectories(
+            args.model, samples, rewards, environment=environment[0], environment_config=environment[1],
+            machine=machine, model=model, sampling=sampling, max_model_len=max_model_len,
+            kv_cache_gib=args.kv_cache_gib)
+        if args.verdicts:
+            Path(args.verdicts).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.verdicts).write_text("".join(json.dumps(v) + "\n" for v in verdicts))
     text = json.dumps(metrics, indent=2, sort_keys=True)
     print(text)
     if args.out:

@@ -61,12 +61,16 @@ def bfcl_multi_turn_rows(categories: Sequence[str] = CATEGORIES, split: str | No
 
 
 def load_bfcl_multi_turn(categories: Sequence[str] = CATEGORIES, split: str | None = None,
-                         data_dir: str | Path | None = None) -> list[Sample]:
-    """Samples of the rows; questions whose reference calls do not fit are left out, named in one warning."""
-    samples, left_out = [], []
+                         data_dir: str | Path | None = None, limit: int | None = None) -> list[Sample]:
+    """Samples of the rows (at most ``limit`` per category); questions whose reference calls do
+    not fit are left out, named in one warning."""
+    samples, left_out, taken = [], [], dict.fromkeys(categories, 0)
     for row in bfcl_multi_turn_rows(categories, split, data_dir):
+        if limit is not None and taken[row["category"]] >= limit:
+            continue
         try:
             samples.append(make_sample(row, "bfcl_multi_turn", row["id"], row["id"]))
+            taken[row["category"]] += 1
         except UnusableGroundTruth:
             left_out.append(row["id"])
     if left_out:

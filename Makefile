@@ -44,6 +44,11 @@ runs/toolrl_base: | install
 toolrl-cpu: install runs/toolrl_base
 	$(BIN)/python -m gdpo_megatron.demo.toolrl_cpu $(TOOLRL_ARGS)
 
+# The demo model warmed up on two-turn city-desk trajectories, for configs/multi_turn_cpu.yaml
+# (writes runs/demo_base first when it is missing; about two minutes on one core).
+runs/city_desk_base: | install
+	$(BIN)/python -m gdpo_megatron.demo.city_desk_base $@
+
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 

@@ -234,18 +234,76 @@ def test_trajectories_and_their_rewards_are_the_same_on_two_ranks(demo_base_mode
     assert records["one"]["rollout/model_turns_mean"] > 1
 
 
+def test_city_desk_demonstrations_are_trajectories_as_a_rollout_renders_and_judges_them(tokenizers, monkeypatch):
+    """Without noise a warm-up demonstration of a two-turn question is, in the rows' tokens, the
+    template's rendering of call, CityDesk's reply, plain answer, the next user turn, ...; the
+    loss mask covers exactly the model's messages, and the rewards judge them fully right."""
+    import json
+    import random
+
+    from gdpo_megatron.demo import city_desk_base
+    from gdpo_megatron.rewards.multi_turn import multi_turn_efficiency, multi_turn_format, multi_turn_state
+
+    tok = tokenizers["demo"]
+    for noise in ("CALL_AGAIN", "WRONG_TOOL", "LONG_THOUGHT"):
+        monkeypatch.setattr(city_desk_base, noise, 0.0)
+    (question,) = city_desk_base.make_questions(1, seed=3)
+    ids, mask = city_desk_base.demonstration_row(tok, question, random.Random(0))
+
+    model_runs, run = [], []  # the masked tokens, one list per model message
+    for token, in_loss in zip(ids, mask):
+        if in_loss:
+            run.append(token)
+        elif run:
+            model_runs.append(run)
+            run = []
+    model_runs.append(run)
+    assert all(r[-1] == tok.eos_token_id and tok.eos_token_id not in r[:-1] for r in model_runs)
+    messages = [tok.decode(r[:-1]) for r in model_runs]
+    assert len(messages) == 4  # per user turn: the call, then the answer
+    truth = question["multi_turn"]
+    config = truth["environment_config"]["weather"]
+    chat = list(question["messages"])
+    for turn, (call, answer) in enumerate((messages[:2], messages[2:])):
+        city = truth["reference_calls"][turn][0].split("'")[1]
+        reply = ({"city": city, "weather": config[city]} if "weather" in truth["reference_calls"][turn][0]
+                 else {"city": city, "time": f"{len(city) + 8:02d}:00"})  # CityDesk's answers, computed here
+        assert answer == f"{reply.get('weather', reply.get('time'))} in {city}."
+        chat += [*(truth["later_turns"][turn - 1] if turn else []), {"role": "assistant", "content": call},
+                 {"role": "tool", "content": json.dumps(reply)}, {"role": "assistant", "content": answer}]
+    assert tok.decode(ids) + "<|assistant|>" == render_prompt(tok, chat)
+
+    trajectory = Trajectory.from_texts(city_desk_base.ENVIRONMENT, [messages[:2], messages[2:]])
+    ground_truth = {k: truth[k] for k in ("environment_config", "reference_calls")}
+    for reward in (multi_turn_state, multi_turn_format, multi_turn_efficiency):
+        assert reward(trajectory, 0, ground_truth) == 1.0
+
+
+@pytest.fixture(scope="module")
+def city_desk_base_model(demo_base_model, tmp_path_factory):
+    """The demo model after the city-desk warm-up (gdpo_megatron.demo.city_desk_base), built once."""
+    from gdpo_megatron.demo.city_desk_base import make_city_desk_base_model
+
+    return str(make_city_desk_base_model(demo_base_model, tmp_path_factory.mktemp("city_desk") / "model"))
+
+
 @pytest.mark.slow
-def test_a_short_multi_turn_run_learns_the_call_format(demo_base_model, tmp_path):
-    """configs/multi_turn_cpu.yaml for 20 steps: the share of the model's call attempts that
-    parse and fit CityDesk's functions rises (about 0.3 -> 0.6 here)."""
+def test_a_short_multi_turn_run_learns_the_task(city_desk_base_model, tmp_path):
+    """configs/multi_turn_cpu.yaml for 20 steps from the city-desk base model: the share of user
+    turns after which CityDesk's lookups are the reference's rises, and so does the share of the
+    model's call attempts that parse and fit CityDesk's functions (first and last five steps'
+    means: state 0.20 -> 0.60, format 0.59 -> 0.90 here; over run seeds 1, 2, 3 and a second
+    warm-up seed the state rose by 0.15 to 0.28, the format by 0.19 to 0.27)."""
     from gdpo_megatron.metrics import read_metrics
     from support.local_world import run_local
 
     run_dir = tmp_path / "learn"
-    overrides = [f"base_model={demo_base_model}", f"run_dir={run_dir}", "checkpoint.save_every=0",
+    overrides = [f"base_model={city_desk_base_model}", f"run_dir={run_dir}", "checkpoint.save_every=0",
                  "checkpoint.export_hf=false", "logging.progress_bar=false"]
     assert run_local(_train, 1, overrides) == ["done"]
-    format_means = [r["reward/multi_turn_format/mean"] for r in read_metrics(run_dir)]
-    assert len(format_means) == 20
-    first, last = sum(format_means[:5]) / 5, sum(format_means[-5:]) / 5
-    assert last > first + 0.1, format_means
+    records = read_metrics(run_dir)
+    assert len(records) == 20
+    for reward in ("multi_turn_state", "multi_turn_format"):
+        means = [r[f"reward/{reward}/mean"] for r in records]
+        first, last = sum(means[:5]) / 5, sum(means[-5:]) / 5
+        assert last > first + 0.1, (reward, means)

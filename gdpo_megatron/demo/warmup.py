@@ -44,17 +44,46 @@ def sft_batches(tokenizer, examples: list[dict], batch_size: int, rng: random.Ra
         answer = demonstration(ex, rng) + task.EOS
         p, a = tokenizer(prompt)["input_ids"], tokenizer(answer)["input_ids"]
         rows.append((p + a, [0] * len(p) + [1] * len(a)))
+    return padded_batches(rows, batch_size, tokenizer.pad_token_id, rng)
+
+
+def padded_batches(rows: list[tuple[list[int], list[int]]], batch_size: int, pad_id: int, rng: random.Random):
+    """Endless shuffled batches of ``rows`` (token ids, loss mask), padded to the longest."""
     while True:
         rng.shuffle(rows)
         for i in range(0, len(rows) - batch_size + 1, batch_size):
             chunk = rows[i : i + batch_size]
             width = max(len(ids) for ids, _ in chunk)
-            ids = torch.full((batch_size, width), tokenizer.pad_token_id)
+            ids = torch.full((batch_size, width), pad_id)
             mask = torch.zeros(batch_size, width)
             for j, (tokens, m) in enumerate(chunk):
                 ids[j, : len(tokens)] = torch.tensor(tokens)
                 mask[j, : len(m)] = torch.tensor(m, dtype=torch.float32)
             yield ids, mask
+
+
+def fine_tune(model, batches, steps: int, lr: float) -> None:
+    """``steps`` AdamW steps of ``model`` on ``batches``, the loss on the masked tokens only."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    for _, (ids, mask) in zip(range(steps), batches):
+        logits = model(input_ids=ids).logits[:, :-1]
+        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                                reduction="none")
+        loss = (nll * mask[:, 1:].reshape(-1)).sum() / mask[:, 1:].sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+
+
+def save_model(model, tokenizer, out_dir: Path) -> Path:
+    """Write ``model`` and ``tokenizer`` to ``out_dir`` whole or not at all (through a sibling)."""
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.replace(out_dir)
+    return out_dir
 
 
 def make_base_model(out_dir: str | Path, steps: int = 150, batch_size: int = 32, lr: float = 3e-3, seed: int = 0,
@@ -67,7 +96,6 @@ def make_base_model(out_dir: str | Path, steps: int = 150, batch_size: int = 32,
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    out_dir = Path(out_dir)
     torch.manual_seed(seed)
     tokenizer = build_tokenizer(seed=seed)
     config = LlamaConfig(
@@ -77,20 +105,6 @@ def make_base_model(out_dir: str | Path, steps: int = 150, batch_size: int = 32,
         pad_token_id=tokenizer.pad_token_id, torch_dtype="float32",
     )
     model = LlamaForCausalLM(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     batches = sft_batches(tokenizer, task.make_examples(2000, seed + 1, tools), batch_size, random.Random(seed), demonstration)
-    model.train()
-    for _, (ids, mask) in zip(range(steps), batches):
-        logits = model(input_ids=ids).logits[:, :-1]
-        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                                reduction="none")
-        loss = (nll * mask[:, 1:].reshape(-1)).sum() / mask[:, 1:].sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.eval()
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.replace(out_dir)
-    return out_dir
+    fine_tune(model, batches, steps, lr)
+    return save_model(model, tokenizer, Path(out_dir))

@@ -53,9 +53,9 @@ Columns (medians over ``--runs`` runs of the per-run totals over the timed steps
 trajectories/s; model tokens/s (tokens the engine generated); model messages per trajectory;
 engine calls per step; the share of the rollout's time spent inside them (this project:
 ``continue_sequences``; TRL: vLLM's ``LLM.generate``; the rest is templating, parsing and the
-environments, this project's each in its own process); prefix cache: prompt tokens vLLM found in its prefix cache / prompt
-tokens of its requests (vLLM's per-request counts, whole KV-cache blocks: 32 tokens in this
-project's CPU engine, TRL's leaves vLLM's CPU default of 128).
+environments, this project's each in its own process); prefix cache: prompt tokens vLLM found
+in its prefix cache / prompt tokens of its requests (vLLM's per-request counts, whole KV-cache
+blocks: 32 tokens in this project's CPU engine, TRL's leaves vLLM's CPU default of 128).
 """
 from __future__ import annotations
 

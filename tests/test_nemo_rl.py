@@ -1,7 +1,7 @@
 """The NeMo-RL estimator on inputs built the way NeMo-RL's GRPO loop builds them.
 
 Read from NeMo-RL at commit 7ea279abfbeb698b092856d0dab61e7cf39bc909 (not installable here):
-``grpo_train`` repeats each prompt ``G`` times (``repeat_interleave``), flattens the prompt
+``grpo_train`` repeats each prompt ``G`` times in a row (``repeat_interleave``), flattens the prompt
 messages into right-padded token ids ``[B, S]``, builds ``mask = token_mask *
 sample_mask[:, None]`` over the full sequence ``[B, T]`` (prompt tokens 0, response tokens
 1), and passes the batch dict with one ``reward/<name>`` tensor per reward. The expected
@@ -95,7 +95,7 @@ CONFIG = {
     "reward_weights": WEIGHT_LIST,
     "conditions": [{"reward": "length", "gate": "correctness", "threshold": 1.0}],
 }
-SHUFFLED = [5, 0, 11, 3, 8, 1, 10, 6, 2, 9, 4, 7]
+SHUFFLED = [9, 11, 8, 10, 3, 0, 2, 1, 6, 4, 7, 5]  # groups reordered, rollouts within each too
 
 
 def _expect(values):
@@ -103,7 +103,7 @@ def _expect(values):
 
 
 def test_defaults_are_nemo_rls():
-    config = GDPOMegatronEstimator({}).config
+    config = GDPOMegatronEstimator({}, group_size=4).config
     assert (config.use_leave_one_out_baseline, config.normalize_rewards, config.eps, config.reward_weights,
             config.batch_norm) == (True, True, NEMO_RL_EPS, None, True)
 
@@ -118,23 +118,25 @@ def test_a_pydantic_config_like_nemo_rls_gets_its_defaults_and_rejects_mapping_w
 
     cfg = AdvEstimatorConfig(name="gdpo", implementation="gdpo_megatron", reward_weights=WEIGHT_LIST,
                              conditions=CONFIG["conditions"])
-    config = GDPOMegatronEstimator(cfg).config
+    config = GDPOMegatronEstimator(cfg, group_size=4).config
     assert (config.use_leave_one_out_baseline, config.normalize_rewards, config.reward_weights) == (
         True, True, WEIGHT_LIST)
     assert config.conditions[0].reward == "length"
     with pytest.raises(pydantic.ValidationError):
         AdvEstimatorConfig(reward_weights=WEIGHTS)  # why the estimator takes lists only
     with pytest.raises(ValueError, match=r"name: the gdpo_megatron implementation computes GDPO.*'grpo'"):
-        GDPOMegatronEstimator(AdvEstimatorConfig(implementation="gdpo_megatron"))  # name left at NeMo-RL's default
+        GDPOMegatronEstimator(AdvEstimatorConfig(implementation="gdpo_megatron"), group_size=4)  # name left at NeMo-RL's default
 
 
 def test_leave_one_out_by_hand_with_groups_of_two_and_one():
-    # Prompt 0 has 2 rollouts, prompt 1 one, prompt 2 three; rewards a and b, weights [2, 1].
-    rewards = {"a": [1, 0, 5, 1, 0, 0], "b": [0, 0, 5, 1, 1, 0]}
-    prompt_ids = torch.tensor([[4], [4], [6], [8], [8], [8]])
-    mask = torch.ones(6, 3)
+    # Groups of 3 rollouts; masked ones leave the statistics: prompt 4 keeps 2 rollouts,
+    # prompt 6 one, prompt 8 three. Rewards a and b, weights [2, 1].
+    rewards = {"a": [1, 0, 9, 5, 9, 9, 1, 0, 0], "b": [0, 0, 9, 5, 9, 9, 1, 1, 0]}
+    prompt_ids = torch.tensor([[4]] * 3 + [[6]] * 3 + [[8]] * 3)
+    valid = [1, 1, 0, 1, 0, 0, 1, 1, 1]
+    mask = torch.tensor(valid, dtype=torch.float32).unsqueeze(1).expand(9, 3)
     batch = {f"reward/{k}": torch.tensor(v, dtype=torch.float32) for k, v in rewards.items()}
-    est = GDPOMegatronEstimator({"reward_weights": [2.0, 1.0]})  # NeMo-RL's defaults otherwise
+    est = GDPOMegatronEstimator({"reward_weights": [2.0, 1.0]}, group_size=3)  # NeMo-RL's defaults otherwise
     out = est.compute_advantage(prompt_ids, None, mask, batch)[:, 0]
 
     s = 0.5 / (math.sqrt(0.5) + NEMO_RL_EPS)  # 0.5 off the mean of two others {0, 1}, over their std
@@ -145,15 +147,22 @@ def test_leave_one_out_by_hand_with_groups_of_two_and_one():
         2 * -s + s,  # a: others {1, 0}; b: others {1, 0}
         2 * -s + (0 - 1),  # a: others {1, 0}; b: others {1, 1} are equal
     ]
-    mean, std = statistics.fmean(summed), statistics.stdev(summed)
-    torch.testing.assert_close(out, _expect([(v - mean) / std for v in summed]), atol=1e-5, rtol=0)
+    kept = [i for i in range(9) if valid[i]]
+
+    def expected(summed):
+        mean, std = statistics.fmean(summed), statistics.stdev(summed)
+        full = [0.0] * 9
+        for i, v in zip(kept, summed):
+            full[i] = (v - mean) / std
+        return _expect(full)
+
+    torch.testing.assert_close(out, expected(summed), atol=1e-5, rtol=0)
 
     # normalize_rewards: false only centers; batch normalization stays.
-    out = GDPOMegatronEstimator({"reward_weights": [2.0, 1.0], "normalize_rewards": False}).compute_advantage(
-        prompt_ids, None, mask, batch)[:, 0]
-    summed = [2, -2, 0, 2 * 1 + 0.5, 2 * -0.5 + 0.5, 2 * -0.5 - 1]
-    mean, std = statistics.fmean(summed), statistics.stdev(summed)
-    torch.testing.assert_close(out, _expect([(v - mean) / std for v in summed]), atol=1e-5, rtol=0)
+    est = GDPOMegatronEstimator({"reward_weights": [2.0, 1.0], "normalize_rewards": False}, group_size=3)
+    out = est.compute_advantage(prompt_ids, None, mask, batch)[:, 0]
+    torch.testing.assert_close(out, expected([2, -2, 0, 2 * 1 + 0.5, 2 * -0.5 + 0.5, 2 * -0.5 - 1]), atol=1e-5,
+                               rtol=0)
 
 
 @pytest.mark.parametrize("leave_one_out", [True, False])
@@ -162,7 +171,7 @@ def test_every_option_matches_nemo_rls_formulas(leave_one_out, normalize):
     prompt_ids, mask, batch, rows = nemo_rl_inputs(PROMPTS, 4, REWARDS, LENGTHS, order=SHUFFLED)
     config = {"name": "gdpo", "reward_weights": WEIGHT_LIST, "use_leave_one_out_baseline": leave_one_out,
               "normalize_rewards": normalize}
-    out = GDPOMegatronEstimator(config).compute_advantage(prompt_ids, batch["total_reward"], mask, batch)
+    out = GDPOMegatronEstimator(config, group_size=4).compute_advantage(prompt_ids, batch["total_reward"], mask, batch)
     rewards = {k: [v[i] for i in SHUFFLED] for k, v in REWARDS.items()}
     expected = reference_gdpo([tuple(p) for p in rows], rewards, [True] * 12, WEIGHTS, leave_one_out=leave_one_out,
                               normalize=normalize)
@@ -173,7 +182,7 @@ def test_every_option_matches_nemo_rls_formulas(leave_one_out, normalize):
 
 def test_conditions_and_every_token():
     prompt_ids, mask, batch, rows = nemo_rl_inputs(PROMPTS, 4, REWARDS, LENGTHS, order=SHUFFLED)
-    est = GDPOMegatronEstimator(CONFIG, loss_config={})
+    est = GDPOMegatronEstimator(CONFIG, loss_config={}, group_size=4)
     out = est.compute_advantage(prompt_ids=prompt_ids, rewards=batch["total_reward"], mask=mask, repeated_batch=batch)
 
     rewards = {k: [v[i] for i in SHUFFLED] for k, v in REWARDS.items()}
@@ -190,7 +199,7 @@ def test_masked_rollouts_get_zero_and_leave_the_statistics(leave_one_out):
     prompt_ids, mask, batch, rows = nemo_rl_inputs(PROMPTS, 4, REWARDS, LENGTHS, sample_mask=sample_mask)
     valid_mask = torch.ones(12)
     valid_mask[9] = 0.0  # a placeholder row to keep out of its siblings' baselines
-    est = GDPOMegatronEstimator({"reward_weights": WEIGHT_LIST, "use_leave_one_out_baseline": leave_one_out})
+    est = GDPOMegatronEstimator({"reward_weights": WEIGHT_LIST, "use_leave_one_out_baseline": leave_one_out}, group_size=4)
     out = est.compute_advantage(prompt_ids, batch["total_reward"], mask, batch, valid_mask=valid_mask)
 
     valid = [s == 1.0 and i != 9 for i, s in enumerate(sample_mask)]
@@ -206,31 +215,46 @@ def test_gdpo_keeps_reward_combinations_apart():
     rewards = {"a": [0, 1, 0, 1], "b": [0, 0, 0, 1]}
     prompt_ids, mask, batch, _ = nemo_rl_inputs([[5], [6]], 2, rewards, [2, 2, 2, 2])
     for loo in (True, False):
-        est = GDPOMegatronEstimator({"use_leave_one_out_baseline": loo})
+        est = GDPOMegatronEstimator({"use_leave_one_out_baseline": loo}, group_size=2)
         out = est.compute_advantage(prompt_ids, batch["total_reward"], mask, batch)[:, 0]
         torch.testing.assert_close(out[2:], 2 * out[:2], atol=1e-6, rtol=0)
         assert out[1] > 0 > out[0]
 
 
-def test_list_weights_follow_sorted_names_and_group_ids_may_be_given_directly():
+def test_list_weights_follow_sorted_names():
     prompt_ids, mask, batch, rows = nemo_rl_inputs(PROMPTS, 4, REWARDS, LENGTHS)
-    by_ids = GDPOMegatronEstimator({"reward_weights": WEIGHT_LIST}).compute_advantage(prompt_ids, None, mask, batch)
-    group_ids = torch.tensor([PROMPTS.index(p) for p in rows])
-    by_groups = GDPOMegatronEstimator({"reward_weights": WEIGHT_LIST}).compute_advantage(group_ids, None, mask, batch)
-    torch.testing.assert_close(by_groups, by_ids, atol=0, rtol=0)
+    out = GDPOMegatronEstimator({"reward_weights": WEIGHT_LIST}, group_size=4).compute_advantage(
+        prompt_ids, None, mask, batch)
     expected = reference_gdpo([tuple(p) for p in rows], REWARDS, [True] * 12, WEIGHTS, batch_eps=NEMO_RL_EPS)
-    torch.testing.assert_close(by_ids[:, 0], _expect(expected), atol=1e-6, rtol=0)
+    torch.testing.assert_close(out[:, 0], _expect(expected), atol=1e-6, rtol=0)
 
 
-def test_prompt_groups_compare_whole_padded_rows():
-    ids = torch.tensor([[11, 12, PAD], [11, 12, 13], [11, 12, PAD], [4, 4, 4]])
-    g = prompt_groups(ids, 4).tolist()
-    assert g[0] == g[2] and len({g[0], g[1], g[3]}) == 3
+def test_two_questions_sharing_a_prompt_stay_two_groups():
+    # Rows 0-3 and 4-7 render the same prompt but are different questions (say, one environment
+    # state each): each is its own group of 4, as NeMo-RL's repeat_interleave made them.
+    prompts = [[11, 12], [11, 12], [7, 3, 9, 4]]
+    prompt_ids, mask, batch, rows = nemo_rl_inputs(prompts, 4, REWARDS, LENGTHS)
+    out = GDPOMegatronEstimator({"reward_weights": WEIGHT_LIST}, group_size=4).compute_advantage(
+        prompt_ids, None, mask, batch)
+    by_block = reference_gdpo([b // 4 for b in range(12)], REWARDS, [True] * 12, WEIGHTS, batch_eps=NEMO_RL_EPS)
+    by_prompt = reference_gdpo([tuple(p) for p in rows], REWARDS, [True] * 12, WEIGHTS, batch_eps=NEMO_RL_EPS)
+    torch.testing.assert_close(out[:, 0], _expect(by_block), atol=1e-6, rtol=0)
+    assert max(abs(x - y) for x, y in zip(by_block, by_prompt)) > 0.1  # merging them would be wrong
+
+
+def test_prompt_groups_are_checked_consecutive_blocks():
+    ids = torch.tensor([[11, 12, PAD], [11, 12, PAD], [11, 12, 13], [11, 12, 13], [11, 12, PAD], [11, 12, PAD]])
+    assert prompt_groups(ids, 6, 2).tolist() == [0, 0, 1, 1, 2, 2]  # blocks 0 and 2 share a prompt
+    with pytest.raises(ValueError, match=r"rows 0\.\.2 \(group 0 of grpo.num_generations_per_prompt=3 "
+                                         r"consecutive rollouts\) hold different prompts"):
+        prompt_groups(ids, 6, 3)  # [11, 12, PAD] is a prefix of [11, 12, 13] but not equal
+    with pytest.raises(ValueError, match=r"6 rollouts are not whole groups of grpo.num_generations_per_prompt=4"):
+        prompt_groups(ids, 6, 4)
 
 
 def test_metrics_report_every_reward():
     prompt_ids, mask, batch, _ = nemo_rl_inputs(PROMPTS, 4, REWARDS, LENGTHS)
-    est = GDPOMegatronEstimator(CONFIG)
+    est = GDPOMegatronEstimator(CONFIG, group_size=4)
     est.compute_advantage(prompt_ids, None, mask, batch)
     m = est.last_metrics
     length = [x if c >= 1 else 0.0 for x, c in zip(REWARDS["length"], REWARDS["correctness"])]
@@ -248,8 +272,8 @@ def test_nonfinite_reward_is_masked_when_asked():
     rewards["format"][4] = math.nan
     prompt_ids, mask, batch, rows = nemo_rl_inputs(PROMPTS, 4, rewards, LENGTHS)
     with pytest.raises(ValueError, match="NaN"):
-        GDPOMegatronEstimator({}).compute_advantage(prompt_ids, None, mask, batch)
-    est = GDPOMegatronEstimator({"nonfinite": "mask", "reward_weights": WEIGHT_LIST})
+        GDPOMegatronEstimator({}, group_size=4).compute_advantage(prompt_ids, None, mask, batch)
+    est = GDPOMegatronEstimator({"nonfinite": "mask", "reward_weights": WEIGHT_LIST}, group_size=4)
     out = est.compute_advantage(prompt_ids, None, mask, batch)[:, 0]
     expected = reference_gdpo([tuple(p) for p in rows], rewards, [i != 4 for i in range(12)], WEIGHTS,
                               batch_eps=NEMO_RL_EPS)
@@ -278,16 +302,16 @@ def test_nonfinite_reward_is_masked_when_asked():
 )
 def test_bad_config_is_named(config, match):
     with pytest.raises(ValueError, match=match):
-        GDPOMegatronEstimator(config)
+        GDPOMegatronEstimator(config, group_size=4)
 
 
-def _call(config, batch_edit=None, prompt_rows=None, mask_1d=False):
-    prompt_ids, mask, batch, _ = nemo_rl_inputs(PROMPTS, 4, REWARDS, LENGTHS)
+def _call(config, batch_edit=None, prompt_rows=None, mask_1d=False, order=None):
+    prompt_ids, mask, batch, _ = nemo_rl_inputs(PROMPTS, 4, REWARDS, LENGTHS, order=order)
     if batch_edit:
         batch_edit(batch)
     if prompt_rows is not None:
         prompt_ids = prompt_ids[:prompt_rows]
-    GDPOMegatronEstimator(config).compute_advantage(prompt_ids, None, mask[:, 0] if mask_1d else mask, batch)
+    GDPOMegatronEstimator(config, group_size=4).compute_advantage(prompt_ids, None, mask[:, 0] if mask_1d else mask, batch)
 
 
 @pytest.mark.parametrize(
@@ -302,6 +326,8 @@ def _call(config, batch_edit=None, prompt_rows=None, mask_1d=False):
         ({"config": {}, "batch_edit": lambda b: b.update({"reward/format": torch.ones(5)})},
          r"repeated_batch\['reward/format'\]: expected one value per rollout, shape \[12\]"),
         ({"config": {}, "prompt_rows": 6}, r"prompt_ids: expected \[12, S\]"),
+        ({"config": {}, "order": [0, 1, 2, 4, 3, 5, 6, 7, 8, 9, 10, 11]},
+         r"prompt_ids: rows 0\.\.3 \(group 0 .*\) hold different prompts"),
         ({"config": {}, "mask_1d": True}, r"mask: expected a \[B, T\] token mask"),
     ],
 )
@@ -317,25 +343,30 @@ def test_install_routes_the_selected_implementation_only():
     install(grpo)
     install(grpo)  # idempotent: the second call must not wrap the wrapper
 
-    selected = grpo._create_advantage_estimator({"grpo": {"adv_estimator": CONFIG}, "loss_fn": {}})
+    selected = grpo._create_advantage_estimator(
+        {"grpo": {"adv_estimator": CONFIG, "num_generations_per_prompt": 4}, "loss_fn": {}})
     assert isinstance(selected, GDPOMegatronEstimator) and selected.config.reward_weights == WEIGHT_LIST
+    assert selected.group_size == 4
     assert last_built_estimator() is selected
     assert grpo._create_advantage_estimator({"grpo": {"adv_estimator": {"name": "grpo"}}}) == ("nemo_rl", "grpo")
     pydantic_like = types.SimpleNamespace(
-        grpo=types.SimpleNamespace(adv_estimator=types.SimpleNamespace(name="gdpo", implementation="gdpo_megatron")),
+        grpo=types.SimpleNamespace(adv_estimator=types.SimpleNamespace(name="gdpo", implementation="gdpo_megatron"),
+                                   num_generations_per_prompt=8),
         loss_fn=None,
     )
     assert isinstance(grpo._create_advantage_estimator(pydantic_like), GDPOMegatronEstimator)
     with pytest.raises(ValueError, match=r"implementation: expected 'gdpo_megatron', got 'gdpo-megatron'"):
         typo = {"name": "gdpo", "implementation": "gdpo-megatron"}
         grpo._create_advantage_estimator({"grpo": {"adv_estimator": typo}})
+    with pytest.raises(ValueError, match=r"grpo.num_generations_per_prompt: expected an integer >= 1, got None"):
+        grpo._create_advantage_estimator({"grpo": {"adv_estimator": CONFIG}})
 
 
 def test_reward_columns_of_mixed_dtypes_and_a_bool_mask():
     prompt_ids, mask, batch, rows = nemo_rl_inputs(PROMPTS, 4, REWARDS, LENGTHS)
     batch["reward/correctness"] = batch["reward/correctness"].to(torch.int64)  # e.g. from a verifier
     batch["reward/length"] = batch["reward/length"].to(torch.float64)
-    est = GDPOMegatronEstimator({"reward_weights": WEIGHT_LIST})
+    est = GDPOMegatronEstimator({"reward_weights": WEIGHT_LIST}, group_size=4)
     out = est.compute_advantage(prompt_ids, None, mask.bool(), batch)
     expected = reference_gdpo([tuple(p) for p in rows], REWARDS, [True] * 12, WEIGHTS, batch_eps=NEMO_RL_EPS)
     assert out.dtype == torch.float32 and out.shape == mask.shape

@@ -290,7 +290,7 @@ def grpo_train_step(logger, estimator, env, tool_rows, completions, step, valida
 
 def test_diagnostics_reach_the_logger_of_the_synchronous_loop(tool_env, tool_rows):
     tool_env.take_metrics()  # start counting here
-    estimator = GDPOMegatronEstimator({"name": "gdpo", "reward_weights": [1.0, 1.0, 0.5]})
+    estimator = GDPOMegatronEstimator({"name": "gdpo", "reward_weights": [1.0, 1.0, 0.5]}, group_size=3)
     recorder = RecordingLogger()
     logger = DiagnosticsLogger(recorder, estimator, metric_sources=[tool_env.take_metrics])
 
@@ -328,7 +328,7 @@ def test_diagnostics_reach_the_logger_of_the_synchronous_loop(tool_env, tool_row
 
 
 def test_the_asynchronous_loops_own_copy_is_not_logged_twice(tool_env, tool_rows):
-    estimator = GDPOMegatronEstimator({})
+    estimator = GDPOMegatronEstimator({}, group_size=3)
     recorder = RecordingLogger()
     logger = DiagnosticsLogger(recorder, estimator)
     rows = [tool_rows[i] for i, _ in COMPLETIONS]
@@ -354,7 +354,8 @@ def test_example_config_sections_build():
 
     with open("examples/nemo_rl/gdpo_tool_call_1B.yaml") as f:
         cfg = yaml.safe_load(f)
-    estimator = GDPOMegatronEstimator(cfg["grpo"]["adv_estimator"])
+    estimator = GDPOMegatronEstimator(cfg["grpo"]["adv_estimator"],
+                                      group_size=cfg["grpo"]["num_generations_per_prompt"])
     assert (estimator.config.use_leave_one_out_baseline, estimator.config.normalize_rewards) == (False, True)
     env_name = cfg["data"]["default"]["env_name"]
     env_cfg = dict(cfg["env"][env_name])

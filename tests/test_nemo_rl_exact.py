@@ -26,29 +26,39 @@ NAMES = ["b_format", "a_correct", "c_length"]  # NeMo-RL orders the columns by s
 def plugin(groups, columns, weights, leave_one_out, normalize_rewards, sample_mask=None, dtype=torch.float32,
            **config):
     """The estimator called as NeMo-RL's grpo_train calls it: prompt token rows [B, S] (a prompt
-    per group key, of different lengths, right-padded), mask = token_mask * sample_mask [B, T],
-    one reward/<name> column per reward."""
-    B = len(groups)
+    per group key, of different lengths, right-padded), each group's rollouts in a row, padded
+    to G = the largest group with rollouts of sample_mask 0, mask = token_mask * sample_mask
+    [B, T], one reward/<name> column per reward. Returns the advantages of the given rows."""
     keys = sorted(set(groups), key=str)
+    G = max(groups.count(g) for g in keys)
+    layout = []  # the given row of each batch row, None for padding
+    for g in keys:
+        rows = [i for i, h in enumerate(groups) if h == g]
+        layout += rows + [None] * (G - len(rows))
+    B = len(layout)
     prompts = {g: [7] * (j + 1) for j, g in enumerate(keys)}  # each a prefix of the next, then padding
     S = max(map(len, prompts.values()))
     prompt_ids = torch.zeros(B, S, dtype=torch.int64)
     token_mask = torch.zeros(B, S + 3)
-    for b, g in enumerate(groups):
+    sample = torch.zeros(B)
+    for b, i in enumerate(layout):
+        g = keys[b // G]
         prompt_ids[b, : len(prompts[g])] = torch.tensor(prompts[g])
         token_mask[b, len(prompts[g]) : len(prompts[g]) + 1 + b % 3] = 1.0
-    sample = torch.ones(B) if sample_mask is None else torch.tensor(sample_mask, dtype=torch.float32)
+        sample[b] = 0.0 if i is None else 1.0 if sample_mask is None else float(sample_mask[i])
     names = sorted(NAMES[: len(columns)])
-    batch = {f"reward/{n}": torch.tensor(c, dtype=dtype) for n, c in reversed(list(zip(names, columns)))}
+    batch = {f"reward/{n}": torch.tensor([0.0 if i is None else c[i] for i in layout], dtype=dtype)
+             for n, c in reversed(list(zip(names, columns)))}
     batch["total_reward"] = sum(batch.values())
     est = GDPOMegatronEstimator({"name": "gdpo", "implementation": "gdpo_megatron", "reward_weights": list(weights),
                                  "use_leave_one_out_baseline": leave_one_out,
-                                 "normalize_rewards": normalize_rewards, **config})
+                                 "normalize_rewards": normalize_rewards, **config}, group_size=G)
     out = est.compute_advantage(prompt_ids=prompt_ids, rewards=batch["total_reward"],
                                 mask=token_mask * sample.unsqueeze(-1), repeated_batch=batch,
                                 logprobs_policy=None, logprobs_reference=None)
     assert out.shape == token_mask.shape and bool((out == out[:, :1]).all())
-    return out[:, 0].double()
+    assert all(out[b].abs().sum() == 0 for b, i in enumerate(layout) if i is None)
+    return out[[layout.index(i) for i in range(len(groups))], 0].double()
 
 
 def assert_close(got, want, tol=2e-6):

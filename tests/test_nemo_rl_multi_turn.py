@@ -283,7 +283,7 @@ def test_the_tokens_are_the_chat_template_rendering_of_the_trajectory(city_rollo
 def test_the_estimator_normalizes_per_trajectory(city_rollout, tokenizer):
     rows, batch, _, _ = city_rollout
     prompt_ids, mask = grpo_inputs(batch, tokenizer)
-    estimator = GDPOMegatronEstimator({"name": "gdpo"})
+    estimator = GDPOMegatronEstimator({"name": "gdpo"}, group_size=3)
     advantages = estimator.compute_advantage(prompt_ids=prompt_ids, rewards=batch["total_reward"], mask=mask,
                                              repeated_batch=batch, logprobs_policy=None, logprobs_reference=None)
     truths = [rows[b // 3]["extra_env_info"]["ground_truth"] for b in range(6)]
@@ -490,6 +490,7 @@ def test_example_config_sections_build():
     assert episode.max_new_tokens < episode.max_total_sequence_length == cfg["policy"]["max_total_sequence_length"]
     rewards = from_dict(RewardsConfig, env_cfg, f"env.{default['env_name']}")
     validate_specs(rewards.rewards)
-    estimator = GDPOMegatronEstimator(cfg["grpo"]["adv_estimator"])
+    estimator = GDPOMegatronEstimator(cfg["grpo"]["adv_estimator"],
+                                      group_size=cfg["grpo"]["num_generations_per_prompt"])
     assert len(estimator.config.reward_weights) == len(rewards.names)  # one weight per reward column
     assert estimator._conditions_for(sorted(rewards.names))  # the gate names rewards of the batch

@@ -4,14 +4,27 @@ NeMo-RL's GRPO loop calls its estimator once per step, on the driver, over the w
 of B rollouts::
 
     advantages = estimator.compute_advantage(
-        prompt_ids=...,      # [B, S] prompt token ids, right-padded; identical rows = one prompt
+        prompt_ids=...,      # [B, S] prompt token ids, right-padded
         rewards=...,         # [B] total reward (not used: GDPO needs the separate rewards)
         mask=...,            # [B, T] token_mask * sample_mask
         repeated_batch=...,  # dict-like batch, one [B] tensor per reward under "reward/<name>"
         logprobs_policy=..., logprobs_reference=...,  # not used
     )
 
-and stores the returned ``[B, T]`` tensor as the token advantages. This module maps those
+and stores the returned ``[B, T]`` tensor as the token advantages.
+
+Groups: NeMo-RL builds the batch with ``repeat_interleave(grpo.num_generations_per_prompt)``,
+so the rollouts of one dataset row are ``G`` consecutive rows; its dynamic sampling keeps or
+drops whole groups and slices to ``num_prompts_per_step * G`` rows, and the asynchronous loop
+concatenates whole per-prompt groups. This estimator takes exactly those blocks as its groups
+and checks them: a batch that is not a multiple of ``G`` rows, or a block whose prompt rows
+differ, is an error. NeMo-RL's own estimators instead group the rows whose prompt token ids
+are equal (``calculate_baseline_and_std_per_prompt``), which merges two dataset rows that
+render the same prompt but differ elsewhere (a multi-turn question's environment state or
+later turns): their baselines would mix different questions. (NeMo-RL's dynamic sampling
+still decides, by its own prompt-id grouping, which groups it keeps.)
+
+This module maps those
 inputs onto :func:`gdpo_megatron.advantages.compute_advantages` under the ``gdpo`` mode of
 ``GROUP_NORMALIZERS`` (conditioned rewards, per-reward group normalization, weighted sum,
 batch normalization over the valid rollouts) and broadcasts each rollout's advantage over
@@ -37,6 +50,7 @@ from gdpo_megatron.config.loader import ConfigError, from_dict
 IMPLEMENTATION = "gdpo_megatron"
 REWARD_PREFIX = "reward/"
 CONFIG_PATH = "grpo.adv_estimator"
+GROUP_SIZE_PATH = "grpo.num_generations_per_prompt"
 NEMO_RL_EPS = 1e-6  # what NeMo-RL's GRPO and GDPO estimators add to a group's std
 
 _last_built: weakref.ref | None = None  # the estimator the installed factory built last
@@ -102,11 +116,18 @@ class GDPOMegatronEstimator:
     its flat diagnostics (``reward/<name>/...``, ``advantage/...``). NeMo-RL's asynchronous
     loop logs ``last_metrics`` itself; for the synchronous loop wrap its logger in
     :class:`~gdpo_megatron.integrations.nemo_rl.DiagnosticsLogger`.
+
+    ``group_size`` is ``grpo.num_generations_per_prompt`` (the factory installed by
+    :func:`install` reads it from the master config): the batch is grouped in consecutive
+    blocks of that many rollouts (see the module docstring).
     """
 
-    def __init__(self, estimator_config: Any, loss_config: Any = None):
+    def __init__(self, estimator_config: Any, loss_config: Any = None, *, group_size: int):
         del loss_config  # GDPO takes nothing from the loss; the argument is NeMo-RL's signature
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ConfigError(f"{GROUP_SIZE_PATH}: expected an integer >= 1, got {group_size!r}")
         self.config: EstimatorConfig = from_dict(EstimatorConfig, _fields(estimator_config), CONFIG_PATH)
+        self.group_size = group_size
         self.last_result: AdvantageResult | None = None
         self.last_metrics: dict[str, float] = {}
 
@@ -128,7 +149,7 @@ class GDPOMegatronEstimator:
 
         result = compute_advantages(
             reward_matrix,
-            prompt_groups(prompt_ids, batch_size).to(device),
+            prompt_groups(prompt_ids, batch_size, self.group_size).to(device),
             mask=valid,
             config=self.config.advantage,
             weights=self._weights_for(names),
@@ -184,7 +205,9 @@ def install(grpo_module: ModuleType | None = None) -> None:
             return build_nemo_rl_estimator(master_config)
         if implementation != IMPLEMENTATION:
             raise ValueError(f"{CONFIG_PATH}.implementation: expected {IMPLEMENTATION!r}, got {implementation!r}")
-        estimator = GDPOMegatronEstimator(estimator_config, _get(master_config, "loss_fn", None))
+        group_size = _get(_get(master_config, "grpo", {}), "num_generations_per_prompt", None)
+        estimator = GDPOMegatronEstimator(estimator_config, _get(master_config, "loss_fn", None),
+                                          group_size=group_size)
         _last_built = weakref.ref(estimator)
         return estimator
 
@@ -208,14 +231,10 @@ def reward_names(batch: Mapping) -> list[str]:
     return names
 
 
-def prompt_groups(prompt_ids, batch_size: int) -> torch.Tensor:
-    """Group index of each rollout: rows of ``prompt_ids`` with identical token ids share one.
-
-    Accepts NeMo-RL's ``[B, S]`` padded prompt token ids, or ``[B]`` / ``[B, 1]`` group ids.
-    """
+def prompt_groups(prompt_ids, batch_size: int, group_size: int) -> torch.Tensor:
+    """Group index of each rollout: consecutive blocks of ``group_size`` rows, each block's rows
+    of ``prompt_ids`` (NeMo-RL's ``[B, S]`` padded prompt token ids) checked to be identical."""
     ids = torch.as_tensor(prompt_ids)
-    if ids.dim() == 1:
-        ids = ids.unsqueeze(1)
     if ids.dim() != 2 or ids.shape[0] != batch_size:
         raise ValueError(
             f"prompt_ids: expected [{batch_size}, S] prompt token ids (one row per rollout), "
@@ -223,8 +242,17 @@ def prompt_groups(prompt_ids, batch_size: int) -> torch.Tensor:
         )
     if ids.is_floating_point() or ids.dtype == torch.bool:
         raise ValueError(f"prompt_ids: expected integer token ids, got {ids.dtype}")
-    _, inverse = torch.unique(ids, dim=0, return_inverse=True)
-    return inverse
+    if batch_size % group_size:
+        raise ValueError(f"prompt_ids: {batch_size} rollouts are not whole groups of {GROUP_SIZE_PATH}="
+                         f"{group_size} (NeMo-RL repeats each prompt that many times in a row)")
+    blocks = ids.view(batch_size // group_size, group_size, -1)
+    differs = blocks.ne(blocks[:, :1]).flatten(1).any(dim=1).nonzero().flatten()
+    if len(differs):
+        g = int(differs[0])
+        raise ValueError(f"prompt_ids: rows {g * group_size}..{(g + 1) * group_size - 1} (group {g} of "
+                         f"{GROUP_SIZE_PATH}={group_size} consecutive rollouts) hold different prompts; "
+                         "NeMo-RL repeats each prompt that many times in a row")
+    return torch.arange(batch_size, device=ids.device) // group_size
 
 
 def _per_rollout(values, name: str, batch_size: int) -> torch.Tensor:

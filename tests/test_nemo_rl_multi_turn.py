@@ -276,7 +276,10 @@ def test_the_tokens_are_the_chat_template_rendering_of_the_trajectory(city_rollo
         want = rendered_trajectory(tokenizer, CITY_REF, prompt, row["extra_env_info"]["ground_truth"],
                                    CITY_SCRIPTS[b])
         assert tokenizer.decode(tokens, skip_special_tokens=False) == want, b
-        assert [m["role"] for m in log[1:]] == ["assistant", "tool"] * sum(map(len, CITY_SCRIPTS[b]))
+        script = CITY_SCRIPTS[b]  # each turn ends on a plain answer: the next user turn follows it
+        assert [m["role"] for m in log[1:]] == [
+            role for t, turn in enumerate(script) for j in range(len(turn))
+            for role in ("assistant", "user" if j == len(turn) - 1 and t < len(script) - 1 else "tool")]
         assert "<tool_response>" in log[2]["content"] and log[-1]["content"] == ""  # tool messages; none at the end
 
 
@@ -394,8 +397,8 @@ def test_the_token_budget_ends_an_episode_before_nemo_rl_cuts_it(tokenizer_dir, 
     rows = processed_rows(CITY_DATA, "multi_turn", tmp_path, tokenizer)[:1]
     script = CITY_SCRIPTS[0]
     first = len(rows[0]["message_log"][0]["token_ids"])
-    budget = first + 200  # room for the first turn and the next user message, not for the next observation
-    env = environment(tokenizer_dir, "CityDesk", CITY_DESK, max_total_sequence_length=budget, max_new_tokens=64)
+    budget, most = first + 200, 64  # room for two messages of the most max_new_tokens allows, not three
+    env = environment(tokenizer_dir, "CityDesk", CITY_DESK, max_total_sequence_length=budget, max_new_tokens=most)
     try:
         batch, steps = run_multi_turn_rollout(ScriptedPolicy(tokenizer, [script]), nemo_rl_batch(rows, 1), tokenizer,
                                               env, max_seq_len=budget, max_rollout_turns=8)
@@ -404,8 +407,12 @@ def test_the_token_budget_ends_an_episode_before_nemo_rl_cuts_it(tokenizer_dir, 
         env.shutdown()
     assert metrics["multi_turn/ended_token_budget_frac"] == 1.0
     made = sum(m["role"] == "assistant" for m in batch["message_log"][0])
-    assert made == 3 and len(steps) == made and steps[-1][2].tolist() == [1.0]  # ended by the environment
+    assert made == 2 and len(steps) == made and steps[-1][2].tolist() == [1.0]  # ended by the environment
     assert sum(len(m["token_ids"]) for m in batch["message_log"][0]) <= budget
+    # The environment counts each message as `most` tokens (it sees text only): after the first
+    # message and its observation, one more message of `most` tokens still fit.
+    observation = len(batch["message_log"][0][2]["token_ids"])
+    assert first + most + observation + most <= budget
     kept, left = [], made  # the script's first messages, in their user turns
     for turn in script:
         if left:
@@ -494,3 +501,98 @@ def test_example_config_sections_build():
                                       group_size=cfg["grpo"]["num_generations_per_prompt"])
     assert len(estimator.config.reward_weights) == len(rewards.names)  # one weight per reward column
     assert estimator._conditions_for(sorted(rewards.names))  # the gate names rewards of the batch
+
+
+ECHO = '''
+from gdpo_megatron.environments import Environment
+
+class Echo(Environment):
+    """echo(text): returns its argument as it is."""
+
+    def reset(self, config):
+        return ""
+
+    def tools(self):
+        return [{"name": "echo", "description": "Echo.",
+                 "parameters": {"type": "dict", "properties": {"text": {"type": "string"}}, "required": ["text"]}}]
+
+    def call(self, name, arguments):
+        return arguments["text"]
+'''
+
+
+def echo_rows(tmp_path, tokenizer):
+    env_file = tmp_path / "echo.py"
+    env_file.write_text(ECHO)
+    truth = {"environment_config": {}, "reference_calls": [['echo(text="a")']], "later_turns": []}
+    src = tmp_path / "echo.jsonl"
+    src.write_text(json.dumps({"id": "echo-0", "messages": [{"role": "user", "content": "Echo a."}],
+                               "multi_turn": truth}) + "\n")
+    return env_file, processed_rows(src, "multi_turn", tmp_path, tokenizer)
+
+
+def test_a_lone_surrogate_echoed_back_is_escaped_not_fatal(tokenizer_dir, tokenizer, tmp_path):
+    env_file, rows = echo_rows(tmp_path, tokenizer)
+    attack = '<tool_call>{"name": "echo", "arguments": {"text": "\\ud800"}}</tool_call>'
+    assert "\\ud800" in attack and json.loads(attack[11:-12])["arguments"]["text"] == "\ud800"
+    scripts = [[[attack, "done"]], [['[echo(text="a")]', "done"]]]
+    env = environment(tokenizer_dir, "Echo", env_file)
+    try:
+        batch, steps = run_multi_turn_rollout(ScriptedPolicy(tokenizer, scripts), nemo_rl_batch(rows, 2), tokenizer,
+                                              env, max_seq_len=1 << 20, max_rollout_turns=4)
+        metrics = env.take_metrics()
+    finally:
+        env.shutdown()
+    assert "\\ud800" in batch["message_log"][0][2]["content"]  # escaped, tokenized by NeMo-RL's tokenizer
+    assert metrics["multi_turn/ended_answered_frac"] == 1.0 and metrics["reward/multi_turn_format/failures"] == 0.0
+    assert [len(active) for active, _, _ in steps] == [2, 2]
+
+
+def test_an_episode_nemo_rl_stops_is_closed_once_idle(tokenizer_dir, tokenizer, tmp_path):
+    import multiprocessing
+    import time
+
+    env_file, rows = echo_rows(tmp_path, tokenizer)
+    env = environment(tokenizer_dir, "Echo", env_file, episode_idle_s=0.5)
+    try:
+        before = len(multiprocessing.active_children())  # the reward stage's workers
+        # max_rollout_turns=1: NeMo-RL stops both samples after a call; their episodes stay open.
+        run_multi_turn_rollout(ScriptedPolicy(tokenizer, [[['[echo(text="a")]']]] * 2), nemo_rl_batch(rows, 2),
+                               tokenizer, env, max_seq_len=1 << 20, max_rollout_turns=1)
+        assert len(multiprocessing.active_children()) == before + 2
+        first = env.take_metrics()
+        time.sleep(0.6)
+        second = env.take_metrics()
+        assert len(multiprocessing.active_children()) == before
+    finally:
+        env.shutdown()
+    assert (first["multi_turn/open_episodes"], first["multi_turn/orphaned"]) == (2.0, 0.0)
+    assert (second["multi_turn/open_episodes"], second["multi_turn/orphaned"]) == (0.0, 2.0)
+
+
+class SpecialTokenPolicy(ScriptedPolicy):
+    """Samples 50 ``<|im_start|>`` tokens before its text: decoded without special tokens, the
+    text NeMo-RL hands the environment is only the last few."""
+
+    def generate(self, i):
+        ids = super().generate(i)
+        return torch.cat([torch.full((50,), self.tokenizer.convert_tokens_to_ids("<|im_start|>")), ids])
+
+
+def test_the_token_count_bounds_messages_of_invisible_special_tokens(tokenizer_dir, tokenizer, tmp_path):
+    env_file, rows = echo_rows(tmp_path, tokenizer)
+    first = len(rows[0]["message_log"][0]["token_ids"])
+    sampled = 50 + len(tokenizer('[echo(text="a")]', add_special_tokens=False)["input_ids"]) + 1
+    budget, most = first + 2 * 64 + 40, 64  # one observation and two messages of `most` tokens fit
+    env = environment(tokenizer_dir, "Echo", env_file, max_total_sequence_length=budget, max_new_tokens=most)
+    try:
+        batch, steps = run_multi_turn_rollout(
+            SpecialTokenPolicy(tokenizer, [[['[echo(text="a")]'] * 3]]), nemo_rl_batch(rows, 1), tokenizer, env,
+            max_seq_len=budget, max_rollout_turns=8)
+        metrics = env.take_metrics()
+    finally:
+        env.shutdown()
+    log = batch["message_log"][0]
+    assert len(log[1]["token_ids"]) == sampled and len(log[1]["content"]) < 20  # the text shows few of them
+    assert metrics["multi_turn/ended_token_budget_frac"] == 1.0 and steps[-1][2].tolist() == [1.0]
+    assert sum(len(m["token_ids"]) for m in log) <= budget

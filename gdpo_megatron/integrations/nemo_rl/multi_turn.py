@@ -19,8 +19,10 @@ observation would reach ``policy.max_total_sequence_length``, or after
   file) in an :class:`~gdpo_megatron.environments.host.EnvironmentHost`, reset with the
   ground truth's ``environment_config``; the returned metadata carries the episode's id;
 * each step takes the model's last message: a call attempt is parsed as data and stepped in the
-  environment, its observation a ``tool`` message; a plain answer ends the user turn and the
-  question's next user message follows (with the environment's ``start_turn`` note), after the
+  environment, its observation a ``tool`` message (text that UTF-8 cannot encode, such as a lone
+  surrogate a call's JSON asked for, is backslash-escaped); a plain answer ends the user turn
+  and the question's next user message follows (with the environment's ``start_turn`` note;
+  the observation's role is then ``user``), after the
   last one the episode ends (``answered``); so does a user turn of ``max_steps_per_turn``
   messages (``turn_limit`` after the last turn), ``max_steps`` messages in all
   (``max_steps``), and the token budget (below);
@@ -33,9 +35,13 @@ observation would reach ``policy.max_total_sequence_length``, or after
   ``max_new_tokens`` has no EOS; it is continued as if it had one (NeMo-RL flags its sample
   ``truncated``; ``grpo.overlong_filtering`` leaves it out of the loss);
 * token budget: the episode ends (``token_budget``, its rewards judging the calls it made)
-  where the sequence after the next observation would leave less than ``max_new_tokens`` of
-  ``max_total_sequence_length``, so NeMo-RL never cuts an episode for length first. The count
-  is exact for the prompt and the observations and re-tokenizes the model's text (plus its EOS);
+  where the sequence after the next observation could leave less than ``max_new_tokens`` of
+  ``max_total_sequence_length``, so NeMo-RL never cuts an episode for length first. NeMo-RL
+  hands ``step`` each message's text only (``role`` and ``content``; the text decoded without
+  special tokens), which does not tell how many tokens the model sampled, so the count is an
+  upper bound: exact for the prompt and the observations, ``max_new_tokens`` for each of the
+  model's messages (the most vLLM generates for one). An episode of short messages therefore
+  ends before the sequence is full;
 * rewards: zeros on every step but the episode's last, which returns the rewards of the whole
   trajectory (the config's reward stage scoring its
   :class:`~gdpo_megatron.environments.Trajectory`, the multi-turn rewards by default). NeMo-RL
@@ -43,9 +49,12 @@ observation would reach ``policy.max_total_sequence_length``, or after
   exactly, so the final column holds the trajectory's rewards, each rounded once to float32,
   and the GDPO estimator (one row per sample) normalizes them per trajectory;
 * failures: an environment that raises outside a call, runs past ``step_timeout_s`` or dies, a
-  template that cannot be continued, or an episode this actor no longer holds (a restarted
-  actor) ends the episode with its ``failure`` set: each of its rewards scores its failure
-  value and is counted (``reward/<name>/failures``); the batch goes on.
+  template that cannot be continued, an episode this actor no longer holds (a restarted actor
+  or one closed as idle), or any other error while advancing one sample ends that episode with
+  its ``failure`` set: each of its rewards scores its failure value and is counted
+  (``reward/<name>/failures``); the batch goes on. Malformed metadata (not what
+  :func:`~gdpo_megatron.integrations.nemo_rl.multi_turn_prompt_processor` builds) is an error
+  of the data and raises before any episode moves.
 
 ``max_steps`` must not exceed ``grpo.max_rollout_turns`` (NeMo-RL would stop the sample first,
 with zero rewards): the example config sets it to ``${grpo.max_rollout_turns}``.
@@ -58,14 +67,20 @@ default the multi-turn rewards, and ``tokenizer``) plus::
     max_steps: ${grpo.max_rollout_turns}
     max_total_sequence_length: ${policy.max_total_sequence_length}
     max_new_tokens: ${policy.generation.max_new_tokens}
+    episode_idle_s: 900                  # close an episode no step touched for this long
 
 Each sample's ``extra_env_info`` is ``{"ground_truth", "messages"}``, as
-:func:`~gdpo_megatron.integrations.nemo_rl.multi_turn_prompt_processor` builds it. Episodes
-NeMo-RL stops without this environment ending them keep their environment's process until
-:meth:`MultiTurnEnvironment.shutdown`; ``multi_turn/open_episodes`` counts them.
+:func:`~gdpo_megatron.integrations.nemo_rl.multi_turn_prompt_processor` builds it. NeMo-RL can
+stop a sample without this environment ending its episode (``grpo.max_rollout_turns``, a
+sequence it cuts): such an episode is closed, its process ended, by the first ``step`` or
+:meth:`~MultiTurnEnvironment.take_metrics` call more than ``episode_idle_s`` after the step
+that last touched it (``multi_turn/orphaned`` counts them; they get no rewards, NeMo-RL keeps
+the zeros it holds). ``episode_idle_s`` must exceed the longest wait between two turns of one
+sample (a generation round of the batch).
 """
 from __future__ import annotations
 
+import time
 import uuid
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -103,6 +118,7 @@ class EpisodeConfig:
     max_steps: int
     max_total_sequence_length: int
     max_new_tokens: int
+    episode_idle_s: float = 900.0
 
     def __post_init__(self):
         require(self.environment.name is not None, "environment.name",
@@ -111,6 +127,7 @@ class EpisodeConfig:
         require(self.max_new_tokens >= 1, "max_new_tokens", ">= 1", self.max_new_tokens)
         require(self.max_total_sequence_length > self.max_new_tokens, "max_total_sequence_length",
                 f"more than max_new_tokens={self.max_new_tokens}", self.max_total_sequence_length)
+        require(self.episode_idle_s > 0, "episode_idle_s", "> 0 seconds", self.episode_idle_s)
 
 
 @dataclass
@@ -118,9 +135,11 @@ class _Episode:
     """One sample's trajectory in progress."""
 
     host: EnvironmentHost | None
+    truth: Mapping
     chat: list[dict]  # what the template has rendered so far, less the generation prompt
     later_turns: list[list[dict]]
-    tokens: int  # the sample's sequence length, as counted here
+    tokens: int  # an upper bound of the sample's sequence length
+    touched: float = field(default_factory=time.monotonic)  # when a step last advanced it
     messages: list[list[str]] = field(default_factory=lambda: [[]])  # the model's, per user turn
     steps: int = 0
     steps_in_turn: int = 0
@@ -148,6 +167,7 @@ class MultiTurnEnvironment(ScoringEnvironment):
                               "model's messages (NeMo-RL's stop_token_ids default)")
         self._episodes: dict[str, _Episode] = {}
         self._endings: Counter = Counter()  # since take_metrics
+        self._orphaned = 0  # idle episodes closed since take_metrics
 
     def step(self, message_log_batch: Sequence[Sequence[Mapping]], metadata: Sequence[Mapping]) -> EnvironmentReturn:
         """Advance each sample's episode by the model's last message (see the module docstring)."""
@@ -155,6 +175,7 @@ class MultiTurnEnvironment(ScoringEnvironment):
             raise ValueError(f"step: {len(message_log_batch)} message logs but {len(metadata)} metadata entries")
         texts = [_last_model_message(log, i) for i, log in enumerate(message_log_batch)]
         infos = [_episode_info(m, i) for i, m in enumerate(metadata)]
+        self._close_idle()
         observations, returned, ended = [], [], []
         for i, (text, info) in enumerate(zip(texts, infos)):
             key = info.get(EPISODE)
@@ -163,16 +184,21 @@ class MultiTurnEnvironment(ScoringEnvironment):
                 self._episodes[key] = self._start(info)
             episode = self._episodes.get(key)
             if episode is None:
-                episode = _Episode(None, [], [], 0, ending="failed",
-                                   failure=f"episode {key} is not held by this environment (its actor restarted?)")
+                episode = _Episode(None, info["ground_truth"], [], [], 0, ending="failed",
+                                   failure=f"episode {key} is not held by this environment (its actor restarted, "
+                                           "or it was closed after episode_idle_s)")
                 following = None
             else:
-                following = self._advance(episode, text)
-            observations.append({"role": "tool", "content": following or ""})
+                episode.touched = time.monotonic()
+                try:
+                    following = self._advance(episode, text)
+                except Exception as error:  # this sample's text or environment; the batch goes on
+                    following = self._fail(episode, f"{type(error).__name__}: {error}")
+            observations.append({"role": "tool", "content": ""} if following is None else following)
             returned.append({**info, EPISODE: key})
             if following is None:
                 self._episodes.pop(key, None)
-                ended.append((i, episode, info["ground_truth"]))
+                ended.append((i, episode, episode.truth))
         rewards = torch.zeros(len(texts), len(self.reward_keys))
         if ended:
             for _, episode, _ in ended:
@@ -193,14 +219,17 @@ class MultiTurnEnvironment(ScoringEnvironment):
         )
 
     def take_metrics(self) -> dict[str, float]:
-        """The rewards' metrics, and ``multi_turn/ended_<why>_frac`` over the episodes ended
-        since the last call and ``multi_turn/open_episodes`` now."""
+        """The rewards' metrics, ``multi_turn/ended_<why>_frac`` over the episodes ended and
+        ``multi_turn/orphaned`` (idle episodes closed) since the last call, and
+        ``multi_turn/open_episodes`` now."""
+        self._close_idle()
         out = super().take_metrics()
         endings, self._endings = self._endings, Counter()
         total = sum(endings.values())
         if total:
             out.update({f"multi_turn/ended_{why}_frac": endings[why] / total for why in ENDINGS})
         out["multi_turn/open_episodes"] = float(len(self._episodes))
+        out["multi_turn/orphaned"], self._orphaned = float(self._orphaned), 0
         return out
 
     def shutdown(self) -> None:
@@ -209,31 +238,39 @@ class MultiTurnEnvironment(ScoringEnvironment):
         self._episodes.clear()
         super().shutdown()
 
+    def _close_idle(self) -> None:
+        """Close the episodes no step touched for ``episode_idle_s`` (NeMo-RL stopped them)."""
+        cutoff = time.monotonic() - self.config.episode_idle_s
+        for key in [k for k, e in self._episodes.items() if e.touched < cutoff]:
+            self._close(self._episodes.pop(key))
+            self._orphaned += 1
+
     # ---- one episode ---------------------------------------------------------------------
 
     def _start(self, info: Mapping) -> _Episode:
         truth, chat = info["ground_truth"], [dict(m) for m in info["messages"]]
-        episode = _Episode(None, chat, list(truth.get("later_turns") or []), len(encode_prompt(self._tokenizer, chat)))
+        episode = _Episode(None, truth, chat, list(truth.get("later_turns") or []),
+                           len(encode_prompt(self._tokenizer, chat)))
         try:
             episode.host = EnvironmentHost(self.environment, self.config.environment.step_timeout_s)
             note = episode.host.reset(truth["environment_config"])
-        except EnvironmentFailed as e:
-            self._fail(episode, str(e))
+        except Exception as e:  # a failing environment fails this episode only
+            self._fail(episode, str(e) if isinstance(e, EnvironmentFailed) else f"{type(e).__name__}: {e}")
             return episode
         if note:
             self._fail(episode, f"environment {self.environment!r}: reset returned an opening note, which NeMo-RL "
                                 "cannot show (its prompt is built before the episode starts)")
         return episode
 
-    def _advance(self, e: _Episode, text: str) -> str | None:
-        """The observation that follows the model's message ``text``, or None when the episode
-        ends here (``e.ending`` says why)."""
+    def _advance(self, e: _Episode, text: str) -> dict | None:
+        """The observation message that follows the model's message ``text``, or None when the
+        episode ends here (``e.ending`` says why)."""
         if e.ending is not None:  # failed at its start
             return None
         e.messages[-1].append(text)
         e.steps += 1
         e.steps_in_turn += 1
-        e.tokens += len(self._tokenizer(text, add_special_tokens=False)["input_ids"]) + 1  # and its EOS
+        e.tokens += self.config.max_new_tokens  # the most it can be: NeMo-RL hands over text only
         calls = Message(text).calls()
         new: list[dict] = []
         if calls is not None:
@@ -244,7 +281,7 @@ class MultiTurnEnvironment(ScoringEnvironment):
                     observation = e.host.step(calls).observation
                 except EnvironmentFailed as error:
                     return self._fail(e, str(error))
-            new.append({"role": "tool", "content": observation})
+            new.append({"role": "tool", "content": _encodable(observation)})
         if calls is None or e.steps_in_turn >= self.config.environment.max_steps_per_turn:
             turn = len(e.messages)
             if turn > len(e.later_turns):
@@ -272,7 +309,7 @@ class MultiTurnEnvironment(ScoringEnvironment):
             e.ending = "token_budget"
             return None
         e.chat += [{"role": "assistant", "content": text}, *new]
-        return following
+        return {"role": new[-1]["role"], "content": following}
 
     def _fail(self, e: _Episode, why: str) -> None:
         e.ending, e.failure = "failed", why
@@ -321,4 +358,19 @@ def _episode_info(metadata: Any, row: int) -> Mapping:
         raise ValueError(f"metadata[{row}]: expected {{'ground_truth', 'messages'}} as multi_turn_prompt_processor "
                          f"builds it, got {type(metadata).__name__}"
                          + (f" with keys {sorted(metadata)}" if isinstance(metadata, Mapping) else ""))
+    if EPISODE not in metadata:  # a first step: what the episode starts from
+        if "environment_config" not in metadata["ground_truth"]:
+            raise ValueError(f"metadata[{row}].ground_truth: no environment_config; write the data with "
+                             "write_response_jsonl of a multi-turn family (multi_turn, bfcl_multi_turn)")
+        messages = metadata["messages"]
+        if not messages or not all(isinstance(m, Mapping) and isinstance(m.get("role"), str)
+                                   and isinstance(m.get("content"), str) for m in messages):
+            raise ValueError(f"metadata[{row}].messages: expected the prompt's chat, a non-empty list of "
+                             f"{{'role', 'content'}} strings, got {messages!r:.200}")
     return metadata
+
+
+def _encodable(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode (lone surrogates) backslash-escaped: the tokenizer
+    raises on it."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")

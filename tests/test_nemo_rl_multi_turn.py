@@ -464,6 +464,15 @@ def test_bad_step_inputs_are_named(tokenizer_dir):
             env.step([[{"role": "user", "content": "x"}]], [{"ground_truth": {}, "messages": []}])
         with pytest.raises(ValueError, match=r"metadata\[0\]: expected \{'ground_truth', 'messages'\}"):
             env.step([[{"role": "assistant", "content": "x"}]], [{"environment_config": {}}])
+        answer = [[{"role": "assistant", "content": "x"}]]
+        chat = [{"role": "user", "content": "Weather in Oslo?"}]
+        with pytest.raises(ValueError, match=r"metadata\[0\].ground_truth: no environment_config"):
+            env.step(answer, [{"ground_truth": {}, "messages": chat}])
+        with pytest.raises(ValueError, match=r"metadata\[0\].messages: expected the prompt's chat, a non-empty list"):
+            env.step(answer, [{"ground_truth": {"environment_config": {}}, "messages": []}])
+        with pytest.raises(ValueError, match=r"metadata\[0\].messages: expected the prompt's chat"):
+            env.step(answer, [{"ground_truth": {"environment_config": {}}, "messages": [{"role": "user"}]}])
+        assert env.take_metrics()["multi_turn/open_episodes"] == 0.0  # nothing started
     finally:
         env.shutdown()
 

@@ -32,8 +32,10 @@ observation would reach ``policy.max_total_sequence_length``, or after
   of the whole chat (tokenizing the text is NeMo-RL's part). A template whose end of an
   assistant message is not the EOS token, or that renders earlier messages differently once
   more follow, cannot be continued: the episode fails. A message cut by
-  ``max_new_tokens`` has no EOS; it is continued as if it had one (NeMo-RL flags its sample
-  ``truncated``; ``grpo.overlong_filtering`` leaves it out of the loss);
+  ``max_new_tokens`` has no EOS; it is continued as if it had one and judged like any other
+  (NeMo-RL's vLLM flags its sample ``truncated``; ``grpo.overlong_filtering`` would drop the
+  whole trajectory from the loss but not from its group's statistics, so the example config
+  leaves it off);
 * token budget: the episode ends (``token_budget``, its rewards judging the calls it made)
   where the sequence after the next observation could leave less than ``max_new_tokens`` of
   ``max_total_sequence_length``, so NeMo-RL never cuts an episode for length first. NeMo-RL

@@ -253,6 +253,8 @@ def test_city_desk_episodes_end_with_the_projects_own_rewards(city_rollout, toke
     assert want[:, NAMES.index("multi_turn_response")].tolist() == [1.0, 0.5, 0.0, 1.0, 0.5, 1.0]
     assert want[:, NAMES.index("multi_turn_format")].tolist() == [1.0, 2 / 3, 0.0, 1.0, 1.0, 1.0]
     assert want[:, NAMES.index("multi_turn_efficiency")].tolist() == [1.0, 2 / 3, 0.0, 1.0, 1.0, 0.5]
+    # after the first step a sample's extra_env_info is its episode's id alone (the episode holds the rest)
+    assert all(list(info) == [multi_turn_module.EPISODE] for info in batch["extra_env_info"])
     # every step before an episode's last returned zeros; each episode ended once, after its last message
     ended_at = {}
     for turn, (active, rewards, terminated) in enumerate(steps):
@@ -377,8 +379,7 @@ def test_a_failing_environment_fails_only_its_trajectorys_rewards(tokenizer_dir,
                                               env, max_seq_len=1 << 20, max_rollout_turns=4)
         metrics = env.take_metrics()
         # an episode this actor does not hold (a restarted actor's) fails too, counted
-        lost = env.step([[{"role": "assistant", "content": "ok"}]],
-                        [{**rows[0]["extra_env_info"], multi_turn_module.EPISODE: "gone"}])
+        lost = env.step([[{"role": "assistant", "content": "ok"}]], [{multi_turn_module.EPISODE: "gone"}])
         lost_metrics = env.take_metrics()
     finally:
         env.shutdown()

@@ -17,7 +17,9 @@ observation would reach ``policy.max_total_sequence_length``, or after
 
 * its first step starts the episode: the configured environment (BFCL's, or a user's class in a
   file) in an :class:`~gdpo_megatron.environments.host.EnvironmentHost`, reset with the
-  ground truth's ``environment_config``; the returned metadata carries the episode's id;
+  ground truth's ``environment_config``; the episode keeps the ground truth and the chat, and
+  the returned metadata (the sample's next ``extra_env_info``) is only the episode's id, so
+  later steps send no more through Ray than that;
 * each step takes the model's last message: a call attempt is parsed as data and stepped in the
   environment, its observation a ``tool`` message (text that UTF-8 cannot encode, such as a lone
   surrogate a call's JSON asked for, is backslash-escaped); a plain answer ends the user turn
@@ -71,7 +73,7 @@ default the multi-turn rewards, and ``tokenizer``) plus::
     max_new_tokens: ${policy.generation.max_new_tokens}
     episode_idle_s: 900                  # close an episode no step touched for this long
 
-Each sample's ``extra_env_info`` is ``{"ground_truth", "messages"}``, as
+Each sample's first ``extra_env_info`` is ``{"ground_truth", "messages"}``, as
 :func:`~gdpo_megatron.integrations.nemo_rl.multi_turn_prompt_processor` builds it. NeMo-RL can
 stop a sample without this environment ending its episode (``grpo.max_rollout_turns``, a
 sequence it cuts): such an episode is closed, its process ended, by the first ``step`` or
@@ -186,7 +188,7 @@ class MultiTurnEnvironment(ScoringEnvironment):
                 self._episodes[key] = self._start(info)
             episode = self._episodes.get(key)
             if episode is None:
-                episode = _Episode(None, info["ground_truth"], [], [], 0, ending="failed",
+                episode = _Episode(None, info.get("ground_truth", {}), [], [], 0, ending="failed",
                                    failure=f"episode {key} is not held by this environment (its actor restarted, "
                                            "or it was closed after episode_idle_s)")
                 following = None
@@ -197,7 +199,7 @@ class MultiTurnEnvironment(ScoringEnvironment):
                 except Exception as error:  # this sample's text or environment; the batch goes on
                     following = self._fail(episode, f"{type(error).__name__}: {error}")
             observations.append({"role": "tool", "content": ""} if following is None else following)
-            returned.append({**info, EPISODE: key})
+            returned.append({EPISODE: key})
             if following is None:
                 self._episodes.pop(key, None)
                 ended.append((i, episode, episode.truth))
@@ -355,20 +357,21 @@ def _last_model_message(message_log: Sequence[Mapping], row: int) -> str:
 
 
 def _episode_info(metadata: Any, row: int) -> Mapping:
+    if isinstance(metadata, Mapping) and isinstance(metadata.get(EPISODE), str):
+        return metadata  # a later step: the episode holds the rest
     if not (isinstance(metadata, Mapping) and isinstance(metadata.get("ground_truth"), Mapping)
             and isinstance(metadata.get("messages"), list)):
         raise ValueError(f"metadata[{row}]: expected {{'ground_truth', 'messages'}} as multi_turn_prompt_processor "
                          f"builds it, got {type(metadata).__name__}"
                          + (f" with keys {sorted(metadata)}" if isinstance(metadata, Mapping) else ""))
-    if EPISODE not in metadata:  # a first step: what the episode starts from
-        if "environment_config" not in metadata["ground_truth"]:
-            raise ValueError(f"metadata[{row}].ground_truth: no environment_config; write the data with "
-                             "write_response_jsonl of a multi-turn family (multi_turn, bfcl_multi_turn)")
-        messages = metadata["messages"]
-        if not messages or not all(isinstance(m, Mapping) and isinstance(m.get("role"), str)
-                                   and isinstance(m.get("content"), str) for m in messages):
-            raise ValueError(f"metadata[{row}].messages: expected the prompt's chat, a non-empty list of "
-                             f"{{'role', 'content'}} strings, got {messages!r:.200}")
+    if "environment_config" not in metadata["ground_truth"]:
+        raise ValueError(f"metadata[{row}].ground_truth: no environment_config; write the data with "
+                         "write_response_jsonl of a multi-turn family (multi_turn, bfcl_multi_turn)")
+    messages = metadata["messages"]
+    if not messages or not all(isinstance(m, Mapping) and isinstance(m.get("role"), str)
+                               and isinstance(m.get("content"), str) for m in messages):
+        raise ValueError(f"metadata[{row}].messages: expected the prompt's chat, a non-empty list of "
+                         f"{{'role', 'content'}} strings, got {messages!r:.200}")
     return metadata
 
 

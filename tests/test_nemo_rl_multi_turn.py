@@ -517,24 +517,30 @@ ECHO = '''
 from gdpo_megatron.environments import Environment
 
 class Echo(Environment):
-    """echo(text): returns its argument as it is."""
+    """echo(text): returns its argument as it is; the next user turn's note repeats it."""
 
     def reset(self, config):
+        self.last = ""
         return ""
+
+    def start_turn(self, index):
+        return self.last
 
     def tools(self):
         return [{"name": "echo", "description": "Echo.",
                  "parameters": {"type": "dict", "properties": {"text": {"type": "string"}}, "required": ["text"]}}]
 
     def call(self, name, arguments):
-        return arguments["text"]
+        self.last = arguments["text"]
+        return self.last
 '''
 
 
 def echo_rows(tmp_path, tokenizer):
     env_file = tmp_path / "echo.py"
     env_file.write_text(ECHO)
-    truth = {"environment_config": {}, "reference_calls": [['echo(text="a")']], "later_turns": []}
+    truth = {"environment_config": {}, "reference_calls": [['echo(text="a")'], []],
+             "later_turns": [[{"role": "user", "content": "Thanks."}]]}
     src = tmp_path / "echo.jsonl"
     src.write_text(json.dumps({"id": "echo-0", "messages": [{"role": "user", "content": "Echo a."}],
                                "multi_turn": truth}) + "\n")
@@ -545,7 +551,7 @@ def test_a_lone_surrogate_echoed_back_is_escaped_not_fatal(tokenizer_dir, tokeni
     env_file, rows = echo_rows(tmp_path, tokenizer)
     attack = '<tool_call>{"name": "echo", "arguments": {"text": "\\ud800"}}</tool_call>'
     assert "\\ud800" in attack and json.loads(attack[11:-12])["arguments"]["text"] == "\ud800"
-    scripts = [[[attack, "done"]], [['[echo(text="a")]', "done"]]]
+    scripts = [[[attack, "done"], ["bye"]], [['[echo(text="a")]', "done"], ["bye"]]]
     env = environment(tokenizer_dir, "Echo", env_file)
     try:
         batch, steps = run_multi_turn_rollout(ScriptedPolicy(tokenizer, scripts), nemo_rl_batch(rows, 2), tokenizer,
@@ -553,9 +559,11 @@ def test_a_lone_surrogate_echoed_back_is_escaped_not_fatal(tokenizer_dir, tokeni
         metrics = env.take_metrics()
     finally:
         env.shutdown()
-    assert "\\ud800" in batch["message_log"][0][2]["content"]  # escaped, tokenized by NeMo-RL's tokenizer
+    log = batch["message_log"][0]
+    assert "\\ud800" in log[2]["content"]  # escaped: NeMo-RL's tokenizer took it
+    assert log[4]["role"] == "user" and log[4]["content"].count("\\ud800") == 1  # the next turn's note too
     assert metrics["multi_turn/ended_answered_frac"] == 1.0 and metrics["reward/multi_turn_format/failures"] == 0.0
-    assert [len(active) for active, _, _ in steps] == [2, 2]
+    assert [len(active) for active, _, _ in steps] == [2, 2, 2]
 
 
 def test_an_episode_nemo_rl_stops_is_closed_once_idle(tokenizer_dir, tokenizer, tmp_path):

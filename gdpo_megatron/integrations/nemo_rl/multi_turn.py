@@ -188,7 +188,7 @@ class MultiTurnEnvironment(ScoringEnvironment):
                 self._episodes[key] = self._start(info)
             episode = self._episodes.get(key)
             if episode is None:
-                episode = _Episode(None, info.get("ground_truth", {}), [], [], 0, ending="failed",
+                episode = _Episode(None, {}, [], [], 0, ending="failed",
                                    failure=f"episode {key} is not held by this environment (its actor restarted, "
                                            "or it was closed after episode_idle_s)")
                 following = None
@@ -202,17 +202,17 @@ class MultiTurnEnvironment(ScoringEnvironment):
             returned.append({EPISODE: key})
             if following is None:
                 self._episodes.pop(key, None)
-                ended.append((i, episode, episode.truth))
+                ended.append((i, episode))
         rewards = torch.zeros(len(texts), len(self.reward_keys))
         if ended:
-            for _, episode, _ in ended:
+            for _, episode in ended:
                 self._close(episode)
                 self._endings[episode.ending] += 1
-            scored = self._score([self._trajectory(e) for _, e, _ in ended],
-                                 [self._model_tokens(e) for _, e, _ in ended], [truth for _, _, truth in ended])
-            rewards[[i for i, _, _ in ended]] = scored
+            scored = self._score([self._trajectory(e) for _, e in ended], [self._model_tokens(e) for _, e in ended],
+                                 [e.truth for _, e in ended])
+            rewards[[i for i, _ in ended]] = scored
         terminated = torch.zeros(len(texts))
-        terminated[[i for i, _, _ in ended]] = 1.0
+        terminated[[i for i, _ in ended]] = 1.0
         return EnvironmentReturn(
             observations=observations,
             metadata=returned,
@@ -253,12 +253,12 @@ class MultiTurnEnvironment(ScoringEnvironment):
 
     def _start(self, info: Mapping) -> _Episode:
         truth, chat = info["ground_truth"], [dict(m) for m in info["messages"]]
-        episode = _Episode(None, truth, chat, list(truth.get("later_turns") or []),
-                           len(encode_prompt(self._tokenizer, chat)))
+        episode = _Episode(None, truth, chat, list(truth.get("later_turns") or []), 0)
         try:
+            episode.tokens = len(encode_prompt(self._tokenizer, chat))
             episode.host = EnvironmentHost(self.environment, self.config.environment.step_timeout_s)
             note = episode.host.reset(truth["environment_config"])
-        except Exception as e:  # a failing environment fails this episode only
+        except Exception as e:  # a failing environment (or chat template) fails this episode only
             self._fail(episode, str(e) if isinstance(e, EnvironmentFailed) else f"{type(e).__name__}: {e}")
             return episode
         if note:
@@ -297,7 +297,7 @@ class MultiTurnEnvironment(ScoringEnvironment):
                 return self._fail(e, str(error))
             user = [dict(m) for m in e.later_turns[turn - 1]]
             if note:
-                user[-1] = {**user[-1], "content": f"{user[-1]['content']}\n\n{note}"}
+                user[-1] = {**user[-1], "content": _encodable(f"{user[-1]['content']}\n\n{note}")}
             new += user
             e.messages.append([])
             e.steps_in_turn = 0

@@ -75,8 +75,8 @@ default the multi-turn rewards, and ``tokenizer``) plus::
 
 Each sample's first ``extra_env_info`` is ``{"ground_truth", "messages"}``, as
 :func:`~gdpo_megatron.integrations.nemo_rl.multi_turn_prompt_processor` builds it. NeMo-RL can
-stop a sample without this environment ending its episode (``grpo.max_rollout_turns``, a
-sequence it cuts): such an episode is closed, its process ended, by the first ``step`` or
+stop a sample without this environment ending its episode (``grpo.max_rollout_turns`` below
+``max_steps``, an error elsewhere in its rollout): such an episode is closed, its process ended, by the first ``step`` or
 :meth:`~MultiTurnEnvironment.take_metrics` call more than ``episode_idle_s`` after the step
 that last touched it (``multi_turn/orphaned`` counts them; they get no rewards, NeMo-RL keeps
 the zeros it holds). ``episode_idle_s`` must exceed the longest wait between two turns of one

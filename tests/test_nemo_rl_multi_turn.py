@@ -517,7 +517,8 @@ ECHO = '''
 from gdpo_megatron.environments import Environment
 
 class Echo(Environment):
-    """echo(text): returns its argument as it is; the next user turn's note repeats it."""
+    """echo(text): returns its argument as it is; the next user turn's note repeats it; echoing
+    "bye" ends the trajectory (done)."""
 
     def reset(self, config):
         self.last = ""
@@ -532,6 +533,7 @@ class Echo(Environment):
 
     def call(self, name, arguments):
         self.last = arguments["text"]
+        self.done = self.last == "bye"
         return self.last
 '''
 
@@ -614,3 +616,21 @@ def test_the_token_count_bounds_messages_of_invisible_special_tokens(tokenizer_d
     assert len(log[1]["token_ids"]) == sampled and len(log[1]["content"]) < 20  # the text shows few of them
     assert metrics["multi_turn/ended_token_budget_frac"] == 1.0 and steps[-1][2].tolist() == [1.0]
     assert sum(len(m["token_ids"]) for m in log) <= budget
+
+
+def test_a_step_that_leaves_the_environment_done_ends_the_episode(tokenizer_dir, tokenizer, tmp_path):
+    env_file, rows = echo_rows(tmp_path, tokenizer)
+    scripts = [[['[echo(text="bye")]', "never sent"], ["never sent"]], [['[echo(text="a")]', "done"], ["bye"]]]
+    env = environment(tokenizer_dir, "Echo", env_file)
+    try:
+        batch, steps = run_multi_turn_rollout(ScriptedPolicy(tokenizer, scripts), nemo_rl_batch(rows, 2), tokenizer,
+                                              env, max_seq_len=1 << 20, max_rollout_turns=4)
+        metrics = env.take_metrics()
+    finally:
+        env.shutdown()
+    assert [len(active) for active, _, _ in steps] == [2, 1, 1]  # the first ends at its first step
+    assert steps[0][2].tolist() == [1.0, 0.0] and metrics["multi_turn/ended_answered_frac"] == 1.0
+    want = own_rewards(environment_reference("Echo", str(env_file)), [[['[echo(text="bye")]']], scripts[1]],
+                       [rows[0]["extra_env_info"]["ground_truth"]] * 2)
+    for k, name in enumerate(NAMES):
+        assert torch.equal(batch[f"reward/{name}"], want[:, k].float()), name

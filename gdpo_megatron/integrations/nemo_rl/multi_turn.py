@@ -25,7 +25,8 @@ observation would reach ``policy.max_total_sequence_length``, or after
   surrogate a call's JSON asked for, is backslash-escaped); a plain answer ends the user turn
   and the question's next user message follows (with the environment's ``start_turn`` note;
   the observation's role is then ``user``), after the
-  last one the episode ends (``answered``); so does a user turn of ``max_steps_per_turn``
+  last one the episode ends (``answered``, as after a step that leaves the environment
+  ``done``); so does a user turn of ``max_steps_per_turn``
   messages (``turn_limit`` after the last turn), ``max_steps`` messages in all
   (``max_steps``), and the token budget (below);
 * the observation is what the chat template writes after the model's message: the
@@ -282,9 +283,13 @@ class MultiTurnEnvironment(ScoringEnvironment):
                 observation = f"{ERROR_PREFIX}{calls}"
             else:
                 try:
-                    observation = e.host.step(calls).observation
+                    result = e.host.step(calls)
                 except EnvironmentFailed as error:
                     return self._fail(e, str(error))
+                if result.done:  # the environment ended the trajectory, as an answer to its last turn would
+                    e.ending = "answered"
+                    return None
+                observation = result.observation
             new.append({"role": "tool", "content": _encodable(observation)})
         if calls is None or e.steps_in_turn >= self.config.environment.max_steps_per_turn:
             turn = len(e.messages)

@@ -574,20 +574,22 @@ def test_an_episode_nemo_rl_stops_is_closed_once_idle(tokenizer_dir, tokenizer, 
 
     env_file, rows = echo_rows(tmp_path, tokenizer)
     env = environment(tokenizer_dir, "Echo", env_file, episode_idle_s=0.5)
+    processes, metrics = [], []
     try:
-        before = len(multiprocessing.active_children())  # the reward stage's workers
-        # max_rollout_turns=1: NeMo-RL stops both samples after a call; their episodes stay open.
-        run_multi_turn_rollout(ScriptedPolicy(tokenizer, [[['[echo(text="a")]']]] * 2), nemo_rl_batch(rows, 2),
-                               tokenizer, env, max_seq_len=1 << 20, max_rollout_turns=1)
-        assert len(multiprocessing.active_children()) == before + 2
-        first = env.take_metrics()
-        time.sleep(0.6)
-        second = env.take_metrics()
-        assert len(multiprocessing.active_children()) == before
+        for _ in range(3):
+            # max_rollout_turns=1: NeMo-RL stops both samples after a call; their episodes stay open.
+            run_multi_turn_rollout(ScriptedPolicy(tokenizer, [[['[echo(text="a")]']]] * 2), nemo_rl_batch(rows, 2),
+                                   tokenizer, env, max_seq_len=1 << 20, max_rollout_turns=1)
+            processes.append(len(multiprocessing.active_children()))
+            metrics.append(env.take_metrics())
+            time.sleep(0.6)
+            metrics.append(env.take_metrics())
     finally:
         env.shutdown()
-    assert (first["multi_turn/open_episodes"], first["multi_turn/orphaned"]) == (2.0, 0.0)
-    assert (second["multi_turn/open_episodes"], second["multi_turn/orphaned"]) == (0.0, 2.0)
+    assert processes[0] == processes[1] == processes[2]  # the environments' processes do not pile up
+    for right_after, idle in zip(metrics[::2], metrics[1::2]):
+        assert (right_after["multi_turn/open_episodes"], right_after["multi_turn/orphaned"]) == (2.0, 0.0)
+        assert (idle["multi_turn/open_episodes"], idle["multi_turn/orphaned"]) == (0.0, 2.0)
 
 
 class SpecialTokenPolicy(ScriptedPolicy):

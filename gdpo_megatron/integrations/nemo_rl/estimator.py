@@ -24,11 +24,10 @@ render the same prompt but differ elsewhere (a multi-turn question's environment
 later turns): their baselines would mix different questions. (NeMo-RL's dynamic sampling
 still decides, by its own prompt-id grouping, which groups it keeps.)
 
-This module maps those
-inputs onto :func:`gdpo_megatron.advantages.compute_advantages` under the ``gdpo`` mode of
-``GROUP_NORMALIZERS`` (conditioned rewards, per-reward group normalization, weighted sum,
-batch normalization over the valid rollouts) and broadcasts each rollout's advantage over
-its tokens. The whole batch is in one process, so the local reduction is exact.
+This module maps those inputs onto :func:`gdpo_megatron.advantages.compute_advantages` under
+the ``gdpo`` mode of ``GROUP_NORMALIZERS`` (conditioned rewards, per-reward group
+normalization, weighted sum, batch normalization over the valid rollouts) and broadcasts each
+rollout's advantage over its tokens. The whole batch is in one process, so the local reduction is exact.
 
 NeMo-RL chooses its estimator by name inside ``nemo_rl.algorithms.grpo`` and has no
 registry; :func:`install` adds this one, selected by ``implementation: gdpo_megatron``.
@@ -245,7 +244,7 @@ def prompt_groups(prompt_ids, batch_size: int, group_size: int) -> torch.Tensor:
     if batch_size % group_size:
         raise ValueError(f"prompt_ids: {batch_size} rollouts are not whole groups of {GROUP_SIZE_PATH}="
                          f"{group_size} (NeMo-RL repeats each prompt that many times in a row)")
-    blocks = ids.view(batch_size // group_size, group_size, -1)
+    blocks = ids.reshape(batch_size // group_size, group_size, -1)
     differs = blocks.ne(blocks[:, :1]).flatten(1).any(dim=1).nonzero().flatten()
     if len(differs):
         g = int(differs[0])

@@ -27,7 +27,8 @@ still decides, by its own prompt-id grouping, which groups it keeps.)
 This module maps those inputs onto :func:`gdpo_megatron.advantages.compute_advantages` under
 the ``gdpo`` mode of ``GROUP_NORMALIZERS`` (conditioned rewards, per-reward group
 normalization, weighted sum, batch normalization over the valid rollouts) and broadcasts each
-rollout's advantage over its tokens. The whole batch is in one process, so the local reduction is exact.
+rollout's advantage over its tokens. The whole batch is in one process, so the local
+reduction is exact.
 
 NeMo-RL chooses its estimator by name inside ``nemo_rl.algorithms.grpo`` and has no
 registry; :func:`install` adds this one, selected by ``implementation: gdpo_megatron``.

@@ -13,10 +13,11 @@ section) rolls out trajectories instead of single completions. Trajectory ``k = 
 2. a **call** in the model's message (:func:`~gdpo_megatron.environments.calls.call_block`) is
    parsed as data and stepped in the trajectory's environment (an
    :class:`~gdpo_megatron.environments.host.EnvironmentHost` from the rollouts' pool of
-   environment workers, on the replica's leader rank, kept across steps until :meth:`close`;
-   every trajectory's step is sent before any answer is read, so the environments of a turn
-   step at once); the observation (the calls' results, or why the message did not parse) comes back as a
-   ``tool``-role message, and the model goes again;
+   environment workers on the replica's leader rank, kept across steps until
+   :meth:`TrajectoryRollouts.close`; every trajectory's step is sent before any answer is
+   read, so the environments of a turn step at once); the observation (the calls' results,
+   or why the message did not parse) comes back as a ``tool``-role message, and the model
+   goes again;
 3. a **plain answer** ends the user turn: the question's next user message
    (``later_turns``), with the environment's ``start_turn`` note, is fed in and the model goes
    again; after the last user turn the trajectory is done. So is a user turn in which the

@@ -109,6 +109,7 @@ def evaluate_trajectories(model_dir: str | Path, samples: Sequence[Sample], rewa
     try:
         done = rollouts.roll_out(engine, kept, 1, sampling, list(range(len(kept))))
     finally:
+        rollouts.close()
         engine.close()
     scores: list[dict[str, float]] = [{} for _ in done]
     if rewards:

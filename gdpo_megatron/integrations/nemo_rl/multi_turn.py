@@ -16,10 +16,12 @@ observation would reach ``policy.max_total_sequence_length``, or after
 (:mod:`gdpo_megatron.trajectories`):
 
 * its first step starts the episode: the configured environment (BFCL's, or a user's class in a
-  file) in an :class:`~gdpo_megatron.environments.host.EnvironmentHost`, reset with the
+  file) in an :class:`~gdpo_megatron.environments.host.EnvironmentHost` from the actor's pool
+  of environment workers (a worker goes back to the pool when its episode ends), reset with the
   ground truth's ``environment_config``; the episode keeps the ground truth and the chat, and
   the returned metadata (the sample's next ``extra_env_info``) is only the episode's id, so
-  later steps send no more through Ray than that;
+  later steps send no more through Ray than that. A step sends every episode's request before
+  it reads any answer, so the environments step at once;
 * each step takes the model's last message: a call attempt is parsed as data and stepped in the
   environment, its observation a ``tool`` message (text that UTF-8 cannot encode, such as a lone
   surrogate a call's JSON asked for, is backslash-escaped); a plain answer ends the user turn
@@ -77,11 +79,11 @@ default the multi-turn rewards, and ``tokenizer``) plus::
 Each sample's first ``extra_env_info`` is ``{"ground_truth", "messages"}``, as
 :func:`~gdpo_megatron.integrations.nemo_rl.multi_turn_prompt_processor` builds it. NeMo-RL can
 stop a sample without this environment ending its episode (``grpo.max_rollout_turns`` below
-``max_steps``, an error elsewhere in its rollout): such an episode is closed, its process ended, by the first ``step`` or
-:meth:`~MultiTurnEnvironment.take_metrics` call more than ``episode_idle_s`` after the step
-that last touched it (``multi_turn/orphaned`` counts them; they get no rewards, NeMo-RL keeps
-the zeros it holds). ``episode_idle_s`` must exceed the longest wait between two turns of one
-sample (a generation round of the batch).
+``max_steps``, an error elsewhere in its rollout): such an episode is closed, its worker given
+back to the pool, by the first ``step`` or :meth:`~MultiTurnEnvironment.take_metrics` call more
+than ``episode_idle_s`` after the step that last touched it (``multi_turn/orphaned`` counts
+them; they get no rewards, NeMo-RL keeps the zeros it holds). ``episode_idle_s`` must exceed the
+longest wait between two turns of one sample (a generation round of the batch).
 """
 from __future__ import annotations
 
@@ -97,9 +99,9 @@ import torch
 from gdpo_megatron.config.environment import EnvironmentConfig
 from gdpo_megatron.config.loader import ConfigError, from_dict, require, section
 from gdpo_megatron.data.chat import encode_prompt
-from gdpo_megatron.environments.calls import CallRefused
+from gdpo_megatron.environments.calls import Call, CallRefused
 from gdpo_megatron.environments.environment import ERROR_PREFIX
-from gdpo_megatron.environments.host import EnvironmentFailed, EnvironmentHost
+from gdpo_megatron.environments.host import EnvironmentFailed, EnvironmentHost, EnvironmentPool
 from gdpo_megatron.environments.registry import environment_reference
 from gdpo_megatron.environments.trajectory import Message, Trajectory
 from gdpo_megatron.integrations.nemo_rl.environment import (CONFIG_PATH, EnvironmentReturn, ScoringEnvironment,
@@ -173,6 +175,7 @@ class MultiTurnEnvironment(ScoringEnvironment):
         self._episodes: dict[str, _Episode] = {}
         self._endings: Counter = Counter()  # since take_metrics
         self._orphaned = 0  # idle episodes closed since take_metrics
+        self._pool = EnvironmentPool(self.environment, self.config.environment.step_timeout_s)
 
     def step(self, message_log_batch: Sequence[Sequence[Mapping]], metadata: Sequence[Mapping]) -> EnvironmentReturn:
         """Advance each sample's episode by the model's last message (see the module docstring)."""
@@ -181,13 +184,15 @@ class MultiTurnEnvironment(ScoringEnvironment):
         texts = [_last_model_message(log, i) for i, log in enumerate(message_log_batch)]
         infos = [_episode_info(m, i) for i, m in enumerate(metadata)]
         self._close_idle()
+        keys = [info.get(EPISODE) or uuid.uuid4().hex for info in infos]
+        starting = [(key, info) for key, info in zip(keys, infos) if info.get(EPISODE) is None]
+        self._start(starting)
+        for key, _ in starting:
+            self._reset(self._episodes[key])
+        episodes = [self._episodes.get(key) for key in keys]
+        calls = [self._send_calls(e, text) if e is not None else None for e, text in zip(episodes, texts)]
         observations, returned, ended = [], [], []
-        for i, (text, info) in enumerate(zip(texts, infos)):
-            key = info.get(EPISODE)
-            if key is None:
-                key = uuid.uuid4().hex
-                self._episodes[key] = self._start(info)
-            episode = self._episodes.get(key)
+        for i, (key, episode, text, call, info) in enumerate(zip(keys, episodes, texts, calls, infos)):
             if episode is None:
                 episode = _Episode(None, {}, [], [], 0, ending="failed",
                                    failure=f"episode {key} is not held by this environment (its actor restarted, "
@@ -196,9 +201,9 @@ class MultiTurnEnvironment(ScoringEnvironment):
             else:
                 episode.touched = time.monotonic()
                 try:
-                    following = self._advance(episode, text)
+                    following = self._advance(episode, text, call)
                 except Exception as error:  # this sample's text or environment; the batch goes on
-                    following = self._fail(episode, f"{type(error).__name__}: {error}")
+                    following = self._fail(episode, _describe(error))
             observations.append({"role": "tool", "content": ""} if following is None else following)
             returned.append({EPISODE: key})
             if following is None:
@@ -241,6 +246,7 @@ class MultiTurnEnvironment(ScoringEnvironment):
         for episode in self._episodes.values():
             self._close(episode)
         self._episodes.clear()
+        self._pool.close()
         super().shutdown()
 
     def _close_idle(self) -> None:
@@ -252,38 +258,75 @@ class MultiTurnEnvironment(ScoringEnvironment):
 
     # ---- one episode ---------------------------------------------------------------------
 
-    def _start(self, info: Mapping) -> _Episode:
-        truth, chat = info["ground_truth"], [dict(m) for m in info["messages"]]
-        episode = _Episode(None, truth, chat, list(truth.get("later_turns") or []), 0)
+    def _start(self, starting: list[tuple[str, Mapping]]) -> None:
+        """Hold an episode for each ``(key, info)`` of ``starting``, its environment's reset sent to
+        a host of the pool; an error (the chat template's, the environment's, no worker) fails
+        that episode only."""
+        opening = []
+        for key, info in starting:
+            truth, chat = info["ground_truth"], [dict(m) for m in info["messages"]]
+            episode = self._episodes[key] = _Episode(None, truth, chat, list(truth.get("later_turns") or []), 0)
+            try:
+                episode.tokens = len(encode_prompt(self._tokenizer, chat))
+            except Exception as error:
+                self._fail(episode, _describe(error))
+            else:
+                opening.append(episode)
         try:
-            episode.tokens = len(encode_prompt(self._tokenizer, chat))
-            episode.host = EnvironmentHost(self.environment, self.config.environment.step_timeout_s)
-            note = episode.host.reset(truth["environment_config"])
-        except Exception as e:  # a failing environment (or chat template) fails this episode only
-            self._fail(episode, str(e) if isinstance(e, EnvironmentFailed) else f"{type(e).__name__}: {e}")
-            return episode
+            hosts = self._pool.hosts(len(opening))
+        except Exception as error:  # no worker started
+            for episode in opening:
+                self._fail(episode, _describe(error))
+            return
+        for episode, host in zip(opening, hosts):
+            episode.host = host
+            try:
+                host.send("reset", episode.truth["environment_config"])
+            except Exception as error:
+                self._fail(episode, _describe(error))
+
+    def _reset(self, episode: _Episode) -> None:
+        """Read the answer to the episode's reset."""
+        if episode.ending is not None:  # failed at its start
+            return
+        try:
+            note = episode.host.receive()
+        except Exception as e:
+            self._fail(episode, _describe(e))
+            return
         if note:
             self._fail(episode, f"environment {self.environment!r}: reset returned an opening note, which NeMo-RL "
                                 "cannot show (its prompt is built before the episode starts)")
-        return episode
 
-    def _advance(self, e: _Episode, text: str) -> dict | None:
-        """The observation message that follows the model's message ``text``, or None when the
-        episode ends here (``e.ending`` says why)."""
+    def _send_calls(self, e: _Episode, text: str) -> list[Call] | CallRefused | None:
+        """The calls of the model's message ``text`` (:meth:`Message.calls`), sent to be stepped."""
         if e.ending is not None:  # failed at its start
+            return None
+        try:
+            calls = Message(text).calls()
+            if calls is not None and not isinstance(calls, CallRefused):
+                e.host.send("step", calls)
+        except Exception as error:  # this sample's text or environment; the batch goes on
+            self._fail(e, _describe(error))
+            return None
+        return calls
+
+    def _advance(self, e: _Episode, text: str, calls: list[Call] | CallRefused | None) -> dict | None:
+        """The observation message that follows the model's message ``text`` and the step of its
+        ``calls`` (sent), or None when the episode ends here (``e.ending`` says why)."""
+        if e.ending is not None:  # failed at its start or sending its calls
             return None
         e.messages[-1].append(text)
         e.steps += 1
         e.steps_in_turn += 1
         e.tokens += self.config.max_new_tokens  # the most it can be: NeMo-RL hands over text only
-        calls = Message(text).calls()
         new: list[dict] = []
         if calls is not None:
             if isinstance(calls, CallRefused):
                 observation = f"{ERROR_PREFIX}{calls}"
             else:
                 try:
-                    result = e.host.step(calls)
+                    result = e.host.receive()
                 except EnvironmentFailed as error:
                     return self._fail(e, str(error))
                 if result.done:  # the environment ended the trajectory, as an answer to its last turn would
@@ -378,6 +421,11 @@ def _episode_info(metadata: Any, row: int) -> Mapping:
         raise ValueError(f"metadata[{row}].messages: expected the prompt's chat, a non-empty list of "
                          f"{{'role', 'content'}} strings, got {messages!r:.200}")
     return metadata
+
+
+def _describe(error: Exception) -> str:
+    """An error as an episode's ``failure``: an environment's says what failed itself."""
+    return str(error) if isinstance(error, EnvironmentFailed) else f"{type(error).__name__}: {error}"
 
 
 def _encodable(text: str) -> str:

@@ -131,6 +131,91 @@ def test_preflight_refuses_a_family_and_environment_that_do_not_fit():
     check_family_environment(EnvironmentConfig(name="CityDesk", file=str(CITY_DESK)), "multi_turn", True, None)
 
 
+# ---- how a rollout reacts to particular messages, from a policy that writes them ----------------
+
+COUNTDOWN = """
+from gdpo_megatron.environments import Environment
+
+
+class Countdown(Environment):
+    \"\"\"A game over after config["moves"] moves.\"\"\"
+
+    def reset(self, config):
+        self.left = config["moves"]
+        return ""
+
+    def tools(self):
+        return [{"name": "move", "description": "One move.", "parameters": {"type": "dict", "properties": {}}}]
+
+    def call(self, name, arguments):
+        self.left -= 1
+        self.done = self.left == 0
+        return f"{self.left} left"
+"""
+
+
+class ScriptedPolicy:
+    """Writes ``script[j][n]`` as sample ``j``'s ``n``-th model message (the rollout's keys are
+    (prompt, sample, model turn)), in the demo tokenizer's tokens, ending on its EOS."""
+
+    def __init__(self, script):
+        self.tokenizer, self.script = _tokenizer(), script
+
+    def continue_sequences(self, sequences, sampling, keys=None, on_completion=None):
+        from gdpo_megatron.rollout.engine import Completion
+
+        out = []
+        for _, j, n in keys:
+            ids = self.tokenizer(self.script[j][n], add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+            out.append(Completion(ids, [0.0] * len(ids), "stop", self.script[j][n]))
+        return out
+
+
+def _roll_out_scripted(environment, config, script, later_turns):
+    from gdpo_megatron.data.samples import Sample
+    from gdpo_megatron.rollout.engine import SamplingConfig
+    from gdpo_megatron.trajectories import TrajectoryRollouts
+
+    sample = Sample("q", "multi_turn", [{"role": "user", "content": "Go."}],
+                    {"environment_config": config, "later_turns": later_turns})
+    policy = ScriptedPolicy(script)
+    rollouts = TrajectoryRollouts(environment, 30.0, 4, 4096).roll_out(
+        policy, [sample], len(script), SamplingConfig(max_new_tokens=64), [0])
+    return rollouts, policy.tokenizer
+
+
+def test_a_message_that_calls_nothing_ends_the_turn_as_an_answer_does():
+    """``[]`` (or a list of comments only) runs no step: like a plain answer it ends the user turn
+    and the next user message follows; no tool message is shown."""
+    ref = f"{CITY_DESK}:CityDesk"
+    later = [[{"role": "user", "content": "And in Rome?"}]]
+    script = [["[]", "[  # lorem ipsum\n]"], ["<tool_call>[]</tool_call>", "Sunny."], ["Sunny.", "Rainy."]]
+    rollouts, tok = _roll_out_scripted(ref, {}, script, later)
+    for rollout, messages in zip(rollouts, script):
+        assert rollout.ending == "answered" and rollout.model_turns == 2
+        assert rollout.trajectory.turns == Trajectory.from_texts(ref, [[messages[0]], [messages[1]]]).turns
+        (between,) = [tok.decode(s.token_ids) for s in rollout.spans if not s.is_model]
+        assert "And in Rome?" in between and "tool" not in between
+    assert len({tuple(s.token_ids) for s in rollouts[0].spans if not s.is_model}
+               | {tuple(s.token_ids) for s in rollouts[2].spans if not s.is_model}) == 1
+
+
+def test_an_environment_that_is_done_ends_the_trajectory(tmp_path):
+    """The step after which the environment is ``done`` is the trajectory's last: no later
+    message of the script is asked for, no user turn follows."""
+    (tmp_path / "countdown.py").write_text(COUNTDOWN)
+    ref = f"{tmp_path / 'countdown.py'}:Countdown"
+    later = [[{"role": "user", "content": "Again."}]]
+    script = [["[move()]", "[move()]", "[move()]"], ["[move()]", "Moved.", "[move()]"]]
+    rollouts, _ = _roll_out_scripted(ref, {"moves": 2}, script, later)
+    assert [r.ending for r in rollouts] == ["answered", "answered"]
+    assert rollouts[0].trajectory.turns == Trajectory.from_texts(ref, [script[0][:2]]).turns  # over after 2 moves
+    assert rollouts[0].model_turns == 2 and sum(not s.is_model for s in rollouts[0].spans) == 1
+    # one move, an answer, the next user turn, the second move: over
+    assert rollouts[1].trajectory.turns == Trajectory.from_texts(ref, [script[1][:2], script[1][2:]]).turns
+    assert rollouts[1].model_turns == 3
+
+
 # ---- a run on the demo model through a user's environment ---------------------------------------
 
 CONFIG = "configs/multi_turn_cpu.yaml"  # CityDesk, the two-turn questions of examples/data/city_desk.jsonl

@@ -14,8 +14,10 @@ reference is not empty:
 A turn whose reference is empty (BFCL's miss_param category: the model should ask) is not
 graded. BFCL's verdict is valid when every graded turn passes all three, and its error is the
 first failing check in that order (:attr:`Judgement.first_failure`). The counts the format and
-efficiency rewards need come with it: calls run, calls refused (unknown function, arguments
-that do not fit), call messages that did not parse, and the reference's number of calls.
+efficiency rewards need come with each turn's verdict: the model's calls run, calls refused
+(unknown function, arguments that do not fit), call messages that did not parse, and the
+reference's number of calls. A turn the trajectory never reached (its token budget or its
+environment ended it first) has no calls: it fails as empty where graded.
 """
 from __future__ import annotations
 
@@ -31,9 +33,21 @@ from gdpo_megatron.environments.trajectory import Trajectory
 @dataclass(frozen=True)
 class TurnVerdict:
     graded: bool  # the reference makes calls in this turn
-    calls: bool  # the model made a call in this turn
     state: bool
     response: bool
+    calls_run: int  # the model's calls in this turn that the environment accepted (and ran)
+    calls_refused: int  # its parsed calls that the environment refused
+    unparsed: int  # its call messages that did not parse
+    reference_calls: int  # calls the reference makes in this turn
+
+    @property
+    def calls(self) -> bool:
+        """The model made a call in this turn (BFCL: an empty turn fails)."""
+        return self.made > 0
+
+    @property
+    def made(self) -> int:
+        return self.calls_run + self.calls_refused
 
     @property
     def failure(self) -> str | None:
@@ -46,14 +60,14 @@ class TurnVerdict:
 @dataclass(frozen=True)
 class Judgement:
     turns: tuple[TurnVerdict, ...]
-    calls_run: int  # calls the environment accepted (and ran)
-    calls_refused: int  # parsed calls it refused
-    unparsed: int  # call messages that did not parse
-    reference_calls: int
 
     @property
     def graded(self) -> list[TurnVerdict]:
         return [t for t in self.turns if t.graded]
+
+    @property
+    def calls_run(self) -> int:
+        return sum(t.calls_run for t in self.turns)
 
     @property
     def first_failure(self) -> tuple[int, str] | None:
@@ -75,12 +89,12 @@ def judge(trajectory: Trajectory, config: dict, reference: Sequence[Sequence[str
     model.reset(config)
     truth.reset(config)
     model_results: list[str] = []
-    verdicts, run, refused, unparsed = [], 0, 0, 0
+    verdicts = []
     for t, reference_turn in enumerate(reference):
         if t:
             model.start_turn(t)
             truth.start_turn(t)
-        called = False
+        run = refused = unparsed = 0
         for message in trajectory.turns[t] if t < len(trajectory.turns) else ():
             calls = message.calls()
             if calls is None:
@@ -88,7 +102,6 @@ def judge(trajectory: Trajectory, config: dict, reference: Sequence[Sequence[str
             if isinstance(calls, CallRefused):
                 unparsed += 1
                 continue
-            called = called or bool(calls)
             for result in model.step(calls).results:
                 model_results.append(result.output)
                 refused += result.refused
@@ -96,10 +109,11 @@ def judge(trajectory: Trajectory, config: dict, reference: Sequence[Sequence[str
         truth_results = _reference_results(truth, reference_turn, t)
         graded = bool(reference_turn)
         verdicts.append(TurnVerdict(
-            graded=graded, calls=called, state=model.matches(truth) if graded else True,
+            graded=graded, state=model.matches(truth) if graded else True,
             response=not (Counter(truth_results) - Counter(model_results)) if graded else True,
+            calls_run=run, calls_refused=refused, unparsed=unparsed, reference_calls=len(truth_results),
         ))
-    return Judgement(tuple(verdicts), run, refused, unparsed, sum(len(turn) for turn in reference))
+    return Judgement(tuple(verdicts))
 
 
 def _reference_results(truth, calls: Sequence[str], turn: int) -> list[str]:

@@ -364,6 +364,19 @@ def test_city_desk_demonstrations_are_trajectories_as_a_rollout_renders_and_judg
         assert reward(trajectory, 0, ground_truth) == 1.0
 
 
+def test_the_warm_up_questions_are_not_the_training_questions():
+    import json
+
+    from gdpo_megatron.demo.city_desk_base import make_questions
+
+    rows = [json.loads(line) for line in (ROOT / "examples" / "data" / "city_desk.jsonl").read_text().splitlines()]
+    training = {(r["messages"][-1]["content"], r["multi_turn"]["later_turns"][0][0]["content"]) for r in rows}
+    questions = make_questions(200 * 16 // 2, 1)  # the warm-up's default
+    asked = [(q["messages"][-1]["content"], q["multi_turn"]["later_turns"][0][0]["content"]) for q in questions]
+    assert len(asked) == 1600 and not training & set(asked)
+    assert {first for first, _ in training} <= {first for first, _ in asked}  # single requests do recur
+
+
 @pytest.fixture(scope="module")
 def city_desk_base_model(demo_base_model, tmp_path_factory):
     """The demo model after the city-desk warm-up (gdpo_megatron.demo.city_desk_base), built once."""

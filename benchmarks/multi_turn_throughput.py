@@ -53,7 +53,7 @@ Columns (medians over ``--runs`` runs of the per-run totals over the timed steps
 trajectories/s; model tokens/s (tokens the engine generated); model messages per trajectory;
 engine calls per step; the share of the rollout's time spent inside them (this project:
 ``continue_sequences``; TRL: vLLM's ``LLM.generate``; the rest is templating, parsing and the
-environments, this project's each in its own process); prefix cache: prompt tokens vLLM found
+environments, this project's in pooled worker processes); prefix cache: prompt tokens vLLM found
 in its prefix cache / prompt tokens of its requests (vLLM's per-request counts, whole KV-cache
 blocks: 32 tokens in this project's CPU engine, TRL's leaves vLLM's CPU default of 128).
 """
@@ -231,7 +231,7 @@ def run_project(model: str, steps: int, out: Path) -> dict:
                 seconds = time.perf_counter() - start
                 cache = engine.prefix_cache - cached
                 if step == 0:
-                    continue  # the untimed step: first requests, the environments' forkserver
+                    continue  # the untimed step: first requests, the environment workers
                 results[workload][mode].append({
                     "s": seconds, "trajectories": len(rollouts), "tokens": sum(r.model_tokens for r in rollouts),
                     "messages": sum(r.model_turns for r in rollouts), "calls": counted.calls,
@@ -239,6 +239,7 @@ def run_project(model: str, steps: int, out: Path) -> dict:
                     "hits": cache.hits, "queries": cache.queries,
                     "digests": [trajectory_digest(r) for r in rollouts]})
     finally:
+        trajectories.close()
         engine.close()
     return results
 

@@ -118,6 +118,7 @@ def evaluate_trajectories(model_dir: str | Path, samples: Sequence[Sample], rewa
     try:
         done = rollouts.roll_out(engine, kept, 1, sampling, sample_keys(kept))
     finally:
+        rollouts.close()
         engine.close()
     scores: list[dict[str, float]] = [{} for _ in done]
     if rewards:

@@ -400,7 +400,7 @@ class Trainer:
     def close(self) -> None:
         """Release whatever was built; vLLM's shutdown also ends the default process group, so it goes last."""
         self._ended.set()
-        for part in (self.reward_stage, self.logger, self.worker, self.engine):
+        for part in (self.trajectories, self.reward_stage, self.logger, self.worker, self.engine):
             if part is not None:
                 part.close()
         for s, handler in self._previous_handlers.items():

@@ -11,10 +11,13 @@ section) rolls out trajectories instead of single completions. Trajectory ``k = 
    samples the same whatever else is in the batch and however the step's prompts are split
    over data-parallel ranks;
 2. a **call** in the model's message (:func:`~gdpo_megatron.environments.calls.call_block`) is
-   parsed as data and stepped in the trajectory's environment
-   (:class:`~gdpo_megatron.environments.host.EnvironmentHost`, on the replica's leader rank);
-   the observation (the calls' results, or why the message did not parse) comes back as a
-   ``tool``-role message, and the model goes again;
+   parsed as data and stepped in the trajectory's environment (an
+   :class:`~gdpo_megatron.environments.host.EnvironmentHost` from the rollouts' pool of
+   environment workers on the replica's leader rank, kept across steps until
+   :meth:`TrajectoryRollouts.close`; every trajectory's step is sent before any answer is
+   read, so the environments of a turn step at once); the observation (the calls' results,
+   or why the message did not parse) comes back as a ``tool``-role message, and the model
+   goes again;
 3. a **plain answer** ends the user turn: the question's next user message
    (``later_turns``), with the environment's ``start_turn`` note, is fed in and the model goes
    again; after the last user turn the trajectory is done. So is a user turn in which the
@@ -50,9 +53,9 @@ from typing import Callable, Literal, Sequence
 from gdpo_megatron.config import TrainConfig
 from gdpo_megatron.data.chat import encode_prompt, render_prompt
 from gdpo_megatron.data.samples import Sample
-from gdpo_megatron.environments.calls import CallRefused
+from gdpo_megatron.environments.calls import Call, CallRefused
 from gdpo_megatron.environments.environment import ERROR_PREFIX
-from gdpo_megatron.environments.host import EnvironmentFailed, EnvironmentHost
+from gdpo_megatron.environments.host import EnvironmentFailed, EnvironmentHost, EnvironmentPool
 from gdpo_megatron.environments.registry import configured_reference
 from gdpo_megatron.environments.trajectory import Message, Trajectory
 from gdpo_megatron.rollout.engine import Completion, FinishReason, RolloutEngine, SamplingConfig
@@ -150,11 +153,17 @@ class _Trajectory:
 
 class TrajectoryRollouts:
     """Rolls out a step's trajectories through environment ``environment`` (a reference,
-    :mod:`gdpo_megatron.environments.registry`) within ``max_len`` tokens each."""
+    :mod:`gdpo_megatron.environments.registry`) within ``max_len`` tokens each. The leader's
+    environment workers (started at its first rollout) live until :meth:`close`."""
 
     def __init__(self, environment: str, step_timeout_s: float, max_steps_per_turn: int, max_len: int):
         self.environment, self.step_timeout_s = environment, step_timeout_s
         self.max_steps_per_turn, self.max_len = max_steps_per_turn, max_len
+        self._pool = EnvironmentPool(environment, step_timeout_s)
+
+    def close(self) -> None:
+        """End the environment workers (a later rollout starts new ones)."""
+        self._pool.close()
 
     @classmethod
     def for_run(cls, config: TrainConfig) -> "TrajectoryRollouts | None":
@@ -182,6 +191,9 @@ class TrajectoryRollouts:
         finish = (lambda t: self._finish(t, on_finished)) if is_leader else (lambda t: None)
         try:
             if is_leader:
+                for t, host in zip(everyone, self._pool.hosts(len(everyone))):
+                    t.host = host
+                    host.send("reset", samples[t.prompt].ground_truth["environment_config"])
                 for t in everyone:
                     self._start(t, samples[t.prompt], tokenizer, sampling.max_new_tokens)
             starts = share([(t.tokens, t.ending) for t in everyone] if is_leader else None)
@@ -193,8 +205,12 @@ class TrajectoryRollouts:
             while live:
                 completions = engine.continue_sequences(
                     [t.tokens for t in live], sampling, keys=[(*t.key, t.model_turns) for t in live])
-                nexts = share([self._advance(t, c, samples[t.prompt], tokenizer, sampling.max_new_tokens)
-                               for t, c in zip(live, completions)] if is_leader else None)
+                nexts = None
+                if is_leader:
+                    calls = [self._send_calls(t, c) for t, c in zip(live, completions)]
+                    nexts = [self._advance(t, c, call, samples[t.prompt], tokenizer, sampling.max_new_tokens)
+                             for t, c, call in zip(live, completions, calls)]
+                nexts = share(nexts)
                 for t, c, following in zip(live, completions, nexts):
                     t.spans.append(Span(list(c.token_ids), list(c.logprobs)))
                     t.tokens += c.token_ids
@@ -215,11 +231,10 @@ class TrajectoryRollouts:
     # ---- the leader's side ---------------------------------------------------------------
 
     def _start(self, t: _Trajectory, sample: Sample, tokenizer, max_new_tokens: int) -> None:
-        """Build and reset the environment, and the prompt (with the environment's note)."""
+        """The prompt (with the environment's note), once the environment's reset (sent) answers."""
         t.chat = [dict(m) for m in sample.messages]
         try:
-            t.host = EnvironmentHost(self.environment, self.step_timeout_s)
-            note = t.host.reset(sample.ground_truth["environment_config"])
+            note = t.host.receive()
         except EnvironmentFailed as e:
             t.host, t.ending, t.failure = None, "failed", str(e)
             note = ""
@@ -230,21 +245,27 @@ class TrajectoryRollouts:
             self._fail(t, f"the prompt ({len(t.tokens)} tokens) leaves no room for rollout.max_new_tokens="
                           f"{max_new_tokens} in rollout.max_model_len={self.max_len}")
 
-    def _advance(self, t: _Trajectory, completion: Completion, sample: Sample, tokenizer,
-                 max_new_tokens: int) -> list[int] | None:
-        """After the model's turn: the tokens of the messages that follow it, or None when the
-        trajectory ends here (``t.ending`` says why)."""
-        text = completion.text
-        t.messages[-1].append(text)
+    @staticmethod
+    def _send_calls(t: _Trajectory, completion: Completion) -> list[Call] | CallRefused | None:
+        """The calls of the model's message (:meth:`Message.calls`), sent to be stepped."""
+        calls = Message(completion.text).calls()
+        if calls is not None and not isinstance(calls, CallRefused):
+            t.host.send("step", calls)
+        return calls
+
+    def _advance(self, t: _Trajectory, completion: Completion, calls: list[Call] | CallRefused | None,
+                 sample: Sample, tokenizer, max_new_tokens: int) -> list[int] | None:
+        """After the model's turn and the step of its ``calls`` (sent): the tokens of the
+        messages that follow it, or None when the trajectory ends here (``t.ending`` says why)."""
+        t.messages[-1].append(completion.text)
         t.steps_in_turn += 1
-        calls = Message(text).calls()
         new: list[dict] = []
         if calls is not None:
             if isinstance(calls, CallRefused):
                 observation = f"{ERROR_PREFIX}{calls}"
             else:
                 try:
-                    result = t.host.step(calls)
+                    result = t.host.receive()
                 except EnvironmentFailed as e:
                     return self._fail(t, str(e))
                 if result.done:

@@ -1,5 +1,6 @@
-"""The environment seam: a user's environment named in the config, run in its own process where
-a raise or a step past the time limit fails the trajectory, never the caller."""
+"""The environment seam: a user's environment named in the config, run in a pooled worker process
+where a raise or a step past the time limit fails the trajectory (and the worker), never the
+caller, and a reused worker shows a trajectory nothing of the one before it."""
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ import pytest
 from gdpo_megatron.config import ConfigError, EnvironmentConfig, TrainConfig, load_config
 from gdpo_megatron.environments import (Call, Trajectory, configured_reference, environment_class,
                                         environment_reference, parse_calls)
-from gdpo_megatron.environments.host import EnvironmentFailed, EnvironmentHost
+from gdpo_megatron.environments.host import EnvironmentFailed, EnvironmentHost, EnvironmentPool
 from gdpo_megatron.environments.judge import judge
 from gdpo_megatron.errors import InputError
 from gdpo_megatron.preflight.validation import check_environment
@@ -63,9 +64,22 @@ def broken(tmp_path):
     return environment_reference("Broken", str(path))
 
 
+def _pid(host: EnvironmentHost) -> int:
+    return host._worker.process.pid
+
+
+def _ended(pid: int) -> bool:
+    """Gone, or a zombie nobody reaps (its parent is gone too)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 def test_a_users_environment_steps_in_its_own_process():
-    with EnvironmentHost(SHOPPING, step_timeout_s=30) as host:
+    with EnvironmentPool(SHOPPING, step_timeout_s=30) as pool, pool.host() as host:
         assert host.reset({"items": {"milk": 1}}) == ""
+        assert _pid(host) != os.getpid()
         assert [tool["name"] for tool in host.tools()] == ["add_item", "remove_item", "show_list"]
         result = host.step(parse_calls("[add_item(item='eggs', count=6), remove_item('bread'), add_item(count=2)]"))
     outputs = [r.output for r in result.results]
@@ -75,18 +89,40 @@ def test_a_users_environment_steps_in_its_own_process():
     assert result.observation == "\n".join(outputs) and not result.done
 
 
-def test_rewards_replay_a_users_environment():
-    trajectory = Trajectory.from_texts(SHOPPING, [["[add_item(item='eggs', count=6)]", "Added."],
-                                                  ["[add_item(item='tea')]"]])
-    judgement = judge(trajectory, {"items": {}}, [["add_item(item='eggs', count=6)"], ["add_item(item='tea')"]])
-    assert judgement.valid and judgement.calls_run == 2
-    judgement = judge(trajectory, {"items": {}},
-                      [["add_item(item='eggs', count=6)"], ["add_item(item='tea', count=2)"]])
-    assert judgement.first_failure == (1, "state")
+def test_requests_to_many_environments_are_sent_before_any_answer_is_read():
+    with EnvironmentPool(SHOPPING, step_timeout_s=30) as pool:
+        hosts = pool.hosts(3)
+        assert len({_pid(h) for h in hosts}) == 3  # a worker each
+        for n, host in enumerate(hosts):
+            host.send("reset", {"items": {"milk": n}})
+            host.send("step", parse_calls(f"[add_item(item='tea', count={n + 1})]"))
+        observations = [host.receive().observation for host in reversed(hosts)]
+        assert observations == [f'{{"items": {{"milk": {n}, "tea": {n + 1}}}}}' for n in (2, 1, 0)]
+
+
+def test_a_worker_serves_the_next_trajectory_with_a_new_environment(broken):
+    with EnvironmentPool(broken, step_timeout_s=30) as pool:
+        first = pool.host()
+        first.reset({})
+        first.start_turn(1)  # its object's tools() cannot be sent back from now on
+        pid = _pid(first)
+        first.close()
+        second = pool.host()
+        assert _pid(second) == pid and pool.workers == 1  # the same process
+        assert second.reset({}) == "ready"
+        assert [t["name"] for t in second.tools()] == ["spin", "die", "nap", "fail"]  # nothing of the first's
+        second.close()
+    with EnvironmentPool(SHOPPING, step_timeout_s=30) as pool:  # the state a call leaves goes with it too
+        with pool.host() as host:
+            host.reset({"items": {"milk": 1}})
+            host.step(parse_calls("[add_item(item='eggs')]"))
+        with pool.host() as host:
+            host.reset({})
+            assert pool.workers == 1 and host.step([Call("show_list")]).observation == '{"items": {}}'
 
 
 def test_a_call_that_raises_is_an_error_result_the_trajectory_goes_on(broken):
-    with EnvironmentHost(broken, step_timeout_s=30) as host:
+    with EnvironmentPool(broken, step_timeout_s=30) as pool, pool.host() as host:
         assert host.reset({}) == "ready"
         (result,) = host.step([Call("fail")]).results
         assert result.error and result.output == "Error during execution: this call always fails"
@@ -99,81 +135,105 @@ def test_a_call_that_raises_is_an_error_result_the_trajectory_goes_on(broken):
     (lambda host: (host.start_turn(1), host.tools()), "the result of tools cannot be sent back"),
 ])
 def test_an_environment_that_fails_fails_the_trajectory(broken, request_, why):
-    host = EnvironmentHost(broken, step_timeout_s=30)
-    if "reset" not in why:
-        host.reset({})
-    with pytest.raises(EnvironmentFailed, match=why):
-        request_(host)
-    assert host._process is None  # closed: nothing of it is left running
-    with pytest.raises(EnvironmentFailed, match="is closed"):
-        host.tools()
+    with EnvironmentPool(broken, step_timeout_s=30) as pool:
+        host = pool.host()
+        pid = _pid(host)
+        if "reset" not in why:
+            host.reset({})
+        with pytest.raises(EnvironmentFailed, match=why):
+            request_(host)
+        assert host._worker is None and pool.workers == 0 and _ended(pid)  # killed: nothing of it is left
+        with pytest.raises(EnvironmentFailed, match="is closed"):
+            host.tools()
+        with pool.host() as next_one:  # the pool starts another worker
+            assert _pid(next_one) != pid and next_one.reset({}) == "ready"
 
 
 def test_an_environment_that_cannot_be_built_fails_the_trajectory(broken):
-    with pytest.raises(EnvironmentFailed, match=r"building environment .*defines no class 'Nope' \(environment "
-                                                r"classes there: Broken\)"):
-        EnvironmentHost(broken.replace(":Broken", ":Nope"), step_timeout_s=30)
+    with EnvironmentPool(broken.replace(":Broken", ":Nope"), step_timeout_s=30) as pool:
+        host = pool.host()
+        with pytest.raises(EnvironmentFailed, match=r"building environment .*defines no class 'Nope' \(environment "
+                                                    r"classes there: Broken\)"):
+            host.reset({})
+        assert pool.workers == 0
 
 
-def test_a_step_past_its_time_limit_is_killed(broken):
-    host = EnvironmentHost(broken, step_timeout_s=1.0)
-    host.reset({})
-    pid = host._process.pid
-    start = time.monotonic()
-    with pytest.raises(EnvironmentFailed, match="step ran past the time limit of 1 s"):
-        host.step([Call("spin")])
-    assert time.monotonic() - start < 30
-    assert host._process is None
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)  # killed and reaped
+def test_a_step_past_its_time_limit_is_killed_and_its_worker_replaced(broken):
+    with EnvironmentPool(broken, step_timeout_s=1.0) as pool:
+        stuck, other = pool.hosts(2)
+        stuck.reset({})
+        other.reset({})
+        pid = _pid(stuck)
+        start = time.monotonic()
+        with pytest.raises(EnvironmentFailed, match="step ran past the time limit of 1 s"):
+            stuck.step([Call("spin")])
+        assert time.monotonic() - start < 30
+        assert stuck._worker is None and _ended(pid)  # killed and reaped
+        assert other.step([Call("fail")]).results[0].error  # the other trajectory goes on
+        other.close()
+        fresh = pool.hosts(2)
+        assert pool.workers == 2 and pid not in {_pid(h) for h in fresh}
+        assert [h.reset({}) for h in fresh] == ["ready", "ready"]
 
 
-# A rank that holds a host, killed while its request runs (a lost peer's os._exit, NCCL's
+def test_closing_the_pool_ends_every_worker(broken):
+    pool = EnvironmentPool(broken, step_timeout_s=30)
+    idle, held, busy = pool.hosts(3)
+    for host in (idle, held, busy):
+        host.reset({})
+    pids = [_pid(h) for h in (idle, held, busy)]
+    idle.close()
+    busy.send("step", [Call("nap")])
+    busy.close()  # a request unanswered: the worker is killed, not reused
+    assert _ended(pids[2]) and pool.workers == 2
+    pool.close()
+    assert pool.workers == 0 and all(_ended(pid) for pid in pids)
+    with pytest.raises(EnvironmentFailed):
+        held.tools()
+
+
+# A rank that holds a pool, killed while its request runs (a lost peer's os._exit, NCCL's
 # SIGABRT and the OOM killer end it just as abruptly: no clean-up of its own).
 KILLED_HOLDER = """
 import os, signal, sys
 from gdpo_megatron.environments import Call
-from gdpo_megatron.environments.host import EnvironmentHost
+from gdpo_megatron.environments.host import EnvironmentPool
 
 if __name__ == "__main__":
-    host = EnvironmentHost(sys.argv[1], step_timeout_s=30)
+    pool = EnvironmentPool(sys.argv[1], step_timeout_s=30)
+    idle, host = pool.hosts(2)
+    idle.reset({})
+    idle.close()
     host.reset({})
-    host._conn.send(("step", ([Call(sys.argv[2])],)))
-    print(host._process.pid, flush=True)
+    host.send("step", [Call(sys.argv[2])])
+    print(idle._pool._idle[0].process.pid, host._worker.process.pid, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def _ended(pid: int) -> bool:
-    """Gone, or a zombie nobody reaps (its parent is gone too)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 @pytest.mark.parametrize("call", ["nap", "spin"])
 def test_an_environment_ends_quietly_with_the_process_that_holds_it(broken, tmp_path, call):
-    """The holder dies while its environment runs a call, one that returns or one stuck in a
-    loop: the environment's process ends at once, without a word."""
+    """The holder dies while an environment runs a call, one that returns or one stuck in a
+    loop, and another worker waits idle: both workers end at once, without a word."""
     script = tmp_path / "holder.py"
     script.write_text(KILLED_HOLDER)
     holder = subprocess.Popen([sys.executable, str(script), broken, call], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    child = None
+    workers = []
     try:
-        child = int(holder.stdout.readline())
+        workers = [int(pid) for pid in holder.stdout.readline().split()]
         assert holder.wait(timeout=60) == -9
         deadline = time.monotonic() + 30
-        while not _ended(child) and time.monotonic() < deadline:
+        while not all(_ended(pid) for pid in workers) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _ended(child)
-        # Read to the end: every process that shares the holder's stderr (forkserver, child) has exited.
+        assert len(workers) == 2 and all(_ended(pid) for pid in workers)
+        # Read to the end: every process that shares the holder's stderr (forkserver, workers) has exited.
         _, err = holder.communicate(timeout=30)
     finally:
         holder.kill()
-        if child is not None and not _ended(child):
-            os.kill(child, signal.SIGKILL)
+        for pid in workers:
+            if not _ended(pid):
+                os.kill(pid, signal.SIGKILL)
     assert err == ""
 
 

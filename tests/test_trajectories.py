@@ -179,8 +179,11 @@ def _roll_out_scripted(environment, config, script, later_turns):
     sample = Sample("q", "multi_turn", [{"role": "user", "content": "Go."}],
                     {"environment_config": config, "later_turns": later_turns})
     policy = ScriptedPolicy(script)
-    rollouts = TrajectoryRollouts(environment, 30.0, 4, 4096).roll_out(
-        policy, [sample], len(script), SamplingConfig(max_new_tokens=64), [0])
+    trajectories = TrajectoryRollouts(environment, 30.0, 4, 4096)
+    try:
+        rollouts = trajectories.roll_out(policy, [sample], len(script), SamplingConfig(max_new_tokens=64), [0])
+    finally:
+        trajectories.close()
     return rollouts, policy.tokenizer
 
 

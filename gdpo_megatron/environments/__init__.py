@@ -3,9 +3,10 @@
 :mod:`.environment` is the interface (reset from a question's config, step on parsed calls,
 state), :mod:`.calls` parses a model's calls as data, :mod:`.bfcl` puts BFCL's multi-turn
 backends behind the interface, :mod:`.registry` resolves built-in and user environments,
-:mod:`.host` runs one trajectory's environment in its own process with a time limit per step,
-:mod:`.trajectory` is what the multi-turn rewards receive and :mod:`.judge` replays it
-against a question's reference calls as BFCL's checker does.
+:mod:`.host` runs trajectories' environments in a pool of worker processes (one trajectory
+at a time each) with a time limit per request, :mod:`.trajectory` is what the multi-turn
+rewards receive and :mod:`.judge` replays it against a question's reference calls as BFCL's
+checker does.
 """
 from gdpo_megatron.environments.calls import Call, CallRefused, call_block, parse_calls
 from gdpo_megatron.environments.environment import CallResult, Environment, StepResult

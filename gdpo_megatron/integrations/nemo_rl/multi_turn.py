@@ -16,8 +16,11 @@ observation would reach ``policy.max_total_sequence_length``, or after
 (:mod:`gdpo_megatron.trajectories`):
 
 * its first step starts the episode: the configured environment (BFCL's, or a user's class in a
-  file) in an :class:`~gdpo_megatron.environments.host.EnvironmentHost`, reset with the
-  ground truth's ``environment_config``; the returned metadata carries the episode's id;
+  file) in an :class:`~gdpo_megatron.environments.host.EnvironmentHost` from the actor's pool
+  of environment workers (kept until :meth:`MultiTurnEnvironment.shutdown`), reset with the
+  ground truth's ``environment_config``; the returned metadata carries the episode's id. A
+  step sends every episode's request before it reads any answer, so the environments step at
+  once;
 * each step takes the model's last message: a call attempt is parsed as data and stepped in the
   environment, its observation a ``tool`` message; a plain answer ends the user turn and the
   question's next user message follows (with the environment's ``start_turn`` note), after the
@@ -61,7 +64,7 @@ default the multi-turn rewards, and ``tokenizer``) plus::
 
 Each sample's ``extra_env_info`` is ``{"ground_truth", "messages"}``, as
 :func:`~gdpo_megatron.integrations.nemo_rl.multi_turn_prompt_processor` builds it. Episodes
-NeMo-RL stops without this environment ending them keep their environment's process until
+NeMo-RL stops without this environment ending them keep their environment's worker until
 :meth:`MultiTurnEnvironment.shutdown`; ``multi_turn/open_episodes`` counts them.
 """
 from __future__ import annotations
@@ -77,9 +80,9 @@ import torch
 from gdpo_megatron.config.environment import EnvironmentConfig
 from gdpo_megatron.config.loader import ConfigError, from_dict, require, section
 from gdpo_megatron.data.chat import encode_prompt
-from gdpo_megatron.environments.calls import CallRefused
+from gdpo_megatron.environments.calls import Call, CallRefused
 from gdpo_megatron.environments.environment import ERROR_PREFIX
-from gdpo_megatron.environments.host import EnvironmentFailed, EnvironmentHost
+from gdpo_megatron.environments.host import EnvironmentFailed, EnvironmentHost, EnvironmentPool
 from gdpo_megatron.environments.registry import environment_reference
 from gdpo_megatron.environments.trajectory import Message, Trajectory
 from gdpo_megatron.integrations.nemo_rl.environment import (CONFIG_PATH, EnvironmentReturn, ScoringEnvironment,
@@ -148,6 +151,7 @@ class MultiTurnEnvironment(ScoringEnvironment):
                               "model's messages (NeMo-RL's stop_token_ids default)")
         self._episodes: dict[str, _Episode] = {}
         self._endings: Counter = Counter()  # since take_metrics
+        self._pool = EnvironmentPool(self.environment, self.config.environment.step_timeout_s)
 
     def step(self, message_log_batch: Sequence[Sequence[Mapping]], metadata: Sequence[Mapping]) -> EnvironmentReturn:
         """Advance each sample's episode by the model's last message (see the module docstring)."""
@@ -155,19 +159,23 @@ class MultiTurnEnvironment(ScoringEnvironment):
             raise ValueError(f"step: {len(message_log_batch)} message logs but {len(metadata)} metadata entries")
         texts = [_last_model_message(log, i) for i, log in enumerate(message_log_batch)]
         infos = [_episode_info(m, i) for i, m in enumerate(metadata)]
+        keys = [info.get(EPISODE) or uuid.uuid4().hex for info in infos]
+        starting = [(key, info) for key, info in zip(keys, infos) if info.get(EPISODE) is None]
+        for (key, info), host in zip(starting, self._pool.hosts(len(starting))):
+            host.send("reset", info["ground_truth"]["environment_config"])
+            self._episodes[key] = self._start(info, host)
+        for key, _ in starting:
+            self._reset(self._episodes[key])
+        episodes = [self._episodes.get(key) for key in keys]
+        calls = [self._send_calls(e, text) if e is not None else None for e, text in zip(episodes, texts)]
         observations, returned, ended = [], [], []
-        for i, (text, info) in enumerate(zip(texts, infos)):
-            key = info.get(EPISODE)
-            if key is None:
-                key = uuid.uuid4().hex
-                self._episodes[key] = self._start(info)
-            episode = self._episodes.get(key)
+        for i, (key, episode, text, call, info) in enumerate(zip(keys, episodes, texts, calls, infos)):
             if episode is None:
                 episode = _Episode(None, [], [], 0, ending="failed",
                                    failure=f"episode {key} is not held by this environment (its actor restarted?)")
                 following = None
             else:
-                following = self._advance(episode, text)
+                following = self._advance(episode, text, call)
             observations.append({"role": "tool", "content": following or ""})
             returned.append({**info, EPISODE: key})
             if following is None:
@@ -207,41 +215,53 @@ class MultiTurnEnvironment(ScoringEnvironment):
         for episode in self._episodes.values():
             self._close(episode)
         self._episodes.clear()
+        self._pool.close()
         super().shutdown()
 
     # ---- one episode ---------------------------------------------------------------------
 
-    def _start(self, info: Mapping) -> _Episode:
+    def _start(self, info: Mapping, host: EnvironmentHost) -> _Episode:
+        """The episode of ``info``, its environment's reset sent to ``host``."""
         truth, chat = info["ground_truth"], [dict(m) for m in info["messages"]]
-        episode = _Episode(None, chat, list(truth.get("later_turns") or []), len(encode_prompt(self._tokenizer, chat)))
+        return _Episode(host, chat, list(truth.get("later_turns") or []), len(encode_prompt(self._tokenizer, chat)))
+
+    def _reset(self, episode: _Episode) -> None:
+        """Read the answer to the episode's reset."""
         try:
-            episode.host = EnvironmentHost(self.environment, self.config.environment.step_timeout_s)
-            note = episode.host.reset(truth["environment_config"])
+            note = episode.host.receive()
         except EnvironmentFailed as e:
             self._fail(episode, str(e))
-            return episode
+            return
         if note:
             self._fail(episode, f"environment {self.environment!r}: reset returned an opening note, which NeMo-RL "
                                 "cannot show (its prompt is built before the episode starts)")
-        return episode
 
-    def _advance(self, e: _Episode, text: str) -> str | None:
-        """The observation that follows the model's message ``text``, or None when the episode
-        ends here (``e.ending`` says why)."""
+    @staticmethod
+    def _send_calls(e: _Episode, text: str) -> list[Call] | CallRefused | None:
+        """The calls of the model's message ``text`` (:meth:`Message.calls`), sent to be stepped."""
+        if e.ending is not None:  # failed at its start
+            return None
+        calls = Message(text).calls()
+        if calls is not None and not isinstance(calls, CallRefused):
+            e.host.send("step", calls)
+        return calls
+
+    def _advance(self, e: _Episode, text: str, calls: list[Call] | CallRefused | None) -> str | None:
+        """The observation that follows the model's message ``text`` and the step of its
+        ``calls`` (sent), or None when the episode ends here (``e.ending`` says why)."""
         if e.ending is not None:  # failed at its start
             return None
         e.messages[-1].append(text)
         e.steps += 1
         e.steps_in_turn += 1
         e.tokens += len(self._tokenizer(text, add_special_tokens=False)["input_ids"]) + 1  # and its EOS
-        calls = Message(text).calls()
         new: list[dict] = []
         if calls is not None:
             if isinstance(calls, CallRefused):
                 observation = f"{ERROR_PREFIX}{calls}"
             else:
                 try:
-                    observation = e.host.step(calls).observation
+                    observation = e.host.receive().observation
                 except EnvironmentFailed as error:
                     return self._fail(e, str(error))
             new.append({"role": "tool", "content": observation})

@@ -4,9 +4,10 @@ as BFCL's ``multi_turn_checker`` judges it and scored by the multi-turn rewards.
 Each question is rolled out once through its environment by the rollouts training uses
 (:class:`~gdpo_megatron.trajectories.TrajectoryRollouts`: every question of the evaluation
 advancing together, turn by turn, through the rollout engine :mod:`gdpo_megatron.evaluate`
-builds), sampled as ``sampling`` says. Questions whose prompt leaves no room for
-``max_new_tokens`` in the context are skipped and counted, never cut; a trajectory that reaches
-the context ends there and is judged on what it did. The engine's KV cache is ``kv_cache_gib``
+builds), sampled as ``sampling`` says, each question seeded by its id (:func:`sample_keys`), so
+that it samples the same whichever questions are evaluated with it. Questions whose prompt
+leaves no room for ``max_new_tokens`` in the context are skipped and counted, never cut; a
+trajectory that reaches the context ends there and is judged on what it did. The engine's KV cache is ``kv_cache_gib``
 where given, else (on the CPU) every trajectory at once, each up to the whole context.
 
 The verdict of a question (:func:`verdict`) reads :func:`~gdpo_megatron.environments.judge.judge`,
@@ -24,7 +25,7 @@ Metrics, per category (a sample's ``category``, where it has one) and ``overall`
 """
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
@@ -35,11 +36,10 @@ from gdpo_megatron.config.rewards import RewardSpec
 from gdpo_megatron.data.chat import encode_prompt
 from gdpo_megatron.data.samples import Sample
 from gdpo_megatron.device import Machine
-from gdpo_megatron.environments.calls import CallRefused, parse_calls
-from gdpo_megatron.environments.judge import judge
+from gdpo_megatron.environments.judge import ReferenceRefused, check_reference, judge
 from gdpo_megatron.environments.trajectory import Trajectory
 from gdpo_megatron.evaluate import engine_section, fits
-from gdpo_megatron.rollout.engine import SamplingConfig
+from gdpo_megatron.rollout.engine import SamplingConfig, derive_seed
 from gdpo_megatron.trajectories import TrajectoryRollout, TrajectoryRollouts, trajectory_metrics
 
 OVERALL = "overall"
@@ -64,17 +64,26 @@ def verdict(trajectory: Trajectory, ground_truth: dict) -> Verdict:
     return Verdict(judgement.valid, failure and failure[1], failure and failure[0])
 
 
-def check_reference_calls(samples: Sequence[Sample]) -> None:
-    """ValueError naming the first question whose reference calls do not parse (its verdict could
-    not be judged)."""
+def check_reference_calls(samples: Sequence[Sample], environment: str) -> None:
+    """ValueError naming the first question whose reference calls cannot be replayed in a fresh
+    ``environment`` (its verdict could not be judged): one that does not parse or is refused."""
     for sample in samples:
-        for turn, calls in enumerate(sample.ground_truth["reference_calls"]):
-            for text in calls:
-                try:
-                    parse_calls(text)
-                except CallRefused as e:
-                    raise ValueError(f"{sample.id}: reference call {text!r} of turn {turn} does not parse ({e})") \
-                        from None
+        try:
+            check_reference(environment, sample.ground_truth["environment_config"],
+                            sample.ground_truth["reference_calls"])
+        except ReferenceRefused as e:
+            raise ValueError(f"{sample.id}: {e}") from None
+
+
+def sample_keys(samples: Sequence[Sample]) -> list[int]:
+    """What seeds each question's sampling: its id (and how many questions before it share the
+    id), so that its trajectory does not change with ``--limit`` or the categories chosen."""
+    seen: Counter[str] = Counter()
+    keys = []
+    for sample in samples:
+        keys.append(derive_seed("eval", sample.id, seen[sample.id]))
+        seen[sample.id] += 1
+    return keys
 
 
 def evaluate_trajectories(model_dir: str | Path, samples: Sequence[Sample], rewards: Sequence[RewardSpec], *,
@@ -107,7 +116,7 @@ def evaluate_trajectories(model_dir: str | Path, samples: Sequence[Sample], rewa
                                   environment_config.max_steps_per_turn, max_model_len)
     engine = build_engine(rollout, str(model_dir), machine)
     try:
-        done = rollouts.roll_out(engine, kept, 1, sampling, list(range(len(kept))))
+        done = rollouts.roll_out(engine, kept, 1, sampling, sample_keys(kept))
     finally:
         rollouts.close()
         engine.close()

@@ -22,6 +22,8 @@ section) rolls out trajectories instead of single completions. Trajectory ``k = 
    (``later_turns``), with the environment's ``start_turn`` note, is fed in and the model goes
    again; after the last user turn the trajectory is done. So is a user turn in which the
    model sent ``environment.max_steps_per_turn`` messages (the last one's calls still run).
+   A step after which the environment is ``done`` (a game that ended) ends the trajectory
+   there, as an answer to the last user turn would.
 
 Messages come as tokens under the model's chat template: what follows the model's sampled
 tokens is the difference between the template's rendering of the chat with and without the
@@ -263,9 +265,13 @@ class TrajectoryRollouts:
                 observation = f"{ERROR_PREFIX}{calls}"
             else:
                 try:
-                    observation = t.host.receive().observation
+                    result = t.host.receive()
                 except EnvironmentFailed as e:
                     return self._fail(t, str(e))
+                if result.done:
+                    t.ending = "answered"
+                    return None
+                observation = result.observation
             new.append({"role": "tool", "content": observation})
         if calls is None or t.steps_in_turn >= self.max_steps_per_turn:
             later = sample.ground_truth.get("later_turns") or []

@@ -18,7 +18,7 @@ from gdpo_megatron.data.bfcl_multi_turn import (
     CATEGORIES, bfcl_multi_turn_rows, load_bfcl_multi_turn, split_of,
 )
 from gdpo_megatron.environments import Trajectory, parse_calls
-from gdpo_megatron.environments.bfcl import reference_problem
+from gdpo_megatron.environments.judge import ReferenceRefused, check_reference
 from gdpo_megatron.evaluate_multi_turn import verdict
 from gdpo_megatron.rewards import RewardStage, get_reward
 
@@ -77,16 +77,23 @@ def perturbations(reference, n):
     return out
 
 
+def unfit(row) -> bool:
+    """The question's reference calls cannot be replayed (one is refused)."""
+    try:
+        check_reference("bfcl", row["multi_turn"]["environment_config"], row["multi_turn"]["reference_calls"])
+    except ReferenceRefused:
+        return True
+    return False
+
+
 @pytest.fixture(scope="module")
 def rows():
     return {category: bfcl_multi_turn_rows([category]) for category in CATEGORIES}
 
 
 def test_the_reference_calls_that_do_not_fit_their_question_are_known(rows):
-    unfit = {row["id"] for category in CATEGORIES for row in rows[category]
-             if reference_problem(row["multi_turn"]["environment_config"], row["multi_turn"]["reference_calls"])}
     # close_ticket(ticket_id='ticket_001') where the schema says integer; tail before its miss_func turn
-    assert unfit == {f"multi_turn_{c}_173" for c in CATEGORIES} | {"multi_turn_miss_func_49"}
+    assert {row["id"] for category in CATEGORIES for row in rows[category] if unfit(row)} == {f"multi_turn_{c}_173" for c in CATEGORIES} | {"multi_turn_miss_func_49"}
 
 
 def test_verdicts_agree_with_bfcls_checker(rows):
@@ -96,7 +103,7 @@ def test_verdicts_agree_with_bfcls_checker(rows):
     for category in CATEGORIES:
         for n, row in enumerate(rows[category]):
             reference = row["multi_turn"]["reference_calls"]
-            if reference_problem(row["multi_turn"]["environment_config"], reference):
+            if unfit(row):
                 continue
             variants = {"reference": reference}
             if category == "base":
@@ -110,6 +117,34 @@ def test_verdicts_agree_with_bfcls_checker(rows):
                     invalid[ours[1]] += 1
     assert checked > 795 + 3 * 199
     assert all(count > 20 for count in invalid.values()), invalid  # every kind of failure was exercised
+
+
+REWARDS = ["multi_turn_format", "multi_turn_state", "multi_turn_response", "multi_turn_accuracy",
+           "multi_turn_efficiency"]
+
+
+def test_never_calling_or_stopping_early_is_paid_nothing_for_the_turns_left(rows):
+    """Attacks on the turn structure, over the first 40 base questions: a policy that answers every
+    turn in prose, or that makes exactly the reference calls of the first ``k`` turns and then
+    stops (its token budget ended the trajectory), is paid on no reward for a turn it left
+    empty. BFCL's checker fails the same turn as empty; each reward is the share of the graded
+    turns before it (every base turn is graded), accuracy 0."""
+    checked = 0
+    for row in rows["base"][:40]:
+        truth, reference = row["multi_turn"], row["multi_turn"]["reference_calls"]
+        assert all(reference)  # every turn graded
+        n = len(reference)
+        prose = Trajectory.from_texts("bfcl", [["Done, nothing to do."]] * n)
+        assert multi_turn_verdict(as_steps([[]] * n), row) == (False, "empty", 0)
+        assert [get_reward(name)(prose, 0, truth) for name in REWARDS] == [0.0] * 5, row["id"]
+        for k in range(1, n):
+            stopped = Trajectory.from_calls("bfcl", as_steps(reference[:k]))
+            assert len(stopped.turns) == k
+            assert multi_turn_verdict(as_steps(reference[:k]) + [[]] * (n - k), row) == (False, "empty", k)
+            assert [get_reward(name)(stopped, 0, truth) for name in REWARDS] == pytest.approx(
+                [k / n, k / n, k / n, 0.0, k / n]), (row["id"], k)
+            checked += 1
+    assert checked > 80
 
 
 def test_multi_turn_rewards_through_the_reward_stage(rows):
@@ -128,14 +163,14 @@ def test_multi_turn_rewards_through_the_reward_stage(rows):
         ["[tail(file_name='log.txt',lines=20), ls()]"],
     ])
     failed = Trajectory("bfcl", exact.turns, failure="step ran past the time limit")
-    names = ["multi_turn_format", "multi_turn_state", "multi_turn_response", "multi_turn_accuracy",
-             "multi_turn_efficiency"]
+    names = REWARDS
     with RewardStage([RewardSpec(name) for name in names], num_workers=1) as stage:
         rewards, metrics = stage.score([exact, sloppy, failed], [0, 0, 0], [truth] * 3)
     assert rewards[0].tolist() == [1.0] * 5
-    # 6 calls ran, 1 message refused: 6/7; state right only after turn 0: 1/4; response as well;
-    # 6 reference calls for 6 made
-    assert rewards[1].tolist() == pytest.approx([6 / 7, 1 / 4, 1 / 4, 0.0, 1.0])
+    # format per turn: 1 of 2 attempts accepted in turn 0 (one message does not parse), all
+    # accepted after; state right only after turn 0: 1/4; response as well; efficiency per turn:
+    # reference calls over made 1/1, 2/1 (capped), 2/2, 1/2
+    assert rewards[1].tolist() == pytest.approx([(1 / 2 + 1 + 1 + 1) / 4, 1 / 4, 1 / 4, 0.0, (1 + 1 + 1 + 1 / 2) / 4])
     assert rewards[2].tolist() == [0.0] * 5
     assert all(metrics[f"reward/{name}/failures"] == 1.0 for name in names)
 
@@ -179,13 +214,14 @@ def test_efficiency_counts_only_where_the_state_is_right(rows):
     ]
     names = ["multi_turn_state", "multi_turn_efficiency"]
     rewards = torch.tensor([[get_reward(n)(t, 0, row["multi_turn"]) for n in names] for t in group])
-    # state: right after every turn, or only after the first; efficiency: 6 reference calls over
-    # 6, 7, 5 and 1 made, capped at 1
-    assert rewards.flatten().tolist() == pytest.approx([1, 1, 1, 6 / 7, 1 / 4, 1, 1 / 4, 1])
+    # state: right after every turn, or only after the first (the turns never reached are empty);
+    # efficiency per turn (reference calls over made, capped at 1; 0 for a turn without calls):
+    # exact; 1/2 in turn 0; 2/1 capped in turn 1; only turn 0
+    assert rewards.flatten().tolist() == pytest.approx([1, 1, 1, (1 / 2 + 3) / 4, 1 / 4, 1, 1 / 4, 1 / 4])
     conditions = conditions_by_column([ConditionConfig(reward="multi_turn_efficiency", gate="multi_turn_state")],
                                       names)
     gated = compute_advantages(rewards, torch.zeros(4, dtype=torch.long), conditions=conditions)
-    assert gated.rewards[:, 1].tolist() == pytest.approx([1, 6 / 7, 0, 0])
+    assert gated.rewards[:, 1].tolist() == pytest.approx([1, (1 / 2 + 3) / 4, 0, 0])
     by_hand = rewards.clone()
     by_hand[2:, 1] = 0.0
     assert torch.equal(gated.advantages, compute_advantages(by_hand, torch.zeros(4, dtype=torch.long)).advantages)

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from gdpo_megatron.environments import Call, CallRefused, call_block, parse_calls
+from gdpo_megatron.environments import Call, CallRefused, Message, call_block, parse_calls
 from gdpo_megatron.environments.bfcl import BACKENDS, CLASSES, BFCLEnvironment, function_docs
 from gdpo_megatron.environments.calls import MAX_CALL_TEXT
 from gdpo_megatron.environments.environment import bind_arguments
@@ -41,6 +41,13 @@ def test_call_block_tells_call_attempts_from_plain_answers():
     assert call_block("cd(folder=open('x').read())") is None  # not calls as it stands: prose, nothing runs
     assert call_block("[broken(") == "[broken("  # an attempt, which then fails to parse
 
+
+@pytest.mark.parametrize("message", ["[]", " [ ] ", "```python\n[]\n```", "[  # " + "lorem " * 300 + "\n]",
+                                     "<tool_call>[]</tool_call>", "<think>no</think><tool_call> [ ] </tool_call>"])
+def test_a_block_without_a_call_is_a_plain_answer(message):
+    """A block that parses to no call at all is a plain answer (BFCL ends a turn on an empty
+    response), not a step that runs nothing and lets the model go again."""
+    assert call_block(message) is None and Message(message).calls() is None
 
 
 def test_json_tool_calls_in_tags_are_calls_too():

@@ -46,6 +46,19 @@ def test_a_command_line_that_does_not_fit_is_named(arguments, message, capsys):
     assert line.startswith(f"error: {message}"), line
 
 
+def test_each_question_is_evaluated_once_and_seeded_by_its_id():
+    from gdpo_megatron.data.samples import Sample
+    from gdpo_megatron.evaluate_multi_turn import sample_keys
+
+    assert parse(["--model", "m", "--bfcl-multi-turn", "base", "miss_func", "base"]).bfcl_multi_turn == [
+        "base", "miss_func"]
+    a, b, c = (Sample(name, "multi_turn", [], {}) for name in "abc")
+    # a question's key is its id's, wherever it stands among the questions evaluated
+    assert sample_keys([a, b, c])[1:] == sample_keys([b, c]) and sample_keys([c, b]) == sample_keys([b, c])[::-1]
+    keys = sample_keys([a, b, a])
+    assert keys[0] == sample_keys([a])[0] and len(set(keys)) == 3  # a repeated id still seeds its own
+
+
 def test_a_multi_turn_family_takes_its_environment_from_the_family_or_the_options():
     def section(*arguments):
         args = parse(["--model", "m", "--data", str(CITY_DESK_DATA), *arguments])
@@ -88,6 +101,23 @@ def test_a_question_the_model_cannot_take_is_named_before_the_engine_starts(tmp_
     (line,) = _errors(capsys)
     assert line.startswith("error: --data: desk-0: reference call \"get_weather(city=open('x').read())\" of turn 0 "
                            "does not parse ("), line
+    # one that parses but that the environment refuses, replayed in a fresh environment: in a later
+    # turn, the questions before it fine
+    rows = [_city_desk_row(0, "Weather?", [["get_weather(city='Seoul')"]], []),
+            _city_desk_row(1, "Weather?", [["get_weather(city='Seoul')"], ["get_wether(city='Oslo')"]], ["Oslo?"])]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert main(["--model", model, "--data", str(data), "--family", "multi_turn", "--environment", "CityDesk",
+                 "--environment-file", str(CITY_DESK)]) == 2
+    assert _errors(capsys) == ["error: --data: desk-1: reference call \"get_wether(city='Oslo')\" of turn 1 is "
+                               "refused ('get_wether' is not an available function)"]
+    # the environment options are named as given on the command line
+    missing = tmp_path / "nope.py"
+    assert main(["--model", model, "--data", str(data), "--family", "multi_turn", "--environment", "CityDesk",
+                 "--environment-file", str(missing)]) == 2
+    assert _errors(capsys) == [f"error: --environment-file: {missing} does not exist (expected a file)"]
+    assert main(["--model", model, "--data", str(data), "--family", "multi_turn", "--environment", "Nope"]) == 2
+    (line,) = _errors(capsys)
+    assert line.startswith("error: --environment: ValueError: environment 'Nope': expected a built-in"), line
 
 
 def _system_prompt(row) -> dict:

@@ -251,8 +251,11 @@ def test_city_desk_episodes_end_with_the_projects_own_rewards(city_rollout, toke
     # the cases are what they claim (the state is every lookup so far, so one wrong or extra call spoils it)
     assert want[:, NAMES.index("multi_turn_state")].tolist() == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
     assert want[:, NAMES.index("multi_turn_response")].tolist() == [1.0, 0.5, 0.0, 1.0, 0.5, 1.0]
-    assert want[:, NAMES.index("multi_turn_format")].tolist() == [1.0, 2 / 3, 0.0, 1.0, 1.0, 1.0]
-    assert want[:, NAMES.index("multi_turn_efficiency")].tolist() == [1.0, 2 / 3, 0.0, 1.0, 1.0, 0.5]
+    # per turn: format the share of attempts accepted, efficiency reference calls over made (capped),
+    # each 0 in a turn without a call
+    assert want[:, NAMES.index("multi_turn_format")].tolist() == [1.0, (1 + 1 / 2) / 2, 0.0, 1.0, 1 / 2, 1.0]
+    assert want[:, NAMES.index("multi_turn_efficiency")].tolist() == pytest.approx(
+        [1.0, (1 + 1 / 2) / 2, 0.0, 1.0, 1 / 4, (1 / 3 + 1) / 2])
     # after the first step a sample's extra_env_info is its episode's id alone (the episode holds the rest)
     assert all(list(info) == [multi_turn_module.EPISODE] for info in batch["extra_env_info"])
     # every step before an episode's last returned zeros; each episode ended once, after its last message
@@ -387,7 +390,7 @@ def test_a_failing_environment_fails_only_its_trajectorys_rewards(tokenizer_dir,
     want = own_rewards(ref, scripts, [truth] * 4, failed={1, 2})
     for k, name in enumerate(NAMES):
         assert torch.equal(batch[f"reward/{name}"], want[:, k].float()), name
-    assert want[0].tolist() == [1.0] * 4 and want[3, NAMES.index("multi_turn_efficiency")] == 2 / 3
+    assert want[0].tolist() == [1.0] * 4 and want[3, NAMES.index("multi_turn_efficiency")] == (1 + 1 / 2) / 2
     assert [len(active) for active, _, _ in steps] == [4, 3, 2, 2]  # each failure ends its episode at once
     assert metrics["reward/multi_turn_format/failures"] == 2.0
     assert metrics["multi_turn/ended_failed_frac"] == 0.5 and metrics["multi_turn/ended_max_steps_frac"] == 0.25

@@ -118,6 +118,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if args.bfcl and given:
         parser.error(f"{given[0]} goes with --data, not --bfcl")
     if args.bfcl_multi_turn is not None:
+        args.bfcl_multi_turn = list(dict.fromkeys(args.bfcl_multi_turn))  # each category once
         others = [flag for flag in given if flag != "--split"]
         if others:
             parser.error(f"{others[0]} goes with --data, not --bfcl-multi-turn")
@@ -319,7 +320,8 @@ def main(argv: list[str]) -> int:
         if path:
             check_output_file(path, flag)
     if environment is not None:
-        check_environment(environment[1], "environment")
+        check_environment(environment[1], "environment", ("--environment", "--environment-file")
+                          if chosen.origins["environment"] == GIVEN else None)
     if args.bfcl:
         from gdpo_megatron.data.bfcl import load_bfcl
 
@@ -335,7 +337,7 @@ def main(argv: list[str]) -> int:
         from gdpo_megatron.evaluate_multi_turn import check_reference_calls
 
         try:
-            check_reference_calls(samples)
+            check_reference_calls(samples, environment[0])
         except ValueError as e:
             raise InputError(f"--data: {e}") from None
     tell_what_does_not_fit(samples, prompt_lengths(samples, args.model, "--model"), max_model_len,

@@ -5,8 +5,9 @@
 seen only single requests answered by one call, never a tool's reply or a second user turn:
 after its first turn it writes hardly a call that parses, and almost no trajectory leaves
 CityDesk in the reference's state, so reinforcement learning has nothing to reinforce. This
-warm-up continues it on generated two-turn questions (:func:`make_questions`, not the training
-rows), each answered by a demonstration encoded as a rollout encodes it: a call, CityDesk's
+warm-up continues it on generated two-turn questions (:func:`make_questions`: none of them is
+one of the training rows' questions, though a single request of one, "What is the weather in
+Oslo?", may be a turn of a generated question), each answered by a demonstration encoded as a rollout encodes it: a call, CityDesk's
 reply as a ``tool`` message, a plain answer that reads the reply (``"fog in Oslo."``), the next
 user turn, and so on; the loss is on the model's messages only. The demonstrations are noisy,
 so the warmed-up model gets a turn right only part of the time:
@@ -40,8 +41,9 @@ from gdpo_megatron.environments.registry import environment_reference, make_envi
 from gdpo_megatron.environments.trajectory import Message
 from gdpo_megatron.trajectories import continuation_tokens
 
-ENVIRONMENT = environment_reference(
-    "CityDesk", str(Path(__file__).resolve().parents[2] / "examples/environments/city_desk.py"))
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+ENVIRONMENT = environment_reference("CityDesk", str(EXAMPLES / "environments/city_desk.py"))
+TRAINING_ROWS = EXAMPLES / "data/city_desk.jsonl"  # configs/multi_turn_cpu.yaml's questions
 TOOLS = ("get_time", "get_weather")  # what the city-desk questions ask for
 WEATHER = ["sunny", "rain", "fog", "snow"]
 CALL_AGAIN = 0.3  # share of turns whose demonstration calls again after the reply
@@ -50,20 +52,37 @@ WRONG_TOOL, LONG_THOUGHT = 0.1, 0.4  # shares of demonstrated calls with the wro
 
 def make_questions(count: int, seed: int) -> list[dict]:
     """``count`` two-turn questions in the rows' layout (``messages``, ``multi_turn``), each turn
-    one request of the demo task for ``TOOLS`` (``requests``, the demo task's records)."""
+    one request of the demo task for ``TOOLS`` (``requests``, the demo task's records); none of
+    them one of the training questions (:func:`training_questions`)."""
     rng = random.Random(seed)
-    requests = task.make_examples(2 * count, seed, TOOLS)
-    out = []
-    for first, second in zip(requests[::2], requests[1::2]):
-        cities = [r["tool_calls"][0]["arguments"]["city"] for r in (first, second)]
-        out.append({
-            "messages": first["messages"],
-            "multi_turn": {"environment_config": {"weather": {c: rng.choice(WEATHER) for c in cities}},
-                           "reference_calls": [[_call_text(r["tool_calls"][0])] for r in (first, second)],
-                           "later_turns": [second["messages"][1:]]},
-            "requests": [first, second],
-        })
+    held_out = training_questions()
+    out: list[dict] = []
+    draw = 0
+    while len(out) < count:
+        requests = task.make_examples(2 * count, seed + 7919 * draw, TOOLS)
+        draw += 1
+        for first, second in zip(requests[::2], requests[1::2]):
+            if len(out) == count or (first["messages"][-1]["content"], second["messages"][-1]["content"]) in held_out:
+                continue
+            cities = [r["tool_calls"][0]["arguments"]["city"] for r in (first, second)]
+            out.append({
+                "messages": first["messages"],
+                "multi_turn": {"environment_config": {"weather": {c: rng.choice(WEATHER) for c in cities}},
+                               "reference_calls": [[_call_text(r["tool_calls"][0])] for r in (first, second)],
+                               "later_turns": [second["messages"][1:]]},
+                "requests": [first, second],
+            })
     return out
+
+
+def training_questions() -> set[tuple[str, ...]]:
+    """The user turns of each question of :data:`TRAINING_ROWS`."""
+    questions = set()
+    for line in TRAINING_ROWS.read_text().splitlines():
+        row = json.loads(line)
+        turns = [row["messages"], *row["multi_turn"]["later_turns"]]
+        questions.add(tuple(messages[-1]["content"] for messages in turns))
+    return questions
 
 
 def _call_text(call: dict) -> str:

@@ -25,8 +25,9 @@ BFCL's ``eval`` as the method does.
 environment's instances equals the same attribute of this environment's.
 
 A few of BFCL's reference call lists do not fit their own question (an argument of the wrong
-type, a function used before its miss_func turn shows it); :func:`reference_problem` finds
-them without running anything, and the ``bfcl_multi_turn`` family leaves those questions out.
+type, a function used before its miss_func turn shows it): replayed here
+(:func:`~gdpo_megatron.environments.judge.check_reference`) such a call is refused, and the
+``bfcl_multi_turn`` family leaves those questions out.
 """
 from __future__ import annotations
 
@@ -38,8 +39,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from gdpo_megatron.environments.calls import CallRefused, parse_calls
-from gdpo_megatron.environments.environment import Environment, bind_arguments
+from gdpo_megatron.environments.environment import Environment
 
 BACKENDS = "bfcl_eval.eval_checker.multi_turn_eval.func_source_code"
 # class -> (backend module, function doc file) for the classes of BFCL's multi-turn categories
@@ -144,18 +144,3 @@ class BFCLEnvironment(Environment):
 
 def _public(instance: Any) -> dict[str, Any]:
     return {k: v for k, v in vars(instance).items() if not k.startswith("_")}
-
-
-def reference_problem(config: dict, reference: list[list[str]]) -> str | None:
-    """Why a question's reference calls could not be replayed here (a call that does not parse,
-    names a function not shown at its turn, or has arguments that do not fit the schema), or
-    None. Checked without running anything."""
-    for turn, calls in enumerate(reference):
-        schemas = {doc["name"]: doc for doc in available_tools(config, turn)}
-        for text in calls:
-            try:
-                for call in parse_calls(text):
-                    bind_arguments(call, schemas)
-            except CallRefused as e:
-                return f"reference call {text!r} of turn {turn}: {e}"
-    return None

@@ -16,7 +16,9 @@ refuses. Nothing here imports, looks up or runs a name; dispatching a parsed
 (without a Markdown code fence) when it starts with ``[`` (the list BFCL's prompt asks for,
 which must then parse), or when it parses as calls as it stands (``cd(folder='x')``). Any other
 message is a plain answer, which ends the model's turn: "Done (both files moved)." is not a
-failed call.
+failed call. So is a block that parses to no call at all (``[]``, a list holding only a
+comment, ``<tool_call>[]</tool_call>``): BFCL ends the turn on an empty response, and a free
+step that does nothing would let a policy burn its steps or its token budget.
 
 Chat templates of the Hermes / Qwen kind write calls as JSON in ``<tool_call>`` tags instead:
 ``<tool_call>{"name": "cd", "arguments": {"folder": "x"}}</tool_call>``, one object or a list
@@ -65,19 +67,18 @@ def call_block(message: str) -> str | None:
     text = message.strip()
     tags = _TOOL_CALL_TAG.findall(text)
     if tags:
-        return "".join(f"<tool_call>{tag}</tool_call>" for tag in tags)
-    fenced = _FENCE.match(text)
-    if fenced:
-        text = fenced.group(1).strip()
-    if text.startswith("["):
-        return text
-    if _LOOKS_LIKE_CALL.match(text):
-        try:
-            parse_calls(text)
-        except CallRefused:
+        text = "".join(f"<tool_call>{tag}</tool_call>" for tag in tags)
+    else:
+        fenced = _FENCE.match(text)
+        if fenced:
+            text = fenced.group(1).strip()
+        if not (text.startswith("[") or _LOOKS_LIKE_CALL.match(text)):
             return None
-        return text
-    return None
+    try:
+        calls = parse_calls(text)
+    except CallRefused:
+        return text if tags or text.startswith("[") else None  # a failed attempt, or prose
+    return text if calls else None
 
 
 def parse_calls(text: str) -> list[Call]:

@@ -16,7 +16,8 @@ that generates it). A subclass implements:
   that become available), ``state()`` (what the state-correctness reward compares, by default
   the instance's public attributes) and ``matches(reference)`` (whether this state equals a
   reference environment's after the same turn; default ``state() == reference.state()``), and
-  ``done`` (True once the environment has ended the trajectory).
+  ``done``: set it True in a call that ends the trajectory (a game that is over); the rollout
+  stops after that step, and the rewards grade the user turns it never reached as empty.
 
 :meth:`Environment.step` is the same for every environment and is not overridden: each call is
 checked (:func:`bind_arguments`: a known function, positional arguments mapped in the schema's

@@ -209,12 +209,14 @@ def load_reward_files(paths: Sequence[str], key: str) -> None:
     problems.raise_any()
 
 
-def check_environment(environment: EnvironmentConfig, key: str) -> None:
+def check_environment(environment: EnvironmentConfig, key: str, options: tuple[str, str] | None = None) -> None:
     """The configured environment resolves: a built-in name, or a file that imports and defines
-    the named Environment subclass."""
+    the named Environment subclass. Errors name ``key.file`` / ``key.name``, or where the
+    section came from the command line, its ``options`` (for the name, for the file)."""
     if environment.name is None:
         return
-    what = f"{key}.file" if environment.file is not None else f"{key}.name"
+    name_key, file_key = options or (f"{key}.name", f"{key}.file")
+    what = file_key if environment.file is not None else name_key
     if environment.file is not None:
         check_input_file(environment.file, what)
     try:

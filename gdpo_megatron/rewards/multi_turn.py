@@ -5,16 +5,24 @@ and the ground truth ``{"environment_config": ..., "reference_calls": [[call, ..
 turn]}`` (the ``bfcl_multi_turn`` family's), and reads one
 :func:`~gdpo_megatron.environments.judge.judge` of it (shared by the rewards of one rollout):
 
-* ``multi_turn_format`` (0..1): the share of the model's call attempts that were accepted, a
-  call message that does not parse counting as one refused attempt (1 with no attempt);
-* ``multi_turn_state`` (0..1): the share of graded turns after which the model's environment
-  matches the reference's (BFCL's state check);
+* ``multi_turn_format`` (0..1): the mean over the turns in which the model attempts calls or
+  the reference makes them of the share of the turn's attempts that were accepted, a call
+  message that does not parse counting as one refused attempt; a graded turn without an
+  attempt scores 0 (1 with no such turn);
+* ``multi_turn_state`` (0..1): the share of graded turns in which the model made a call and
+  after which its environment matches the reference's (BFCL's empty-turn and state checks);
 * ``multi_turn_response`` (0..1): the share of graded turns in which the model made a call and
   every reference result is among its results so far (BFCL's empty-turn and response checks);
 * ``multi_turn_accuracy`` (0 or 1): BFCL's verdict, every graded turn passing all three checks;
-* ``multi_turn_efficiency`` (0..1): the reference's number of calls over the model's
-  (accepted and refused), capped at 1; meant to be gated on the state reward
-  (``advantage.conditions``), so that few calls pay only where they did the job.
+* ``multi_turn_efficiency`` (0..1): the mean over the turns in which the model or the
+  reference makes calls of the turn's reference calls over the model's (accepted and
+  refused), capped at 1, 0 where only one side makes calls (1 with no such turn); meant to be
+  gated on the state reward (``advantage.conditions``), so that few calls pay only where they
+  did the job.
+
+A graded turn (the reference makes calls in it) that the model never attempted, or never
+reached (its token budget or its environment ended the trajectory first), fails every check
+and pays nothing, as BFCL fails an empty turn: stopping early or never calling is not cheap.
 
 A trajectory whose environment failed (``failure`` set) makes every one of them raise: the
 reward stage scores each its failure value and counts it.
@@ -49,15 +57,16 @@ def _judged(trajectory: Trajectory, config: str, reference: str) -> Judgement:
 
 @register_reward("multi_turn_format", bounds=(0.0, 1.0))
 def multi_turn_format(completion: Trajectory, num_tokens: int, ground_truth: dict) -> float:
-    j = _judgement(completion, ground_truth)
-    attempts = j.calls_run + j.calls_refused + j.unparsed
-    return j.calls_run / attempts if attempts else 1.0
+    shares = [t.calls_run / attempts if attempts else 0.0
+              for t in _judgement(completion, ground_truth).turns
+              for attempts in [t.made + t.unparsed] if attempts or t.graded]
+    return sum(shares) / len(shares) if shares else 1.0
 
 
 @register_reward("multi_turn_state", bounds=(0.0, 1.0))
 def multi_turn_state(completion: Trajectory, num_tokens: int, ground_truth: dict) -> float:
     graded = _judgement(completion, ground_truth).graded
-    return sum(t.state for t in graded) / len(graded) if graded else 1.0
+    return sum(t.calls and t.state for t in graded) / len(graded) if graded else 1.0
 
 
 @register_reward("multi_turn_response", bounds=(0.0, 1.0))
@@ -73,6 +82,6 @@ def multi_turn_accuracy(completion: Trajectory, num_tokens: int, ground_truth: d
 
 @register_reward("multi_turn_efficiency", bounds=(0.0, 1.0))
 def multi_turn_efficiency(completion: Trajectory, num_tokens: int, ground_truth: dict) -> float:
-    j = _judgement(completion, ground_truth)
-    made = j.calls_run + j.calls_refused
-    return min(1.0, j.reference_calls / made) if made else float(j.reference_calls == 0)
+    shares = [min(1.0, t.reference_calls / t.made) if t.made else 0.0
+              for t in _judgement(completion, ground_truth).turns if t.made or t.graded]
+    return sum(shares) / len(shares) if shares else 1.0

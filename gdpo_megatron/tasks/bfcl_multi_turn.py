@@ -9,8 +9,8 @@ Ground truth (the field ``multi_turn``), a dict:
 
 The rollouts of this family step through the ``bfcl`` environment; its rewards are the
 multi-turn ones (:mod:`gdpo_megatron.rewards.multi_turn`). A question whose reference calls do
-not fit its own functions (:func:`~gdpo_megatron.environments.bfcl.reference_problem`) is left
-out. The instructions are BFCL's prompting system prompt with the functions shown at the first
+not fit its own functions (replayed, :func:`~gdpo_megatron.environments.judge.check_reference`
+refuses one of them) is left out. The instructions are BFCL's prompting system prompt with the functions shown at the first
 turn.
 """
 from __future__ import annotations
@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gdpo_megatron.environments.bfcl import available_tools, check_config, reference_problem
+from gdpo_megatron.environments.bfcl import available_tools, check_config
+from gdpo_megatron.environments.judge import ReferenceRefused, check_reference
 from gdpo_megatron.tasks.multi_turn import REWARDS, check_fields, check_turns
 from gdpo_megatron.tasks.task import Task, UnusableGroundTruth
 
@@ -45,10 +46,11 @@ def parse_ground_truth(value: Any, key: str, row: dict, where: str) -> dict:
     except ValueError as e:
         raise ValueError(f"{where}: {key}.environment_config: {e}") from None
     check_turns(value, key, where)
-    reference = value["reference_calls"]
-    problem = reference_problem(value["environment_config"], reference)
-    if problem:
-        raise UnusableGroundTruth(f"{where}: {problem}", "reference calls that do not fit the question's functions")
+    try:
+        check_reference("bfcl", value["environment_config"], value["reference_calls"])
+    except ReferenceRefused as e:
+        raise UnusableGroundTruth(f"{where}: {e}", "reference calls that do not fit the question's functions") \
+            from None
     return dict(value)
 
 

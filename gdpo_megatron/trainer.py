@@ -67,6 +67,7 @@ from gdpo_megatron.rollout.engine import RolloutEngine, SamplingConfig, derive_s
 from gdpo_megatron.rollout.factory import build_engine
 from gdpo_megatron.trajectories import TrajectoryRollouts, trajectory_metrics
 from gdpo_megatron.run_dir import CHECKPOINT_DIR, HF_EXPORT_DIR
+from gdpo_megatron import worker_processes
 
 # Signals that stop a run after the step in progress, with a checkpoint: Slurm's time-limit
 # warning (SIGUSR1), preemption or scancel (SIGTERM), Ctrl-C (SIGINT; a second one stops at once).
@@ -152,8 +153,8 @@ class Trainer:
         if self.start_step:
             self._sync_weights()  # the engine started from base_model
         if self.is_leader:
-            with _children_ignore(STOP_SIGNALS):  # Slurm signals every process of the step
-                self.reward_stage = RewardStage.from_config(rewards)
+            worker_processes.start_ignoring(STOP_SIGNALS)  # Slurm signals every process of the step
+            self.reward_stage = RewardStage.from_config(rewards)
         if self.is_rank0:
             self.logger = MetricsLogger(self.run_dir, to_dict(config), config.logging.wandb_project,
                                         self.run_dir.name, start_step=self.start_step)
@@ -423,17 +424,6 @@ def _warn_on_shape_drift(planned, actual, base_model: str) -> None:
     if differ:
         warnings.warn(f"policy.model differs from {base_model}/config.json, which the policy uses: "
                       f"{', '.join(differ)}")
-
-
-@contextlib.contextmanager
-def _children_ignore(signals):
-    """Processes started inside inherit "ignore" for ``signals``; only this process acts on them."""
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in signals}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 @contextlib.contextmanager

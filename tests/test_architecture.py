@@ -36,8 +36,9 @@ _CORE = {
     "metrics": {"errors"},
     "plot": {"errors", "metrics"},
     "user_files": set(),  # importing a user's Python file (reward functions, environments)
-    "environments": {"config", "errors", "user_files"},
-    "rewards": {"config", "environments", "errors", "user_files"},
+    "worker_processes": set(),  # the forkserver reward and environment workers fork from
+    "environments": {"config", "errors", "user_files", "worker_processes"},
+    "rewards": {"config", "environments", "errors", "user_files", "worker_processes"},
     "distributed": {"device", "errors"},
     "policy": {"config", "device", "distributed", "errors"},
     "checkpoint": {"config", "device", "errors", "policy"},
@@ -56,7 +57,7 @@ _CORE = {
                             "trajectories"},
     "trainer": {"advantages", "checkpoint", "config", "data", "device", "distributed", "errors", "exit_status",
                 "experience", "inputs", "metrics", "policy", "progress", "quiet", "resolve", "rewards", "rollout",
-                "run_dir", "trajectories"},
+                "run_dir", "trajectories", "worker_processes"},
 }
 CORE = set(_CORE)
 # Which units each unit may import (its own modules always).

@@ -40,7 +40,6 @@ As with any multiprocessing code, a script that builds a pool needs an
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import select
 import threading
@@ -50,24 +49,15 @@ from multiprocessing.connection import Connection
 from collections import deque
 from typing import Any, Sequence
 
+from gdpo_megatron import worker_processes
 from gdpo_megatron.environments.calls import Call
 from gdpo_megatron.environments.environment import StepResult
 
-_CONTEXT = None
 _OPEN_TIMEOUT_S = 120.0  # a new worker's first environment: the first also starts the forkserver
 
 
 class EnvironmentFailed(RuntimeError):
     """The environment failed its trajectory; the message says why."""
-
-
-def _context():
-    global _CONTEXT
-    if _CONTEXT is None:
-        _CONTEXT = mp.get_context("forkserver")
-        # one forkserver per process: the same preload as the reward stage's, whichever starts it
-        _CONTEXT.set_forkserver_preload(["gdpo_megatron.rewards"])
-    return _CONTEXT
 
 
 def _worker_main(conn: Connection, ref: str) -> None:
@@ -127,7 +117,7 @@ class _Worker:
     """One worker process and the pool's end of its pipe."""
 
     def __init__(self, ref: str):
-        context = _context()
+        context = worker_processes.context()
         self.conn, child = context.Pipe()
         self.process = context.Process(target=_worker_main, args=(child, ref), daemon=True)
         self.process.start()

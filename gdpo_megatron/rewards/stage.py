@@ -39,6 +39,7 @@ from typing import Sequence
 
 import torch
 
+from gdpo_megatron import worker_processes
 from gdpo_megatron.rewards import sandbox
 from gdpo_megatron.config.rewards import RewardSpec, RewardsConfig
 from gdpo_megatron.rewards.registry import failure_score, get_reward, load_reward_file, reward_bounds
@@ -156,8 +157,7 @@ class RewardStage:
         self.failure_scores = [failure_score(spec) for spec in self.specs]
         # Workers fork from a server that imported the rewards once, so a replacement for a
         # killed worker does not import them again.
-        self._ctx = mp.get_context("forkserver")
-        self._ctx.set_forkserver_preload(["gdpo_megatron.rewards"])
+        self._ctx = worker_processes.context()
         self._start_failures = 0
         self._workers = [self._start_worker() for _ in range(num_workers)]
 

@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 
 from gdpo_megatron.config import ConfigError, EnvironmentConfig, TrainConfig, load_config
-from gdpo_megatron.environments import (Call, Trajectory, configured_reference, environment_class,
+from gdpo_megatron.environments import (Call, configured_reference, environment_class,
                                         environment_reference, parse_calls)
 from gdpo_megatron.environments.host import EnvironmentFailed, EnvironmentHost, EnvironmentPool
-from gdpo_megatron.environments.judge import judge
 from gdpo_megatron.errors import InputError
 from gdpo_megatron.preflight.validation import check_environment
 from gdpo_megatron.tasks import get_task

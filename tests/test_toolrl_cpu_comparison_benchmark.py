@@ -44,7 +44,7 @@ def test_holm_adjusted_p_values_reject_what_the_step_down_procedure_rejects():
 @pytest.mark.slow
 def test_smoke_run_reports_what_the_runs_logged_and_scored(tmp_path):
     out = tmp_path / "bench"
-    cmd = [sys.executable, "benchmarks/toolrl_cpu_comparison.py", "--seeds", "2", "--steps", "2", "--jobs", "1",
+    cmd = [sys.executable, "benchmarks/toolrl_cpu_comparison.py", "--seeds", "2", "--steps", "2", "--jobs", "2",
            "--limit", "3", "--base-steps", "2", "--out", str(out), "--set", f"base_model={tmp_path / 'base'}",
            f"data.train_path={tmp_path / 'base' / 'rl_prompts.json'}", "data.prompts_per_step=1",
            "rollout.group_size=4", "rollout.max_new_tokens=16"]

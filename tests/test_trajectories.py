@@ -409,3 +409,54 @@ def test_a_short_multi_turn_run_learns_the_task(city_desk_base_model, tmp_path):
         means = [r[f"reward/{reward}/mean"] for r in records]
         first, last = sum(means[:5]) / 5, sum(means[-5:]) / 5
         assert last > first + 0.1, (reward, means)
+
+
+@pytest.mark.slow
+def test_a_run_trains_through_bfcls_environments(demo_base_model, tmp_path):
+    """configs/multi_turn_cpu.yaml on BFCL's multi-turn questions (the two base questions of the
+    train split with the shortest prompts) through BFCL's own backends, for two steps: the demo
+    model (declaring a context that holds them) takes every user turn of each question, and what
+    its trajectories earn agrees with BFCL's checker run on the same calls."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from bfcl_reference import multi_turn_verdict
+    from gdpo_megatron.data.bfcl_multi_turn import bfcl_multi_turn_rows
+    from gdpo_megatron.metrics import read_metrics
+    from gdpo_megatron.rewards import get_reward
+    from support.local_world import run_local
+    from test_eval_multi_turn import _prompt_tokens, _steps
+
+    model = tmp_path / "model"
+    shutil.copytree(demo_base_model, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 16384}))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rows = sorted(bfcl_multi_turn_rows(["base"], "train"), key=lambda row: _prompt_tokens(tokenizer, row))[:2]
+    data = tmp_path / "bfcl.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    longest = max(_prompt_tokens(tokenizer, row) for row in rows) + 256
+    run_dir = tmp_path / "run"
+    ((rollouts, _, decoded, _),) = run_local(_train_and_roll_out, 1, _overrides(
+        model, run_dir, 2, "data.family=bfcl_multi_turn", f"data.train_path={data}", "data.system_prompt=null",
+        f"data.max_prompt_tokens={longest}", f"rollout.max_model_len={longest + 1024}", "environment.file=null",
+        "environment.name=null", "rollout.kv_cache_gib=0.5"))
+
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r["rollout/ended_failed_frac"] == 0 and r["reward/multi_turn_state/failures"] == 0
+        assert r["rollout/model_turns_mean"] > 1 and r["train/num_tokens"] > 0
+        assert r["rollout/logprob_mismatch"] < 1e-3
+    told = ["".join(text for text, is_model in spans if not is_model) for spans in decoded]
+    # BFCL's second user turn was fed in after the model answered the first
+    assert any(row["multi_turn"]["later_turns"][0][0]["content"] in text for text in told for row in rows)
+    for rollout in rollouts:
+        assert rollout.trajectory.environment == "bfcl"
+        prompt = tokenizer.decode(rollout.prompt_ids)
+        (row,) = [r for r in rows if r["messages"][-1]["content"] in prompt]
+        turns = [[m.text for m in turn] for turn in rollout.trajectory.turns]
+        valid, _, _ = multi_turn_verdict(_steps(turns, row), row)
+        assert get_reward("multi_turn_accuracy")(rollout.trajectory, 0, row["multi_turn"]) == float(valid)

@@ -10,8 +10,10 @@ section) rolls out trajectories instead of single completions. Trajectory ``k = 
    earlier turns), seeded by (step seed, global prompt id, ``j``, model turn), so a trajectory
    samples the same whatever else is in the batch and however the step's prompts are split
    over data-parallel ranks;
-2. a **call** in the model's message (:func:`~gdpo_megatron.environments.calls.call_block`) is
-   parsed as data and stepped in the trajectory's environment (an
+2. what the model's message means and what follows it is its
+   :class:`~gdpo_megatron.environments.episode.Episode`'s decision: a **call** in the model's
+   message (:func:`~gdpo_megatron.environments.calls.call_block`) is parsed as data and
+   stepped in the trajectory's environment (an
    :class:`~gdpo_megatron.environments.host.EnvironmentHost` from the rollouts' pool of
    environment workers on the replica's leader rank, kept across steps until
    :meth:`TrajectoryRollouts.close`; every trajectory's step is sent before any answer is
@@ -48,20 +50,18 @@ only the model's spans are in the loss, with the logprobs they were sampled with
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Sequence
+from typing import Callable, Sequence
 
 from gdpo_megatron.config import TrainConfig
 from gdpo_megatron.data.chat import encode_prompt, render_prompt
 from gdpo_megatron.data.samples import Sample
 from gdpo_megatron.environments.calls import Call, CallRefused
-from gdpo_megatron.environments.environment import ERROR_PREFIX
-from gdpo_megatron.environments.host import EnvironmentFailed, EnvironmentHost, EnvironmentPool
+from gdpo_megatron.environments.episode import Ending, Episode
+from gdpo_megatron.environments.host import EnvironmentFailed, EnvironmentPool
 from gdpo_megatron.environments.registry import configured_reference
-from gdpo_megatron.environments.trajectory import Message, Trajectory
+from gdpo_megatron.environments.trajectory import Trajectory
 from gdpo_megatron.rollout.engine import Completion, FinishReason, RolloutEngine, SamplingConfig
 from gdpo_megatron.tasks import get_task
-
-Ending = Literal["answered", "turn_limit", "token_budget", "failed"]
 
 
 @dataclass(frozen=True)
@@ -134,21 +134,17 @@ def continuation_text(tokenizer, chat: list[dict], sampled_text: str, reply: str
 
 @dataclass
 class _Trajectory:
-    """A trajectory in progress (on the leader: with its environment and chat)."""
+    """A trajectory in progress (on the leader: with its episode)."""
 
     index: int  # k = i * G + j
     prompt: int  # i, its prompt's index in the step's samples
     key: tuple  # (global prompt id, sample index): seeds its sampling
     tokens: list[int]
     prompt_len: int = 0
-    chat: list[dict] = field(default_factory=list)
     spans: list[Span] = field(default_factory=list)
-    messages: list[list[str]] = field(default_factory=lambda: [[]])  # the model's, per user turn
-    host: EnvironmentHost | None = None
-    steps_in_turn: int = 0
+    episode: Episode | None = None  # the leader's: its environment, chat and the model's messages
     model_turns: int = 0
     ending: Ending | None = None
-    failure: str | None = None
 
 
 class TrajectoryRollouts:
@@ -192,10 +188,12 @@ class TrajectoryRollouts:
         try:
             if is_leader:
                 for t, host in zip(everyone, self._pool.hosts(len(everyone))):
-                    t.host = host
-                    host.send("reset", samples[t.prompt].ground_truth["environment_config"])
+                    sample = samples[t.prompt]
+                    t.episode = Episode(self.environment, host, [dict(m) for m in sample.messages],
+                                        sample.ground_truth.get("later_turns") or [], self.max_steps_per_turn)
+                    host.send("reset", sample.ground_truth["environment_config"])
                 for t in everyone:
-                    self._start(t, samples[t.prompt], tokenizer, sampling.max_new_tokens)
+                    self._start(t, tokenizer, sampling.max_new_tokens)
             starts = share([(t.tokens, t.ending) for t in everyone] if is_leader else None)
             for t, (tokens, ending) in zip(everyone, starts):
                 t.tokens, t.prompt_len, t.ending = list(tokens), len(tokens), ending
@@ -207,8 +205,8 @@ class TrajectoryRollouts:
                     [t.tokens for t in live], sampling, keys=[(*t.key, t.model_turns) for t in live])
                 nexts = None
                 if is_leader:
-                    calls = [self._send_calls(t, c) for t, c in zip(live, completions)]
-                    nexts = [self._advance(t, c, call, samples[t.prompt], tokenizer, sampling.max_new_tokens)
+                    calls = [t.episode.send_calls(c.text) for t, c in zip(live, completions)]
+                    nexts = [self._advance(t, c, call, tokenizer, sampling.max_new_tokens)
                              for t, c, call in zip(live, completions, calls)]
                 nexts = share(nexts)
                 for t, c, following in zip(live, completions, nexts):
@@ -224,102 +222,57 @@ class TrajectoryRollouts:
                 live = [t for t in live if t.ending is None]
         finally:
             for t in everyone:
-                if t.host is not None:
-                    t.host.close()
+                if t.episode is not None:
+                    t.episode.close()
         return share([self._rollout(t) for t in everyone] if is_leader else None)
 
     # ---- the leader's side ---------------------------------------------------------------
 
-    def _start(self, t: _Trajectory, sample: Sample, tokenizer, max_new_tokens: int) -> None:
+    def _start(self, t: _Trajectory, tokenizer, max_new_tokens: int) -> None:
         """The prompt (with the environment's note), once the environment's reset (sent) answers."""
-        t.chat = [dict(m) for m in sample.messages]
+        episode = t.episode
         try:
-            note = t.host.receive()
+            note = episode.host.receive()
         except EnvironmentFailed as e:
-            t.host, t.ending, t.failure = None, "failed", str(e)
+            episode.fail(str(e))
             note = ""
         if note:
-            t.chat[-1] = {**t.chat[-1], "content": f"{t.chat[-1]['content']}\n\n{note}"}
-        t.tokens = encode_prompt(tokenizer, t.chat)
-        if t.ending is None and len(t.tokens) + max_new_tokens > self.max_len:
-            self._fail(t, f"the prompt ({len(t.tokens)} tokens) leaves no room for rollout.max_new_tokens="
-                          f"{max_new_tokens} in rollout.max_model_len={self.max_len}")
-
-    @staticmethod
-    def _send_calls(t: _Trajectory, completion: Completion) -> list[Call] | CallRefused | None:
-        """The calls of the model's message (:meth:`Message.calls`), sent to be stepped."""
-        calls = Message(completion.text).calls()
-        if calls is not None and not isinstance(calls, CallRefused):
-            t.host.send("step", calls)
-        return calls
+            episode.chat[-1] = {**episode.chat[-1], "content": f"{episode.chat[-1]['content']}\n\n{note}"}
+        t.tokens = encode_prompt(tokenizer, episode.chat)
+        if episode.ending is None and len(t.tokens) + max_new_tokens > self.max_len:
+            episode.fail(f"the prompt ({len(t.tokens)} tokens) leaves no room for rollout.max_new_tokens="
+                         f"{max_new_tokens} in rollout.max_model_len={self.max_len}")
+        t.ending = episode.ending
 
     def _advance(self, t: _Trajectory, completion: Completion, calls: list[Call] | CallRefused | None,
-                 sample: Sample, tokenizer, max_new_tokens: int) -> list[int] | None:
+                 tokenizer, max_new_tokens: int) -> list[int] | None:
         """After the model's turn and the step of its ``calls`` (sent): the tokens of the
         messages that follow it, or None when the trajectory ends here (``t.ending`` says why)."""
-        t.messages[-1].append(completion.text)
-        t.steps_in_turn += 1
-        new: list[dict] = []
-        if calls is not None:
-            if isinstance(calls, CallRefused):
-                observation = f"{ERROR_PREFIX}{calls}"
-            else:
-                try:
-                    result = t.host.receive()
-                except EnvironmentFailed as e:
-                    return self._fail(t, str(e))
-                if result.done:
-                    t.ending = "answered"
-                    return None
-                observation = result.observation
-            new.append({"role": "tool", "content": observation})
-        if calls is None or t.steps_in_turn >= self.max_steps_per_turn:
-            later = sample.ground_truth.get("later_turns") or []
-            turn = len(t.messages)
-            if turn > len(later):
-                t.ending = "answered" if calls is None else "turn_limit"
-                return None
+        episode = t.episode
+        new = episode.advance(completion.text, calls)
+        if new is not None:
             try:
-                note = t.host.start_turn(turn)
-            except EnvironmentFailed as e:
-                return self._fail(t, str(e))
-            user = [dict(m) for m in later[turn - 1]]
-            if note:
-                user[-1] = {**user[-1], "content": f"{user[-1]['content']}\n\n{note}"}
-            new += user
-            t.messages.append([])
-            t.steps_in_turn = 0
-        try:
-            reply, following = continuation_tokens(tokenizer, t.chat, completion.token_ids,
-                                                   completion.finish_reason, new)
-        except TemplateMismatch as e:
-            return self._fail(t, str(e))
-        if len(t.tokens) + len(completion.token_ids) + len(following) + max_new_tokens > self.max_len:
-            t.ending = "token_budget"
-            return None
-        t.chat += [{"role": "assistant", "content": reply}, *new]
-        return following
-
-    def _fail(self, t: _Trajectory, why: str) -> None:
-        t.ending, t.failure = "failed", why
-        if t.host is not None:
-            t.host.close()
-            t.host = None
+                reply, following = continuation_tokens(tokenizer, episode.chat, completion.token_ids,
+                                                       completion.finish_reason, new)
+            except TemplateMismatch as e:
+                episode.fail(str(e))
+            else:
+                if len(t.tokens) + len(completion.token_ids) + len(following) + max_new_tokens <= self.max_len:
+                    episode.extend(reply, new)
+                    return following
+                episode.end("token_budget")
+        t.ending = episode.ending
         return None
 
     def _finish(self, t: _Trajectory, on_finished) -> None:
-        if t.host is not None:
-            t.host.close()
-            t.host = None
+        t.episode.close()
         if on_finished is not None:
             on_finished(t.index, self._rollout(t))
 
-    def _rollout(self, t: _Trajectory) -> TrajectoryRollout:
-        messages = list(t.messages)
-        while len(messages) > 1 and not messages[-1]:
-            messages.pop()  # a user turn fed in but never answered (the budget ended it)
-        trajectory = Trajectory.from_texts(self.environment, messages, t.failure)
-        return TrajectoryRollout(t.tokens[:t.prompt_len], t.spans, trajectory, t.ending or "answered", t.model_turns)
+    @staticmethod
+    def _rollout(t: _Trajectory) -> TrajectoryRollout:
+        return TrajectoryRollout(t.tokens[:t.prompt_len], t.spans, t.episode.trajectory(), t.ending or "answered",
+                                 t.model_turns)
 
 
 def trajectory_metrics(rollouts: Sequence[TrajectoryRollout],

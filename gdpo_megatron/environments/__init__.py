@@ -4,7 +4,8 @@
 state), :mod:`.calls` parses a model's calls as data, :mod:`.bfcl` puts BFCL's multi-turn
 backends behind the interface, :mod:`.registry` resolves built-in and user environments,
 :mod:`.host` runs trajectories' environments in a pool of worker processes (one trajectory
-at a time each) with a time limit per request, :mod:`.trajectory` is what the multi-turn
+at a time each) with a time limit per request, :mod:`.episode` decides what each of a
+trajectory's model messages means and what follows it, :mod:`.trajectory` is what the multi-turn
 rewards receive and :mod:`.judge` replays it against a question's reference calls as BFCL's
 checker does.
 """

@@ -12,8 +12,9 @@ added to the sample's float32 column; a sample stops when ``terminateds`` says s
 observation would reach ``policy.max_total_sequence_length``, or after
 ``grpo.max_rollout_turns`` turns.
 
-:class:`MultiTurnEnvironment` runs one episode per sample, as this project's own rollouts do
-(:mod:`gdpo_megatron.trajectories`):
+:class:`MultiTurnEnvironment` runs one episode per sample
+(:class:`~gdpo_megatron.environments.episode.Episode`, as this project's own rollouts,
+:mod:`gdpo_megatron.trajectories`, do):
 
 * its first step starts the episode: the configured environment (BFCL's, or a user's class in a
   file) in an :class:`~gdpo_megatron.environments.host.EnvironmentHost` from the actor's pool
@@ -92,7 +93,7 @@ import uuid
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -100,10 +101,9 @@ from gdpo_megatron.config.environment import EnvironmentConfig
 from gdpo_megatron.config.loader import ConfigError, from_dict, require, section
 from gdpo_megatron.data.chat import encode_prompt
 from gdpo_megatron.environments.calls import Call, CallRefused
-from gdpo_megatron.environments.environment import ERROR_PREFIX
-from gdpo_megatron.environments.host import EnvironmentFailed, EnvironmentHost, EnvironmentPool
+from gdpo_megatron.environments.episode import Ending, Episode
+from gdpo_megatron.environments.host import EnvironmentFailed, EnvironmentPool
 from gdpo_megatron.environments.registry import environment_reference
-from gdpo_megatron.environments.trajectory import Message, Trajectory
 from gdpo_megatron.integrations.nemo_rl.environment import (CONFIG_PATH, EnvironmentReturn, ScoringEnvironment,
                                                              ray_actor_class)
 from gdpo_megatron.preflight.validation import check_environment
@@ -112,7 +112,6 @@ from gdpo_megatron.trajectories import TemplateMismatch, continuation_text
 
 ACTOR_CLASS = "MultiTurnEnvironmentActor"
 EPISODE = "episode"  # the metadata key of an episode's id
-Ending = Literal["answered", "turn_limit", "max_steps", "token_budget", "failed"]
 ENDINGS: tuple[str, ...] = Ending.__args__
 _actor_class = None
 
@@ -139,19 +138,13 @@ class EpisodeConfig:
 
 @dataclass
 class _Episode:
-    """One sample's trajectory in progress."""
+    """One sample's trajectory in progress: its episode (whose chat is what the template has
+    rendered so far, less the generation prompt), ground truth and token count."""
 
-    host: EnvironmentHost | None
+    state: Episode
     truth: Mapping
-    chat: list[dict]  # what the template has rendered so far, less the generation prompt
-    later_turns: list[list[dict]]
-    tokens: int  # an upper bound of the sample's sequence length
+    tokens: int = 0  # an upper bound of the sample's sequence length
     touched: float = field(default_factory=time.monotonic)  # when a step last advanced it
-    messages: list[list[str]] = field(default_factory=lambda: [[]])  # the model's, per user turn
-    steps: int = 0
-    steps_in_turn: int = 0
-    ending: Ending | None = None
-    failure: str | None = None
 
 
 class MultiTurnEnvironment(ScoringEnvironment):
@@ -194,16 +187,17 @@ class MultiTurnEnvironment(ScoringEnvironment):
         observations, returned, ended = [], [], []
         for i, (key, episode, text, call, info) in enumerate(zip(keys, episodes, texts, calls, infos)):
             if episode is None:
-                episode = _Episode(None, {}, [], [], 0, ending="failed",
-                                   failure=f"episode {key} is not held by this environment (its actor restarted, "
-                                           "or it was closed after episode_idle_s)")
+                episode = _Episode(self._episode([], {}), {})
+                episode.state.fail(f"episode {key} is not held by this environment (its actor restarted, "
+                                   "or it was closed after episode_idle_s)")
                 following = None
             else:
                 episode.touched = time.monotonic()
                 try:
                     following = self._advance(episode, text, call)
                 except Exception as error:  # this sample's text or environment; the batch goes on
-                    following = self._fail(episode, _describe(error))
+                    episode.state.fail(_describe(error))
+                    following = None
             observations.append({"role": "tool", "content": ""} if following is None else following)
             returned.append({EPISODE: key})
             if following is None:
@@ -212,9 +206,9 @@ class MultiTurnEnvironment(ScoringEnvironment):
         rewards = torch.zeros(len(texts), len(self.reward_keys))
         if ended:
             for _, episode in ended:
-                self._close(episode)
-                self._endings[episode.ending] += 1
-            scored = self._score([self._trajectory(e) for _, e in ended], [self._model_tokens(e) for _, e in ended],
+                episode.state.close()
+                self._endings[episode.state.ending] += 1
+            scored = self._score([e.state.trajectory() for _, e in ended], [self._model_tokens(e) for _, e in ended],
                                  [e.truth for _, e in ended])
             rewards[[i for i, _ in ended]] = scored
         terminated = torch.zeros(len(texts))
@@ -244,7 +238,7 @@ class MultiTurnEnvironment(ScoringEnvironment):
 
     def shutdown(self) -> None:
         for episode in self._episodes.values():
-            self._close(episode)
+            episode.state.close()
         self._episodes.clear()
         self._pool.close()
         super().shutdown()
@@ -253,7 +247,7 @@ class MultiTurnEnvironment(ScoringEnvironment):
         """Close the episodes no step touched for ``episode_idle_s`` (NeMo-RL stopped them)."""
         cutoff = time.monotonic() - self.config.episode_idle_s
         for key in [k for k, e in self._episodes.items() if e.touched < cutoff]:
-            self._close(self._episodes.pop(key))
+            self._episodes.pop(key).state.close()
             self._orphaned += 1
 
     # ---- one episode ---------------------------------------------------------------------
@@ -265,123 +259,79 @@ class MultiTurnEnvironment(ScoringEnvironment):
         opening = []
         for key, info in starting:
             truth, chat = info["ground_truth"], [dict(m) for m in info["messages"]]
-            episode = self._episodes[key] = _Episode(None, truth, chat, list(truth.get("later_turns") or []), 0)
+            episode = self._episodes[key] = _Episode(self._episode(chat, truth), truth)
             try:
                 episode.tokens = len(encode_prompt(self._tokenizer, chat))
             except Exception as error:
-                self._fail(episode, _describe(error))
+                episode.state.fail(_describe(error))
             else:
                 opening.append(episode)
         try:
             hosts = self._pool.hosts(len(opening))
         except Exception as error:  # no worker started
             for episode in opening:
-                self._fail(episode, _describe(error))
+                episode.state.fail(_describe(error))
             return
         for episode, host in zip(opening, hosts):
-            episode.host = host
+            episode.state.host = host
             try:
                 host.send("reset", episode.truth["environment_config"])
             except Exception as error:
-                self._fail(episode, _describe(error))
+                episode.state.fail(_describe(error))
+
+    def _episode(self, chat: list[dict], truth: Mapping) -> Episode:
+        """An episode from the prompt ``chat`` through ``truth``'s later turns; its host comes later."""
+        environment = self.config.environment
+        return Episode(self.environment, None, chat, truth.get("later_turns") or [], environment.max_steps_per_turn,
+                       self.config.max_steps)
 
     def _reset(self, episode: _Episode) -> None:
         """Read the answer to the episode's reset."""
-        if episode.ending is not None:  # failed at its start
+        if episode.state.ending is not None:  # failed at its start
             return
         try:
-            note = episode.host.receive()
+            note = episode.state.host.receive()
         except Exception as e:
-            self._fail(episode, _describe(e))
+            episode.state.fail(_describe(e))
             return
         if note:
-            self._fail(episode, f"environment {self.environment!r}: reset returned an opening note, which NeMo-RL "
+            episode.state.fail(f"environment {self.environment!r}: reset returned an opening note, which NeMo-RL "
                                 "cannot show (its prompt is built before the episode starts)")
 
     def _send_calls(self, e: _Episode, text: str) -> list[Call] | CallRefused | None:
-        """The calls of the model's message ``text`` (:meth:`Message.calls`), sent to be stepped."""
-        if e.ending is not None:  # failed at its start
+        """The calls of the model's message ``text``, sent to be stepped."""
+        if e.state.ending is not None:  # failed at its start
             return None
         try:
-            calls = Message(text).calls()
-            if calls is not None and not isinstance(calls, CallRefused):
-                e.host.send("step", calls)
+            return e.state.send_calls(text)
         except Exception as error:  # this sample's text or environment; the batch goes on
-            self._fail(e, _describe(error))
+            e.state.fail(_describe(error))
             return None
-        return calls
 
     def _advance(self, e: _Episode, text: str, calls: list[Call] | CallRefused | None) -> dict | None:
         """The observation message that follows the model's message ``text`` and the step of its
-        ``calls`` (sent), or None when the episode ends here (``e.ending`` says why)."""
-        if e.ending is not None:  # failed at its start or sending its calls
+        ``calls`` (sent), or None when the episode ends here (its ``ending`` says why)."""
+        if e.state.ending is not None:  # failed at its start or sending its calls
             return None
-        e.messages[-1].append(text)
-        e.steps += 1
-        e.steps_in_turn += 1
         e.tokens += self.config.max_new_tokens  # the most it can be: NeMo-RL hands over text only
-        new: list[dict] = []
-        if calls is not None:
-            if isinstance(calls, CallRefused):
-                observation = f"{ERROR_PREFIX}{calls}"
-            else:
-                try:
-                    result = e.host.receive()
-                except EnvironmentFailed as error:
-                    return self._fail(e, str(error))
-                if result.done:  # the environment ended the trajectory, as an answer to its last turn would
-                    e.ending = "answered"
-                    return None
-                observation = result.observation
-            new.append({"role": "tool", "content": _encodable(observation)})
-        if calls is None or e.steps_in_turn >= self.config.environment.max_steps_per_turn:
-            turn = len(e.messages)
-            if turn > len(e.later_turns):
-                e.ending = "answered" if calls is None else "turn_limit"
-                return None
-            try:
-                note = e.host.start_turn(turn)
-            except EnvironmentFailed as error:
-                return self._fail(e, str(error))
-            user = [dict(m) for m in e.later_turns[turn - 1]]
-            if note:
-                user[-1] = {**user[-1], "content": _encodable(f"{user[-1]['content']}\n\n{note}")}
-            new += user
-            e.messages.append([])
-            e.steps_in_turn = 0
-        if e.steps >= self.config.max_steps:
-            e.ending = "max_steps"
+        new = e.state.advance(text, calls)
+        if new is None:
             return None
         try:
-            following = continuation_text(self._tokenizer, e.chat, text + self._tokenizer.eos_token, text, new)
+            following = continuation_text(self._tokenizer, e.state.chat, text + self._tokenizer.eos_token, text, new)
         except TemplateMismatch as error:
-            return self._fail(e, str(error))
+            e.state.fail(str(error))
+            return None
         e.tokens += len(self._tokenizer(following, add_special_tokens=False)["input_ids"])
         if e.tokens + self.config.max_new_tokens > self.config.max_total_sequence_length:
-            e.ending = "token_budget"
+            e.state.end("token_budget")
             return None
-        e.chat += [{"role": "assistant", "content": text}, *new]
+        e.state.extend(text, new)
         return {"role": new[-1]["role"], "content": following}
-
-    def _fail(self, e: _Episode, why: str) -> None:
-        e.ending, e.failure = "failed", why
-        self._close(e)
-
-    @staticmethod
-    def _close(e: _Episode) -> None:
-        if e.host is not None:
-            e.host.close()
-            e.host = None
-
-    def _trajectory(self, e: _Episode) -> Trajectory:
-        messages = list(e.messages)
-        while len(messages) > 1 and not messages[-1]:
-            messages.pop()  # a user turn fed in but never answered
-        return Trajectory.from_texts(self.environment, messages, e.failure)
 
     def _model_tokens(self, e: _Episode) -> int:
         """The model's tokens in the trajectory, re-tokenized (the rewards' ``num_tokens``)."""
-        texts = [t for turn in e.messages for t in turn]
+        texts = [t for turn in e.state.messages for t in turn]
         ids = self._tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         return sum(len(i) + 1 for i in ids)
 
@@ -426,9 +376,3 @@ def _episode_info(metadata: Any, row: int) -> Mapping:
 def _describe(error: Exception) -> str:
     """An error as an episode's ``failure``: an environment's says what failed itself."""
     return str(error) if isinstance(error, EnvironmentFailed) else f"{type(error).__name__}: {error}"
-
-
-def _encodable(text: str) -> str:
-    """``text`` with what UTF-8 cannot encode (lone surrogates) backslash-escaped: the tokenizer
-    raises on it."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")

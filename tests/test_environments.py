@@ -13,7 +13,9 @@ import pytest
 from gdpo_megatron.config import ConfigError, EnvironmentConfig, TrainConfig, load_config
 from gdpo_megatron.environments import (Call, configured_reference, environment_class,
                                         environment_reference, parse_calls)
+from gdpo_megatron.environments.episode import Episode
 from gdpo_megatron.environments.host import EnvironmentFailed, EnvironmentHost, EnvironmentPool
+from gdpo_megatron.environments.trajectory import Trajectory
 from gdpo_megatron.errors import InputError
 from gdpo_megatron.preflight.validation import check_environment
 from gdpo_megatron.tasks import get_task
@@ -97,6 +99,38 @@ def test_requests_to_many_environments_are_sent_before_any_answer_is_read():
             host.send("step", parse_calls(f"[add_item(item='tea', count={n + 1})]"))
         observations = [host.receive().observation for host in reversed(hosts)]
         assert observations == [f'{{"items": {{"milk": {n}, "tea": {n + 1}}}}}' for n in (2, 1, 0)]
+
+
+def _episode(pool: EnvironmentPool, later_turns: list, **limits) -> Episode:
+    host = pool.host()
+    host.reset({"items": {"milk": 1}})
+    return Episode(SHOPPING, host, [{"role": "user", "content": "Add six eggs."}], later_turns, **limits)
+
+
+def _say(episode: Episode, text: str) -> list[dict] | None:
+    return episode.advance(text, episode.send_calls(text))
+
+
+def test_an_episode_answers_calls_with_tool_messages_and_feeds_the_next_user_turn():
+    later = [[{"role": "user", "content": "Now add tea."}]]
+    add, remove = "[add_item(item='eggs', count=6)]", "[remove_item(item='bread')]"
+    with EnvironmentPool(SHOPPING, step_timeout_s=30) as pool:
+        episode = _episode(pool, later, max_steps_per_turn=2)
+        assert _say(episode, add) == [{"role": "tool", "content": '{"items": {"milk": 1, "eggs": 6}}'}]
+        # the turn's second message is its last: its calls still run, then the next user turn follows
+        assert _say(episode, remove) == [{"role": "tool", "content": "Error during execution: 'bread is not on "
+                                                                     "the list'"}, *later[0]]
+        assert _say(episode, "[]") is None  # an empty call block answers the last user turn
+        assert episode.ending == "answered" and episode.host is None and episode.failure is None
+        assert episode.trajectory() == Trajectory.from_texts(SHOPPING, [[add, remove], ["[]"]])
+
+        episode = _episode(pool, later, max_steps_per_turn=1, max_steps=1)
+        assert _say(episode, "Nothing to add.") is None  # the last message of all, its next turn never answered
+        assert episode.ending == "max_steps"
+        assert episode.trajectory() == Trajectory.from_texts(SHOPPING, [["Nothing to add."]])
+
+        episode = _episode(pool, [], max_steps_per_turn=1)
+        assert _say(episode, add) is None and episode.ending == "turn_limit"
 
 
 def test_a_worker_serves_the_next_trajectory_with_a_new_environment(broken):

@@ -214,7 +214,11 @@ def test_a_reward_that_mostly_fails_is_named_counted_and_warned_about(base, tmp_
 
 def test_ctrl_c_during_start_up_stops_it(base, tmp_path):
     run_dir = tmp_path / "run"
-    process = train(base, run_dir, wait=False)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a script's background job is started
+    try:
+        process = train(base, run_dir, wait=False)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert process.stderr.readline() == f"gdpo-train: a new run in {run_dir}, 3 steps\n"
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=300)

@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import os
 import socket
+import signal
 import sys
 import traceback
 import warnings
@@ -58,7 +59,11 @@ def main(argv: list[str]) -> int:
         say(f"gdpo-train: {config.run_dir} has finished step {inputs.resume_step} of {config.steps}: nothing to "
             "train (raise steps to train on)")
         return 0
-    try:  # a Ctrl-C from the moment the run is announced stops it as one in start-up does
+    # A Ctrl-C from the moment the run is announced stops it as one in start-up does, also where the
+    # process was started with SIGINT ignored (a background job of a script): the trainer acts on it
+    # later in any case.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
         say(f"gdpo-train: resuming {config.run_dir} from step {inputs.resume_step} of {config.steps}"
             if inputs.resume_step else f"gdpo-train: a new run in {config.run_dir}, {config.steps} steps")
         outcome = run(config, inputs, machine)

@@ -49,7 +49,6 @@ from gdpo_megatron.rewards.stage import RewardStage
 
 CONFIG_PATH = "env.<name>"
 ACTOR_CLASS = "RewardStageEnvironmentActor"
-_actor_class = None
 
 
 class EnvironmentReturn(NamedTuple):
@@ -177,14 +176,22 @@ def ray_actor_class(cls: type, module: str, name: str) -> type:
     return ray.remote(max_restarts=-1, max_task_retries=-1)(cls)
 
 
-def __getattr__(name: str):
-    """``RewardStageEnvironmentActor``: the Ray actor class, built (and Ray imported) on first use."""
-    global _actor_class
-    if name != ACTOR_CLASS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    if _actor_class is None:
-        _actor_class = ray_actor_class(RewardStageEnvironment, __name__, ACTOR_CLASS)
-    return _actor_class
+def actor_class_attribute(cls: type, module: str, name: str):
+    """A module ``__getattr__`` whose one attribute ``name`` is ``cls`` as a Ray actor class, built
+    (and Ray imported) on first use, so that importing the module does not import Ray."""
+    built: list[type] = []
+
+    def __getattr__(attribute: str) -> type:
+        if attribute != name:
+            raise AttributeError(f"module {module!r} has no attribute {attribute!r}")
+        if not built:
+            built.append(ray_actor_class(cls, module, name))
+        return built[0]
+
+    return __getattr__
+
+
+__getattr__ = actor_class_attribute(RewardStageEnvironment, __name__, ACTOR_CLASS)
 
 
 def _completion(message_log: Sequence[Mapping], row: int) -> str:

@@ -105,7 +105,7 @@ from gdpo_megatron.environments.episode import Ending, Episode
 from gdpo_megatron.environments.host import EnvironmentFailed, EnvironmentPool
 from gdpo_megatron.environments.registry import environment_reference
 from gdpo_megatron.integrations.nemo_rl.environment import (CONFIG_PATH, EnvironmentReturn, ScoringEnvironment,
-                                                             ray_actor_class)
+                                                             actor_class_attribute)
 from gdpo_megatron.preflight.validation import check_environment
 from gdpo_megatron.tasks.multi_turn import REWARDS
 from gdpo_megatron.trajectories import TemplateMismatch, continuation_text
@@ -113,7 +113,6 @@ from gdpo_megatron.trajectories import TemplateMismatch, continuation_text
 ACTOR_CLASS = "MultiTurnEnvironmentActor"
 EPISODE = "episode"  # the metadata key of an episode's id
 ENDINGS: tuple[str, ...] = Ending.__args__
-_actor_class = None
 
 
 @section
@@ -336,14 +335,7 @@ class MultiTurnEnvironment(ScoringEnvironment):
         return sum(len(i) + 1 for i in ids)
 
 
-def __getattr__(name: str):
-    """``MultiTurnEnvironmentActor``: the Ray actor class, built (and Ray imported) on first use."""
-    global _actor_class
-    if name != ACTOR_CLASS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    if _actor_class is None:
-        _actor_class = ray_actor_class(MultiTurnEnvironment, __name__, ACTOR_CLASS)
-    return _actor_class
+__getattr__ = actor_class_attribute(MultiTurnEnvironment, __name__, ACTOR_CLASS)
 
 
 def _last_model_message(message_log: Sequence[Mapping], row: int) -> str:

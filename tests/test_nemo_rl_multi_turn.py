@@ -552,11 +552,9 @@ def echo_rows(tmp_path, tokenizer):
     return env_file, processed_rows(src, "multi_turn", tmp_path, tokenizer)
 
 
-def test_a_lone_surrogate_echoed_back_is_escaped_not_fatal(tokenizer_dir, tokenizer, tmp_path):
-    env_file, rows = echo_rows(tmp_path, tokenizer)
-    attack = '<tool_call>{"name": "echo", "arguments": {"text": "\\ud800"}}</tool_call>'
-    assert "\\ud800" in attack and json.loads(attack[11:-12])["arguments"]["text"] == "\ud800"
-    scripts = [[[attack, "done"], ["bye"]], [['[echo(text="a")]', "done"], ["bye"]]]
+def echo_rollout(tokenizer_dir, tokenizer, env_file, rows, scripts):
+    """NeMo-RL's rollout of the two Echo questions ``rows`` under ``scripts``: the batch, its steps,
+    the metrics."""
     env = environment(tokenizer_dir, "Echo", env_file)
     try:
         batch, steps = run_multi_turn_rollout(ScriptedPolicy(tokenizer, scripts), nemo_rl_batch(rows, 2), tokenizer,
@@ -564,6 +562,15 @@ def test_a_lone_surrogate_echoed_back_is_escaped_not_fatal(tokenizer_dir, tokeni
         metrics = env.take_metrics()
     finally:
         env.shutdown()
+    return batch, steps, metrics
+
+
+def test_a_lone_surrogate_echoed_back_is_escaped_not_fatal(tokenizer_dir, tokenizer, tmp_path):
+    attack = '<tool_call>{"name": "echo", "arguments": {"text": "\\ud800"}}</tool_call>'
+    assert "\\ud800" in attack and json.loads(attack[11:-12])["arguments"]["text"] == "\ud800"
+    scripts = [[[attack, "done"], ["bye"]], [['[echo(text="a")]', "done"], ["bye"]]]
+    env_file, rows = echo_rows(tmp_path, tokenizer)
+    batch, steps, metrics = echo_rollout(tokenizer_dir, tokenizer, env_file, rows, scripts)
     log = batch["message_log"][0]
     assert "\\ud800" in log[2]["content"]  # escaped: NeMo-RL's tokenizer took it
     assert log[4]["role"] == "user" and log[4]["content"].count("\\ud800") == 1  # the next turn's note too
@@ -624,15 +631,9 @@ def test_the_token_count_bounds_messages_of_invisible_special_tokens(tokenizer_d
 
 
 def test_a_step_that_leaves_the_environment_done_ends_the_episode(tokenizer_dir, tokenizer, tmp_path):
-    env_file, rows = echo_rows(tmp_path, tokenizer)
     scripts = [[['[echo(text="bye")]', "never sent"], ["never sent"]], [['[echo(text="a")]', "done"], ["bye"]]]
-    env = environment(tokenizer_dir, "Echo", env_file)
-    try:
-        batch, steps = run_multi_turn_rollout(ScriptedPolicy(tokenizer, scripts), nemo_rl_batch(rows, 2), tokenizer,
-                                              env, max_seq_len=1 << 20, max_rollout_turns=4)
-        metrics = env.take_metrics()
-    finally:
-        env.shutdown()
+    env_file, rows = echo_rows(tmp_path, tokenizer)
+    batch, steps, metrics = echo_rollout(tokenizer_dir, tokenizer, env_file, rows, scripts)
     assert [len(active) for active, _, _ in steps] == [2, 1, 1]  # the first ends at its first step
     assert steps[0][2].tolist() == [1.0, 0.0] and metrics["multi_turn/ended_answered_frac"] == 1.0
     want = own_rewards(environment_reference("Echo", str(env_file)), [[['[echo(text="bye")]']], scripts[1]],

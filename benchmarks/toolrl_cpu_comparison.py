@@ -1,6 +1,6 @@
 """GDPO vs GRPO vs GRPO without std on ToolRL's task on a CPU, registered before it was run.
 
-    python benchmarks/toolrl_cpu_comparison.py [--seeds 8] [--steps 100] [--jobs 2]
+    python benchmarks/toolrl_cpu_comparison.py [--seeds 6] [--steps 60] [--jobs 2]
                                                [--out runs/toolrl_cpu_comparison]
 
 The registration (docs/benchmarks.md, "ToolRL on the CPU: GDPO vs GRPO, registered"):
@@ -12,7 +12,7 @@ The registration (docs/benchmarks.md, "ToolRL on the CPU: GDPO vs GRPO, register
 - Arms: ``advantage.mode`` gdpo, grpo, grpo_no_std, all else equal. Seed index s runs every
   arm with ``seed=s data.shuffle_seed=s``: the same prompt order and sampling seed, so the
   arms share their first rollouts and are compared in pairs.
-- Seeds: ``SEEDS`` = 8 per arm, 24 runs of ``STEPS`` = 100 steps.
+- Seeds: ``SEEDS`` = 6 per arm, 18 runs of ``STEPS`` = 60 steps.
 - Endpoints: held-out ``toolrl_correctness`` mean and held-out ``toolrl_format`` mean of
   the final export.
 - Test: two-sided paired t-test over the seed indices, GDPO against each other arm, on both
@@ -48,8 +48,8 @@ from gdpo_megatron.demo.toolrl_cpu import CONFIG, REWARDS, score
 from gdpo_megatron.metrics import read_metrics
 from gdpo_megatron.plot import plot_runs
 
-SEEDS = 8
-STEPS = 100
+SEEDS = 6
+STEPS = 60
 ALPHA = 0.05
 SMOOTH = 5
 COLLAPSE_PEAK = 0.2

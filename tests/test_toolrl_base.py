@@ -1,4 +1,5 @@
-"""The ToolRL base model's data: the SFT split, the shortened think blocks, the RL rows' layout."""
+"""The ToolRL base model's data: the SFT split, the shortened think blocks, the renamed tools, the RL rows' layout."""
+import random
 import hashlib
 import json
 import re
@@ -7,7 +8,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from gdpo_megatron.data.samples import load_samples
-from gdpo_megatron.demo.toolrl_base import SFT_PATH, TEST_PATH, held_out_prompts, short_think, split_sft_rows, verl_row
+from gdpo_megatron.demo.toolrl_base import (SFT_PATH, TEST_PATH, held_out_prompts, rename_tools, short_think, split_sft_rows,
+                                            tool_names, verl_row)
+from gdpo_megatron.rewards.toolrl import parse_reference, toolrl_correctness
 
 ROWS = json.loads(SFT_PATH.read_text())
 
@@ -48,3 +51,32 @@ def test_rl_rows_load_as_the_test_split_does(tmp_path):
     assert [s.messages for s in samples] == [[{"role": "system", "content": r["instruction"]},
                                               {"role": "user", "content": r["input"]}] for r in kept]
     assert [s.reward_truth()["answer"] for s in samples] == [r["output"] for r in kept]
+
+
+def test_renamed_rows_call_the_same_tools_under_their_new_names():
+    rng = random.Random(0)
+    called_rows = [row for row in ROWS if "<tool_call>" in short_think(row["output"]).split("</think>")[1]]
+    for row in called_rows[:60]:
+        row = {**row, "output": short_think(row["output"])}  # as the warm-up reads it
+        renamed = rename_tools(row, rng)
+        old, new = tool_names(row["instruction"]), tool_names(renamed["instruction"])
+        assert len(new) == len(old) and all(re.fullmatch(r"[A-Za-z]\w{4,14}", n) for n in new)
+        mapping = dict(zip(old, new))
+        assert len(set(new)) == len(new) and not set(new) & set(old)
+        want, got = parse_reference(row["output"]), parse_reference(renamed["output"])
+        assert [c["name"] for c in got] == [mapping[c["name"]] for c in want]
+        assert [c["parameters"] for c in got] == [c["parameters"] for c in want]
+        # The old answer no longer scores on the renamed row; the renamed answer scores full marks.
+        assert toolrl_correctness(row["output"], 0, {"answer": renamed["output"]}) == -3.0
+        assert toolrl_correctness(renamed["output"], 0, {"answer": renamed["output"]}) == 3.0
+        assert renamed["instruction"].replace("\n", "").count("Name: ") == row["instruction"].replace("\n", "").count("Name: ")
+
+
+def test_renaming_takes_whole_names_only():
+    row = {"instruction": "1. Name: get\nDescription: get data\n2. Name: get_data\nDescription: budget",
+           "input": "get it", "output": '<think> use get_data </think>\n<tool_call>\n{"name": "get_data", "parameters": {}}\n</tool_call>'}
+    renamed = rename_tools(row, random.Random(1))
+    first, second = tool_names(renamed["instruction"])
+    assert renamed["instruction"] == f"1. Name: {first}\nDescription: {first} data\n2. Name: {second}\nDescription: budget"
+    assert renamed["input"] == f"{first} it"
+    assert f'"name": "{second}"' in renamed["output"] and f"use {second} " in renamed["output"]

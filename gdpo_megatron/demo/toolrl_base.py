@@ -42,6 +42,11 @@ TEST_PATH = ROOT / "examples/data/toolrl/rlla_4k_test.parquet"
 RL_PROMPTS = "rl_prompts.json"
 RL_SHARE = 4  # one row in RL_SHARE (by hash) is an RL prompt
 THINK_CHARS = 80
+WARMUP_STEPS = 600
+RENAME_SHARE = 1.0  # share of warm-up rows seen with their tools renamed
+TOOL_LINE = re.compile(r"^\d+\. Name: (.+?)\s*$", re.MULTILINE)
+ID_FIRST = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+ID_CHARS = ID_FIRST + "0123456789_"
 SHAPE = dict(vocab_size=32_000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4096)
 
@@ -85,16 +90,33 @@ def short_think(answer: str) -> str:
     return f"<think> {thought} </think>" + answer[match.end():]
 
 
-def encode_rows(tokenizer, rows: list[dict]) -> list[tuple[list[int], int]]:
-    """(prompt + answer ids, prompt length) of each row, the answer ending the turn."""
-    encoded = []
-    for row in rows:
-        messages = [{"role": "system", "content": row["instruction"]}, {"role": "user", "content": row["input"]}]
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        a = tokenizer(short_think(row["output"]) + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
-        encoded.append((p + a, len(p)))
-    return encoded
+def tool_names(instruction: str) -> list[str]:
+    """The names in the tool list of a ToolRL system prompt (its ``N. Name: ...`` lines)."""
+    return TOOL_LINE.findall(instruction)
+
+
+def rename_tools(row: dict, rng: random.Random) -> dict:
+    """``row`` with every listed tool renamed to a fresh random identifier, in the tool list,
+    the user message and the answer alike: a row whose answer can only be written by copying
+    the called tools' names from the list."""
+    renames = {}
+    for name in tool_names(row["instruction"]):
+        length = rng.randint(5, 15)
+        renames[name] = rng.choice(ID_FIRST) + "".join(rng.choice(ID_CHARS) for _ in range(length - 1))
+    if not renames:
+        return row
+    names = "|".join(re.escape(name) for name in sorted(renames, key=len, reverse=True))
+    pattern = re.compile(rf"(?<!\w)(?:{names})(?!\w)")
+    return {key: pattern.sub(lambda m: renames[m.group(0)], row[key]) for key in ("instruction", "input", "output")}
+
+
+def encode_row(tokenizer, row: dict) -> tuple[list[int], int]:
+    """(prompt + answer ids, prompt length) of ``row``, the answer ending the turn."""
+    messages = [{"role": "system", "content": row["instruction"]}, {"role": "user", "content": row["input"]}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    a = tokenizer(short_think(row["output"]) + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
+    return p + a, len(p)
 
 
 def answer_loss(model, batch: list[tuple[list[int], int]], pad_id: int) -> torch.Tensor:
@@ -112,8 +134,8 @@ def answer_loss(model, batch: list[tuple[list[int], int]], pad_id: int) -> torch
     return torch.nn.functional.cross_entropy(logits, ids[:, 1:][where])
 
 
-def make_toolrl_base(out_dir: str | Path, steps: int = 200, batch_size: int = 4, lr: float = 2e-3, seed: int = 0,
-                     log=print) -> Path:
+def make_toolrl_base(out_dir: str | Path, steps: int = WARMUP_STEPS, batch_size: int = 4, lr: float = 2e-3, seed: int = 0,
+                     rename_share: float = RENAME_SHARE, log=print) -> Path:
     """Warm up a random Llama of ``SHAPE`` on the warm-up rows; write it, its tokenizer and
     the RL prompt rows to ``out_dir``."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -127,7 +149,7 @@ def make_toolrl_base(out_dir: str | Path, steps: int = 200, batch_size: int = 4,
     model = LlamaForCausalLM(LlamaConfig(
         **SHAPE, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, torch_dtype="float32"))
-    encoded = encode_rows(tokenizer, warmup)
+    encoded = [encode_row(tokenizer, row) for row in warmup]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20) * (1 - s / steps))
     rng = random.Random(seed)
@@ -136,7 +158,9 @@ def make_toolrl_base(out_dir: str | Path, steps: int = 200, batch_size: int = 4,
     for step in range(steps):
         if len(order) < batch_size:
             order += rng.sample(range(len(encoded)), len(encoded))
-        batch = [encoded[order.pop()] for _ in range(batch_size)]
+        picked = [order.pop() for _ in range(batch_size)]
+        batch = [encode_row(tokenizer, rename_tools(warmup[i], rng)) if rng.random() < rename_share else encoded[i]
+                 for i in picked]
         loss = answer_loss(model, batch, tokenizer.pad_token_id)
         optimizer.zero_grad()
         loss.backward()
@@ -159,14 +183,16 @@ def make_toolrl_base(out_dir: str | Path, steps: int = 200, batch_size: int = 4,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gdpo_megatron.demo.toolrl_base", description=__doc__.split("\n")[0])
     parser.add_argument("out_dir", nargs="?", default="runs/toolrl_base")
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=WARMUP_STEPS)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rename-share", type=float, default=RENAME_SHARE,
+                        help="share of warm-up rows seen with their tools renamed (rename_tools)")
     args = parser.parse_args(argv)
     if Path(args.out_dir).exists():
         parser.error(f"{args.out_dir} exists; remove it to write the base model again")
-    make_toolrl_base(args.out_dir, args.steps, args.batch_size, args.lr, args.seed)
+    make_toolrl_base(args.out_dir, args.steps, args.batch_size, args.lr, args.seed, args.rename_share)
     return 0
 
 

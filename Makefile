@@ -34,7 +34,7 @@ demo: install
 	$(BIN)/python -m gdpo_megatron.demo
 
 # ToolRL's tool-calling task on the CPU: the base model (a 19.5M Llama warmed up on ToolRL's SFT
-# rows, a few minutes), then GDPO with held-out scores before and after (configs/toolrl_cpu.yaml;
+# rows, about 20 minutes), then GDPO with held-out scores before and after (configs/toolrl_cpu.yaml;
 # TOOLRL_ARGS: key=value overrides of it).
 TOOLRL_ARGS ?=
 

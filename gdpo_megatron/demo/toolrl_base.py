@@ -17,9 +17,12 @@ Warm-up. Supervised steps on the warm-up rows, loss on the answer tokens only. E
 ``<think>`` block is cut to its first sentences (at least ``THINK_CHARS`` characters): the
 full distilled blocks run to about 400 tokens, which a CPU run cannot afford to sample; the
 shape ToolRL's format reward checks (think block, then ``<tool_call>`` and/or
-``<response>``) is unchanged. The default budget (200 steps of 4 rows, about 7 minutes of
-one core) leaves a model that writes ToolRL's format in about a quarter of its greedy
-completions on the test prompts, but gets no part of a reference call right yet (the
+``<response>``) is unchanged. A share (``RENAME_SHARE``) of the rows is seen with every
+listed tool renamed to a fresh random identifier (:func:`rename_tools`), so that a call's
+name can only be copied from the tool list, never remembered: the held-out prompts list
+tools that no warm-up row calls. The default budget (``WARMUP_STEPS`` of 4 rows, about 20
+minutes of one core) leaves a model that writes ToolRL's format in most of its greedy
+completions on the test prompts but does not yet copy a listed name into a call (the
 measurements: docs/benchmarks.md, "ToolRL on the CPU").
 """
 from __future__ import annotations

@@ -53,8 +53,8 @@ from packaging.version import Version
 
 from gdpo_megatron.config import ConfigError, TrainConfig
 from gdpo_megatron.config.policy import PrecisionConfig
-from gdpo_megatron.device import (current_gpu, fp8_capability_needed, nccl_version, nvidia_driver, runs_fp8_recipe,
-                                  this_machine, transformer_engine_available)
+from gdpo_megatron.device import (Machine, current_gpu, fp8_capability_needed, nccl_version, nvidia_driver,
+                                  runs_fp8_recipe, this_machine, transformer_engine_available)
 from gdpo_megatron.errors import UsageError, UserError
 from gdpo_megatron.preflight.pins import Pin, cuda_major, read_pins
 from gdpo_megatron.resolve import precision_for, resolve_precision
@@ -83,11 +83,13 @@ class Check:
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """What the checks compare against: the pins, and optionally a config and a world size."""
+    """What the checks compare against: the pins, and optionally a config and a world size; and
+    the machine they run on, asked once."""
 
     pins: dict[str, Pin]
     config: Optional[TrainConfig] = None
     world_size: int = 1
+    machine: Machine = dataclasses.field(default_factory=this_machine)
 
 
 class PreflightError(UserError, RuntimeError):
@@ -184,7 +186,7 @@ def check_gpu(target: Target) -> list[Check]:
     """The device, the config's FP8 recipe against its compute capability, and the config's
     precision on it (the project's own runtime check)."""
     rows = []
-    machine = this_machine()
+    machine = target.machine
     gpu = current_gpu() if machine.cuda else None
     if gpu is not None:
         rows.append(Check("GPU", OK, f"{gpu.name}, compute capability {gpu.capability[0]}.{gpu.capability[1]}", ""))
@@ -240,7 +242,7 @@ def check_vllm_reload(target: Target) -> list[Check]:
 
 def check_nccl(target: Target) -> list[Check]:
     """NCCL available to torch, in the version torch's own requirements name."""
-    if not this_machine().cuda:
+    if not target.machine.cuda:
         return [Check("NCCL", NOT_RUN, "", f"{NO_CUDA} (gloo is used)")]
     if not torch.distributed.is_nccl_available():
         return [Check("NCCL", MISMATCH, "not available to torch", "torch's NCCL")]
@@ -265,7 +267,7 @@ def check_memory(target: Target) -> list[Check]:
     """gdpo-plan's per-GPU estimate of the config against this GPU's memory."""
     if target.config is None:
         return [Check("memory plan", NOT_RUN, "", "no --config")]
-    if not this_machine().cuda:
+    if not target.machine.cuda:
         return [Check("memory plan", NOT_RUN, "", f"{NO_CUDA} (gdpo-plan --gpu-memory plans for a named GPU)")]
     from gdpo_megatron.preflight.plan import GIB
 

@@ -59,6 +59,27 @@ def test_per_reward_z_scores_can_cancel_under_gdpo():
     assert res.advantages.tolist() == pytest.approx([2 * s - s, -2 * s + s], abs=1e-6)
 
 
+def test_a_reward_constant_in_every_group_leaves_gdpo_a_rescaled_grpo():
+    # ToolRL's correctness on a model that never gets a call right is -3 (or 0 for a text
+    # answer) for the whole group: it normalizes to 0 under GDPO and shifts the group's sum
+    # under GRPO, so GDPO's advantages are GRPO's divided by their batch std, nothing more.
+    gen = torch.Generator().manual_seed(0)
+    groups = torch.arange(6).repeat_interleave(8)
+    fmt = torch.randint(0, 2, (48,), generator=gen).to(torch.float64)
+    correctness = torch.tensor([-3.0, 0.0, -3.0, -3.0, 0.0, -3.0], dtype=torch.float64)[groups]
+    rewards = torch.stack([fmt, correctness], dim=1)
+    grpo = compute_advantages(rewards, groups, config=AdvantageConfig(mode="grpo")).advantages
+    gdpo = compute_advantages(rewards, groups, config=AdvantageConfig(mode="gdpo")).advantages
+    assert grpo.abs().sum() > 0
+    assert gdpo.tolist() == pytest.approx((grpo / (statistics.stdev(grpo.tolist()) + 1e-4)).tolist(), abs=1e-9)
+    # Once correctness varies inside a group, GDPO is no longer a rescaled GRPO.
+    rewards[0, 1] = 3.0
+    grpo = compute_advantages(rewards, groups, config=AdvantageConfig(mode="grpo")).advantages
+    gdpo = compute_advantages(rewards, groups, config=AdvantageConfig(mode="gdpo")).advantages
+    scale = float(gdpo @ grpo / (grpo @ grpo))
+    assert (gdpo - scale * grpo).abs().max() > 0.1
+
+
 def test_conditioned_reward_counts_only_where_condition_holds():
     # columns: correct, short. "short" counts only for correct answers.
     rewards = torch.tensor([[1.0, 1.0], [0.0, 1.0], [1.0, 0.0], [0.0, 0.0]], dtype=torch.float64)

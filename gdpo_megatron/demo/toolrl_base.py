@@ -152,7 +152,6 @@ def make_toolrl_base(out_dir: str | Path, steps: int = WARMUP_STEPS, batch_size:
     model = LlamaForCausalLM(LlamaConfig(
         **SHAPE, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, torch_dtype="float32"))
-    encoded = [encode_row(tokenizer, row) for row in warmup]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20) * (1 - s / steps))
     rng = random.Random(seed)
@@ -160,9 +159,9 @@ def make_toolrl_base(out_dir: str | Path, steps: int = WARMUP_STEPS, batch_size:
     model.train()
     for step in range(steps):
         if len(order) < batch_size:
-            order += rng.sample(range(len(encoded)), len(encoded))
+            order += rng.sample(range(len(warmup)), len(warmup))
         picked = [order.pop() for _ in range(batch_size)]
-        batch = [encode_row(tokenizer, rename_tools(warmup[i], rng)) if rng.random() < rename_share else encoded[i]
+        batch = [encode_row(tokenizer, rename_tools(warmup[i], rng) if rng.random() < rename_share else warmup[i])
                  for i in picked]
         loss = answer_loss(model, batch, tokenizer.pad_token_id)
         optimizer.zero_grad()

@@ -80,3 +80,14 @@ def test_renaming_takes_whole_names_only():
     assert renamed["instruction"] == f"1. Name: {first}\nDescription: {first} data\n2. Name: {second}\nDescription: budget"
     assert renamed["input"] == f"{first} it"
     assert f'"name": "{second}"' in renamed["output"] and f"use {second} " in renamed["output"]
+
+
+def test_a_share_outside_0_1_is_refused_before_anything_runs(tmp_path, capsys):
+    from gdpo_megatron.demo.toolrl_base import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path / "base"), "--rename-share", "1.5"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "error: --rename-share: expected a share in [0, 1], got 1.5")
+    assert not (tmp_path / "base").exists()

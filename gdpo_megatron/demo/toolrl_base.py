@@ -192,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rename-share", type=float, default=RENAME_SHARE,
                         help="share of warm-up rows seen with their tools renamed (rename_tools)")
     args = parser.parse_args(argv)
+    if not 0.0 <= args.rename_share <= 1.0:
+        parser.error(f"--rename-share: expected a share in [0, 1], got {args.rename_share}")
     if Path(args.out_dir).exists():
         parser.error(f"{args.out_dir} exists; remove it to write the base model again")
     make_toolrl_base(args.out_dir, args.steps, args.batch_size, args.lr, args.seed, args.rename_share)

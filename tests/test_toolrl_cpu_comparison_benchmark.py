@@ -76,3 +76,16 @@ def test_smoke_run_reports_what_the_runs_logged_and_scored(tmp_path):
     for heading in ("Held-out scores", "Holm", "Format collapse", "Seconds per step"):
         assert heading in report
     assert (out / "rewards.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # The base model probe on the same base model: 2 samples of 3 RL prompts, 3 held-out prompts greedy.
+    probe = subprocess.run([sys.executable, "benchmarks/toolrl_base_probe.py", str(tmp_path / "base"), "--limit", "3",
+                            "--samples", "2", "--out", str(tmp_path / "probe.json")],
+                           env=env, capture_output=True, text=True, timeout=600)
+    assert probe.returncode == 0, probe.stdout[-3000:] + probe.stderr[-3000:]
+    numbers = json.loads((tmp_path / "probe.json").read_text())
+    rl_rows = json.loads((tmp_path / "base" / "rl_prompts.json").read_text())[:3]
+    calling = [r for r in rl_rows if "<tool_call>" in r["reward_model"]["ground_truth"].split("</think>")[-1]]
+    rl = numbers["RL prompts, 2 samples at temperature 1"]
+    assert rl["prompts"] == 3 and rl["completions_of_calling_prompts"] == 2 * len(calling)
+    assert -3 <= rl["correctness"] <= 3 and 0 <= rl["format"] <= 1
+    assert numbers["held-out test prompts, greedy"]["prompts"] == 3

@@ -164,7 +164,9 @@ def test_sigterm_during_a_long_step_stops_in_bounded_time_without_saving_it(base
     assert "Traceback" not in err
     assert steps_logged(run_dir) == [1]
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_1"]
-    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    # Stopped or killed as the trainer exits; a killed process can take a moment to be gone on a loaded machine.
+    _, alive = psutil.wait_procs(children, timeout=15)
+    assert not [c for c in alive if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
 
 
 MOSTLY_FAILING = """

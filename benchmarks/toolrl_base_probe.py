@@ -11,8 +11,9 @@ training does (``--samples`` completions at temperature 1, 256 new tokens) on th
 written with it (``rl_prompts.json``), and greedily on the 80 held-out test prompts, and
 reports for each set: ToolRL's format and correctness means, the share of completions that
 call a tool of the reference by name (among prompts whose reference calls one), and the
-number of prompts whose correctness varies inside their group. Prompts whose reference
-ToolRL's rules cannot read are left out, as training leaves them out.
+number of prompts whose correctness varies inside their group. Both sets are read as training
+reads them (``load_samples``): prompts whose reference ToolRL's rules cannot read are left
+out, with a warning that counts them.
 """
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ import statistics
 import sys
 from pathlib import Path
 
+from gdpo_megatron.data.samples import Sample, load_samples
 from gdpo_megatron.demo.toolrl_cpu import TEST_DATA
-from gdpo_megatron.rewards.toolrl import UnscorableReference, parse_reference, toolrl_correctness, toolrl_format
+from gdpo_megatron.rewards.toolrl import parse_reference, toolrl_correctness, toolrl_format
 
 CALLED_NAME = re.compile(r'"name": "([^"]*)"')
 
@@ -36,16 +38,12 @@ def called_names(completion: str) -> set[str]:
     return set(CALLED_NAME.findall(completion.split("</think>")[-1]))
 
 
-def group_counts(groups: list[tuple[str, list[str]]]) -> dict[str, float]:
-    """The probe's numbers for ``groups``, each (reference answer, completions of its prompt)."""
-    formats, scores, named, calling, spread, kept = [], [], 0, 0, 0, 0
-    for answer, completions in groups:
-        try:
-            reference = parse_reference(answer)
-        except UnscorableReference:
-            continue
-        kept += 1
-        truth = {"answer": answer}
+def group_counts(groups: list[tuple[dict, list[str]]]) -> dict[str, float]:
+    """The probe's numbers for ``groups``, each (a sample's reward truth, completions of its
+    prompt); every reference must be one ToolRL's rules can read."""
+    formats, scores, named, calling, spread = [], [], 0, 0, 0
+    for truth, completions in groups:
+        reference = parse_reference(truth["answer"])
         formats += [toolrl_format(c, 0, truth) for c in completions]
         group = [toolrl_correctness(c, 0, truth) for c in completions]
         scores += group
@@ -54,14 +52,14 @@ def group_counts(groups: list[tuple[str, list[str]]]) -> dict[str, float]:
             wanted = {call["name"] for call in reference}
             calling += len(completions)
             named += sum(bool(called_names(c) & wanted) for c in completions)
-    return {"prompts": kept, "format": statistics.fmean(formats), "correctness": statistics.fmean(scores),
+    return {"prompts": len(groups), "format": statistics.fmean(formats), "correctness": statistics.fmean(scores),
             "named_a_reference_tool": named / calling if calling else float("nan"),
             "completions_of_calling_prompts": calling, "prompts_with_correctness_spread": spread}
 
 
-def sample(model: Path, prompt_sets: dict[str, tuple[list[dict], int, float]]) -> dict[str, list[tuple[str, list[str]]]]:
-    """For each named set of verl rows: (reference, completions) per row, ``n`` completions at
-    ``temperature``, 256 new tokens."""
+def sample(model: Path, prompt_sets: dict[str, tuple[list[Sample], int, float]]) -> dict[str, list[tuple[dict, list[str]]]]:
+    """For each named set of samples: (reward truth, completions) per sample, ``n``
+    completions at ``temperature``, 256 new tokens."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
@@ -71,12 +69,11 @@ def sample(model: Path, prompt_sets: dict[str, tuple[list[dict], int, float]]) -
               enforce_eager=True, block_size=CPU_BLOCK_SIZE, seed=0)
     tokenizer = llm.get_tokenizer()
     groups = {}
-    for label, (rows, n, temperature) in prompt_sets.items():
-        prompts = [tokenizer.apply_chat_template(list(row["prompt"]), add_generation_prompt=True, tokenize=False)
-                   for row in rows]
+    for label, (samples, n, temperature) in prompt_sets.items():
+        prompts = [tokenizer.apply_chat_template(s.messages, add_generation_prompt=True, tokenize=False)
+                   for s in samples]
         outputs = llm.generate(prompts, SamplingParams(n=n, temperature=temperature, max_tokens=256), use_tqdm=False)
-        groups[label] = [(row["reward_model"]["ground_truth"], [o.text for o in out.outputs])
-                         for row, out in zip(rows, outputs)]
+        groups[label] = [(s.reward_truth(), [o.text for o in out.outputs]) for s, out in zip(samples, outputs)]
     return groups
 
 
@@ -91,12 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     model = Path(args.model)
     if not (model / "rl_prompts.json").is_file():
         parser.error(f"{model}: no rl_prompts.json; `make runs/toolrl_base` writes a base model with it")
-    import pyarrow.parquet as pq
-
-    rl_rows = json.loads((model / "rl_prompts.json").read_text())[: args.limit]
-    test_rows = pq.read_table(TEST_DATA).to_pylist()[: args.limit]
-    groups = sample(model, {f"RL prompts, {args.samples} samples at temperature 1": (rl_rows, args.samples, 1.0),
-                            "held-out test prompts, greedy": (test_rows, 1, 0.0)})
+    rl_samples = load_samples(model / "rl_prompts.json", "toolrl")[: args.limit]
+    test_samples = load_samples(TEST_DATA, "toolrl")[: args.limit]
+    groups = sample(model, {f"RL prompts, {args.samples} samples at temperature 1": (rl_samples, args.samples, 1.0),
+                            "held-out test prompts, greedy": (test_samples, 1, 0.0)})
     numbers = {label: group_counts(g) for label, g in groups.items()}
     print(f"{'prompts':<46} {'scored':>6} {'format':>7} {'correct':>8} {'named':>7} {'spread':>7}")
     for label, n in numbers.items():

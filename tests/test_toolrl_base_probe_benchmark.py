@@ -4,31 +4,30 @@ import math
 import re
 import sys
 
-import pyarrow.parquet as pq
 import pytest
 
 sys.path.insert(0, "benchmarks")
 from toolrl_base_probe import called_names, group_counts  # noqa: E402
 
+from gdpo_megatron.data.samples import load_samples  # noqa: E402
 from gdpo_megatron.demo.toolrl_cpu import TEST_DATA  # noqa: E402
 
-ROWS = pq.read_table(TEST_DATA).to_pylist()
-CALLING = next(r["reward_model"]["ground_truth"] for r in ROWS if "<tool_call>" in r["reward_model"]["ground_truth"])
-REPLYING = next(r["reward_model"]["ground_truth"] for r in ROWS if "<tool_call>" not in r["reward_model"]["ground_truth"])
+TRUTHS = [s.reward_truth() for s in load_samples(TEST_DATA, "toolrl")]
+CALLING = next(t for t in TRUTHS if "<tool_call>" in t["answer"])
+REPLYING = next(t for t in TRUTHS if "<tool_call>" not in t["answer"])
 
 
-def renamed(answer: str, name: str) -> str:
-    """``answer`` with every call's name replaced by ``name``."""
-    body = answer.split("</think>")
+def renamed(truth: dict, name: str) -> str:
+    """The reference answer of ``truth`` with every call's name replaced by ``name``."""
+    body = truth["answer"].split("</think>")
     return body[0] + "</think>" + re.sub(r'"name": "[^"]*"', f'"name": "{name}"', body[1])
 
 
 def test_counts_name_spread_and_means_of_known_completions():
     wrong = renamed(CALLING, "not_a_listed_tool")
-    groups = [(CALLING, [CALLING, wrong, "no format at all"]),  # 3, -3, -3: spread; one of three named
+    groups = [(CALLING, [CALLING["answer"], wrong, "no format at all"]),  # 3, -3, -3: spread; one of three named
               (CALLING, [wrong, wrong, wrong]),  # -3 each: no spread, none named
-              (REPLYING, [REPLYING, "x", "y"]),  # correctness 0 for any completion: no spread, not counted for names
-              ("<tool_call>\nnot json\n</tool_call>", ["a", "b", "c"])]  # unreadable reference: left out
+              (REPLYING, [REPLYING["answer"], "x", "y"])]  # correctness 0 for any completion: no spread, not counted for names
     counts = group_counts(groups)
     assert counts["prompts"] == 3
     assert counts["correctness"] == pytest.approx((3 - 3 - 3 - 9 + 0) / 9)

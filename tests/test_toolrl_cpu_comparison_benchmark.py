@@ -14,6 +14,7 @@ import pytest
 sys.path.insert(0, "benchmarks")
 from toolrl_cpu_comparison import holm  # noqa: E402
 
+from gdpo_megatron.data.samples import load_samples  # noqa: E402
 from gdpo_megatron.config.advantage import MODES  # noqa: E402
 from gdpo_megatron.metrics import read_metrics  # noqa: E402
 
@@ -83,8 +84,8 @@ def test_smoke_run_reports_what_the_runs_logged_and_scored(tmp_path):
                            env=env, capture_output=True, text=True, timeout=600)
     assert probe.returncode == 0, probe.stdout[-3000:] + probe.stderr[-3000:]
     numbers = json.loads((tmp_path / "probe.json").read_text())
-    rl_rows = json.loads((tmp_path / "base" / "rl_prompts.json").read_text())[:3]
-    calling = [r for r in rl_rows if "<tool_call>" in r["reward_model"]["ground_truth"].split("</think>")[-1]]
+    answers = [s.reward_truth()["answer"] for s in load_samples(tmp_path / "base" / "rl_prompts.json", "toolrl")[:3]]
+    calling = [a for a in answers if "<tool_call>" in a.split("</think>")[-1]]
     rl = numbers["RL prompts, 2 samples at temperature 1"]
     assert rl["prompts"] == 3 and rl["completions_of_calling_prompts"] == 2 * len(calling)
     assert -3 <= rl["correctness"] <= 3 and 0 <= rl["format"] <= 1

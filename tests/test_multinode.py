@@ -227,14 +227,26 @@ def _checksums(directory: Path) -> dict[str, str]:
             for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
-def _run_to_checkpoint(hosts, base_model, run_dir: Path, step: int, steps: int, options=()) -> str:
-    """A two-host job that saves every ``step`` steps, once it has saved step ``step``."""
+def _run_to_checkpoint(hosts, base_model, run_dir: Path, step: int, steps: int, options=(),
+                       hold: dict[str, list[int]] | None = None) -> str:
+    """A two-host job that saves every ``step`` steps, once it has saved step ``step``. With
+    ``hold`` (an empty dict) the trainers are stopped (SIGSTOP) as soon as that checkpoint is
+    seen, their pids put in ``hold``: a fault injected next hits step ``step + 1`` however
+    loaded the machine is (SIGCONT them after it)."""
     job = _submit(hosts, (*TWO_HOSTS, *options), base_model, run_dir, f"steps={steps}",
                   f"checkpoint.save_every={step}", "checkpoint.export_hf=true")
     latest = run_dir / "checkpoints" / "latest"
-    hosts.wait_for(lambda: (latest.exists() and latest.read_text().strip() == f"step_{step}")
-                   or hosts.state(job) not in ("PENDING", "RUNNING"),
-                   f"checkpoint {step}", FIRST_STEPS_TIMEOUT_S, interval_s=0.2)
+
+    def saved() -> bool:
+        if hold is not None:
+            hold.update({host: _trainer_pids(hosts, host) for host in hosts.nodes if not hold.get(host)})
+        if latest.exists() and latest.read_text().strip() == f"step_{step}":
+            for pid in [] if hold is None else [pid for pids in hold.values() for pid in pids]:
+                os.kill(pid, signal.SIGSTOP)
+            return True
+        return hosts.state(job) not in ("PENDING", "RUNNING")
+
+    hosts.wait_for(saved, f"checkpoint {step}", FIRST_STEPS_TIMEOUT_S, interval_s=0.05 if hold is not None else 0.2)
     assert hosts.state(job) == "RUNNING", hosts.log(job)
     return job
 
@@ -321,14 +333,18 @@ def test_killed_host_ends_the_job_which_slurm_requeues_and_resumes_on_the_host_l
     with cluster(TwoHostSlurm, settings={"SlurmdTimeout": 10}) as hosts:
         # srun gives up the lost task 2 s after the rank left exits, long before Slurm declares h2
         # down: launch.sh's wait for that verdict is what keeps the job to be requeued.
+        held: dict[str, list[int]] | None = None if cut_short else {}
         job = _run_to_checkpoint(hosts, base_model, run_dir, step=2, steps=4,
-                                 options=("--export=ALL,TASK_EXIT_GRACE_S=2",))
+                                 options=("--export=ALL,TASK_EXIT_GRACE_S=2",), hold=held)
         checkpoint_2 = _checksums(step_dir(run_dir / "checkpoints", 2))
-        trainers = _running_trainers(hosts)
+        trainers = held or _running_trainers(hosts)
+        assert all(trainers.values()), trainers
         if cut_short:
             writing = run_dir / "checkpoints" / f"{TMP_PREFIX}step_4"
             hosts.wait_for(writing.exists, "checkpoint 4 to be begun", FIRST_STEPS_TIMEOUT_S, interval_s=0.01)
         lost_at = _kill_h2(hosts, trainers, abort_h1=rank_left == "aborted")
+        for pid in trainers["h1"] if held else ():
+            os.kill(pid, signal.SIGCONT)  # on into step 3, where h2 is gone
         report_s, exit_s = _report_and_exit_times(hosts, job, lost_at, ("h1",))
         # The reference: the same resume from a copy of checkpoint 2, as its own one-host job
         # (it runs while Slurm makes up its mind about h2).

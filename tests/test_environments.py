@@ -73,7 +73,7 @@ def _ended(pid: int) -> bool:
     """Gone, or a zombie nobody reaps (its parent is gone too)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before the open, or between open and read
         return True
 
 

@@ -241,8 +241,9 @@ def _run_to_checkpoint(hosts, base_model, run_dir: Path, step: int, steps: int, 
         if hold is not None:
             hold.update({host: _trainer_pids(hosts, host) for host in hosts.nodes if not hold.get(host)})
         if latest.exists() and latest.read_text().strip() == f"step_{step}":
-            for pid in [] if hold is None else [pid for pids in hold.values() for pid in pids]:
-                os.kill(pid, signal.SIGSTOP)
+            for pids in (hold or {}).values():
+                for pid in pids:
+                    os.kill(pid, signal.SIGSTOP)
             return True
         return hosts.state(job) not in ("PENDING", "RUNNING")
 
